@@ -1,0 +1,173 @@
+"""Everything that touches BackPACK, in one place, so the user's model is left as found.
+
+:func:`measurement_copy` makes a private deep copy of the model in eval mode and extends *the
+copy*: BackPACK's ``extend`` registers hooks and stores attributes on modules, so working on the
+live model would leave hooks behind (slowing every later training step) and overwrite ``.grad``.
+The copy is dropped after the measurement; the live model's parameters, gradients, mode and
+BatchNorm statistics are never touched.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from backpack import backpack, extend
+from torch import Tensor, nn
+
+__all__ = ["ExtendedModel", "UnsupportedModelError", "backward_with", "measurement_copy"]
+
+# Attributes objects commonly hold that must be shared, not copied (e.g. a LightningModule's
+# trainer, which owns dataloaders and loggers).
+_SHARED_ATTRIBUTES = ("_trainer", "_fabric", "_jit_is_scripting")
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model has a layer or graph that BackPACK cannot extend for the requested structure."""
+
+
+@dataclass
+class ExtendedModel:
+    """A BackPACK-extended private copy of a model.
+
+    Attributes:
+        module: the extended copy (eval mode, hooks installed).
+        parameters: its trainable parameters in the original ``named_parameters()`` order.
+        names: the original names of those parameters.
+        output_positions: for each convolution weight (by ``id``), the number of spatial output
+            positions of the latest forward pass.
+        last_linear: the last ``nn.Linear`` in module order (relative flatness), if any.
+        last_linear_input: its input in the latest forward pass.
+    """
+
+    module: nn.Module
+    parameters: list[nn.Parameter]
+    names: list[str]
+    output_positions: dict[int, int] = field(default_factory=dict)
+    last_linear: nn.Linear | None = None
+    last_linear_input: Tensor | None = None
+
+    def record_forward_facts(self) -> None:
+        """Install forward hooks (on the private copy) that keep what BackPACK frees after
+        backward: convolution output sizes and the last linear layer's input."""
+        for module in self.module.modules():
+            if isinstance(module, _CONVOLUTIONS):
+                module.register_forward_hook(self._record_positions)
+            if isinstance(module, nn.Linear):
+                self.last_linear = module
+        if self.last_linear is not None:
+            self.last_linear.register_forward_hook(self._record_features)
+
+    def _record_positions(self, module: nn.Module, inputs: tuple, output: Tensor) -> None:
+        self.output_positions[id(module.weight)] = int(output.shape[2:].numel())
+
+    def _record_features(self, module: nn.Module, inputs: tuple, output: Tensor) -> None:
+        self.last_linear_input = inputs[0].detach()
+
+    def zero_grad(self) -> None:
+        for p in self.parameters:
+            p.grad = None
+
+
+def _plain_deepcopy(model: nn.Module) -> nn.Module:
+    memo: dict[int, object] = {}
+    for attribute in _SHARED_ATTRIBUTES:
+        value = model.__dict__.get(attribute)
+        if value is not None and not isinstance(value, (Tensor, nn.Module)):
+            memo[id(value)] = value
+    return copy.deepcopy(model, memo)
+
+
+def _needs_converter(model: nn.Module) -> bool:
+    """BackPACK follows a chain of modules; anything but nested ``nn.Sequential`` may branch."""
+    if isinstance(model, nn.Sequential):
+        return any(_needs_converter(child) for child in model.children())
+    return any(True for _ in model.children())
+
+
+def measurement_copy(model: nn.Module, dtype: torch.dtype | None = None) -> ExtendedModel:
+    """Deep-copy ``model`` in eval mode and extend the copy with BackPACK.
+
+    Residual and other non-sequential graphs go through BackPACK's graph converter
+    (``use_converter=True``), which turns functional operations such as ``+`` into modules.
+
+    Raises:
+        UnsupportedModelError: when the graph cannot be converted; names the reason.
+    """
+    original = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not original:
+        raise ValueError("The model has no trainable parameters; there is no Fisher to measure.")
+    clone = _plain_deepcopy(model)
+    if dtype is not None:
+        clone = clone.to(dtype)
+    clone.eval()
+    clone_params = dict(clone.named_parameters())
+    parameters = [clone_params[name] for name, _ in original]
+    if _needs_converter(clone):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                extended = extend(clone, use_converter=True)
+        except Exception as error:  # torch.fx cannot trace data-dependent control flow
+            raise UnsupportedModelError(
+                f"BackPACK's graph converter could not trace {type(model).__name__} "
+                f"({type(error).__name__}: {error}). Use a model whose forward is traceable by "
+                "torch.fx, or a matrix-free structure."
+            ) from error
+        extended.eval()
+    else:
+        extended = extend(clone)
+    result = ExtendedModel(extended, parameters, [name for name, _ in original])
+    result.record_forward_facts()
+    return result
+
+
+@contextmanager
+def _translated_errors(structure: str):
+    try:
+        yield
+    except NotImplementedError as error:
+        message = str(error)
+        if "accumulation rule" in message:
+            hint = (
+                f"structure={structure!r} cannot follow branching (residual) graphs in BackPACK; "
+                "use structure='dense', 'gram', 'diag' or 'diag_mc' for this model."
+            )
+        else:
+            hint = (
+                "a layer with trainable parameters has no BackPACK rule (supported: Linear, "
+                "Conv1d/2d/3d, ConvTranspose, BatchNorm in eval mode, Embedding, RNN/LSTM and "
+                "parameter-free activations, pooling, Flatten, Dropout). Freeze that layer "
+                "(requires_grad_(False)), replace it, or use a matrix-free structure."
+            )
+        raise UnsupportedModelError(
+            f"BackPACK cannot measure this model: {message}. {hint}"
+        ) from error
+
+
+def backward_with(
+    model: ExtendedModel,
+    loss: Tensor,
+    extensions: Sequence[object],
+    structure: str,
+) -> None:
+    """Run one backward pass of ``loss`` with the given BackPACK extensions active."""
+    model.zero_grad()
+    with _translated_errors(structure), backpack(*extensions), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
+        loss.backward()
+
+
+def extended_loss(loss: str) -> nn.Module:
+    """The summed per-sample loss, extended: sum reduction makes every BackPACK quantity a sum
+    over samples, which :mod:`lightning_flatness.measure` divides by the sample count once."""
+    if loss == "cross_entropy":
+        return extend(nn.CrossEntropyLoss(reduction="sum"))
+    if loss == "mse":
+        return extend(nn.MSELoss(reduction="sum"))
+    raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}.")

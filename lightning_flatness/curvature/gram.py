@@ -1,0 +1,84 @@
+"""``structure="gram"``: the exact nonzero spectrum of F for any number of parameters.
+
+The nonzero eigenvalues of ``F_m = (1/m) Σ_{i≤m} V_iᵀ V_i = (1/m) VᵀV`` are those of the
+(mC × mC) kernel ``K = (1/m) V Vᵀ`` (MATH.md, "Gram trick"), so the cost is bounded by samples ×
+classes, not by P. Whichever of ``VᵀV`` (P × P) and ``VVᵀ`` (mC × mC) is smaller is
+diagonalised. The rows of ``V`` are kept, so the size guard is on ``mC``.
+
+The regularized TIC is exact too, by the push-through identity
+``(F+λI)⁻¹ = (1/λ)(I − Ṽᵀ(K+λI)⁻¹Ṽ)`` with ``Ṽ = V/√m``:
+``Tr(C(F+λI)⁻¹) = (1/λ)(Tr C − Tr(G̃ Ṽᵀ (K+λI)⁻¹ Ṽ G̃ᵀ))``, ``G̃`` the per-sample gradients / √m.
+"""
+
+from __future__ import annotations
+
+import torch
+from backpack.extensions import BatchGrad, SqrtGGNExact
+from torch import Tensor
+
+from lightning_flatness._backpack import ExtendedModel
+from lightning_flatness.curvature.base import (
+    CurvatureEstimate,
+    CurvatureEstimator,
+    StructureTooLargeError,
+    batch_gradients,
+    sqrt_factors,
+)
+from lightning_flatness.curvature.dense import regularized_tic_trace
+from lightning_flatness.spectral import psd_eigenvalues, spectral_summary
+
+__all__ = ["GramFisher"]
+
+DEFAULT_MAX_KERNEL_SIZE = 8_192
+
+
+class GramFisher(CurvatureEstimator):
+    """Exact spectrum through the (mC × mC) kernel; refuses ``mC > max_kernel_size``."""
+
+    name = "gram"
+
+    def __init__(self, ggn_scale: float = 1.0, max_kernel_size: int = DEFAULT_MAX_KERNEL_SIZE):
+        super().__init__(ggn_scale)
+        self.max_kernel_size = max_kernel_size
+        self.rows: list[Tensor] = []
+        self.grads: list[Tensor] = []
+        self.num_rows = 0
+
+    def extensions(self) -> list[object]:
+        return [SqrtGGNExact(), BatchGrad()]
+
+    def update(self, model: ExtendedModel, batch_size: int) -> None:
+        factors = sqrt_factors(model, "sqrt_ggn_exact")
+        self.num_rows += factors.shape[0]
+        if self.num_rows > self.max_kernel_size:
+            raise StructureTooLargeError(
+                f"structure='gram' needs a (samples × classes)² kernel; {self.num_rows:,} rows "
+                f"exceed gram_max_kernel_size={self.max_kernel_size:,}. Pass max_samples="
+                f"{self.max_kernel_size // max(1, factors.shape[0] // batch_size):,} or fewer, "
+                "use structure='dense' when P is small, 'kfac' or 'diag', or raise the guard."
+            )
+        self.rows.append(factors)
+        self.grads.append(batch_gradients(model))
+
+    def summable_states(self) -> list[Tensor]:
+        raise NotImplementedError(
+            "structure='gram' keeps per-sample rows, which do not sum across processes; under "
+            "DDP use structure='dense', 'kfac', 'diag' or 'diag_mc'."
+        )
+
+    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        scaled = torch.cat(self.rows) * (self.ggn_scale / num_samples) ** 0.5
+        grads = torch.cat(self.grads) / num_samples**0.5
+        num_rows, num_params = scaled.shape
+        if num_params <= num_rows:
+            fisher = scaled.T @ scaled
+            eigenvalues = psd_eigenvalues(fisher)
+            tic = regularized_tic_trace(fisher, grads.T @ grads, lam)
+        else:
+            kernel = scaled @ scaled.T
+            eigenvalues = psd_eigenvalues(kernel)
+            cross = scaled @ grads.T  # (mC × m)
+            regularized = kernel + lam * torch.eye(num_rows, dtype=kernel.dtype)
+            solved = torch.linalg.solve(regularized, cross)
+            tic = float((grads.square().sum() - (cross * solved).sum()) / lam)
+        return CurvatureEstimate(spectral_summary(eigenvalues, lam), eigenvalues, tic_trace=tic)

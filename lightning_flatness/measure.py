@@ -1,0 +1,323 @@
+"""``measure()``: the one entry point from a model and its data to a :class:`FlatnessReport`.
+
+It streams over *all* batches it is given (up to ``max_samples``): the soft rank of a Fisher
+averaged over m samples is a concave function of a sample mean and so is biased low for small m
+(MATH.md, "Sample size"). Each batch costs one forward and one BackPACK backward pass on a
+private, extended copy of the model in eval mode; the user's model, its gradients, its mode,
+its BatchNorm statistics and the global RNG state are left exactly as found.
+
+The report combines (MATH.md, "Generalization gap"):
+
+- ``predicted_gap`` = Eq. (13): ``(1/n) · Tr(C)/Tr(F) · rank_λ(F)``, with the held-out trace
+  ratio when validation batches are given (the training one → 0 when the model overfits,
+  Prop. 5.4), else the training one; ``predicted_gap_train`` always uses the training ratio;
+- ``thomas_gap`` = Eq. (11): ``(1/n) · Tr(C)/Tr(F)`` (training data);
+- ``tic`` = ``(1/n) · Tr(C (F+λI)⁻¹)`` where the structure supports it (dense, gram: exact;
+  diag/diag_mc: the diagonal formula; kfac: NaN);
+- ``observed_gap`` = validation loss − training loss (plain loss, no regularizer).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from lightning_flatness._backpack import (
+    ExtendedModel,
+    backward_with,
+    extended_loss,
+    measurement_copy,
+)
+from lightning_flatness.curvature import STRUCTURES, make_estimator
+from lightning_flatness.curvature.base import CurvatureEstimator
+from lightning_flatness.spectral import SpectralSummary, check_lam
+from lightning_flatness.statistics import SampleStatistics, StatisticSums
+
+__all__ = ["FlatnessReport", "MeasurementError", "measure"]
+
+AllReduce = Callable[[Tensor], Tensor]
+
+
+class MeasurementError(RuntimeError):
+    """The data made a measurement impossible (no samples, NaN or inf loss, ...)."""
+
+
+@dataclass
+class FlatnessReport:
+    """Flatness measures and generalization-gap estimates of one measurement.
+
+    Every float is NaN where it is undefined for the inputs given (e.g. no validation data).
+    ``eigenvalues`` (the structure's spectrum, float64) and ``blocks`` (per-parameter summaries
+    of block-structured approximations, e.g. ``kfac``) are not part of :meth:`as_dict`.
+    """
+
+    soft_rank: float
+    soft_rank2: float
+    logdet: float
+    trace_fisher: float
+    max_eig: float
+    trace_cov: float
+    trace_ratio_train: float
+    trace_ratio_val: float
+    predicted_gap: float
+    predicted_gap_train: float
+    thomas_gap: float
+    tic: float
+    train_loss: float
+    val_loss: float
+    observed_gap: float
+    train_accuracy: float
+    val_accuracy: float
+    error_uncertainty_train: float
+    error_uncertainty_val: float
+    relative_flatness: float
+    trace_fisher_val: float
+    trace_cov_val: float
+    num_samples: int
+    num_val_samples: int
+    num_train_samples: int
+    lam: float
+    structure: str
+    seconds: float
+    eigenvalues: Tensor | None = field(default=None, repr=False, compare=False)
+    blocks: dict[str, SpectralSummary] = field(default_factory=dict, repr=False, compare=False)
+
+    def as_dict(self) -> dict[str, float]:
+        """All scalar fields as floats (``structure`` is the only string)."""
+        values = asdict(self)
+        values.pop("eigenvalues")
+        values.pop("blocks")
+        return {k: (v if isinstance(v, str) else float(v)) for k, v in values.items()}
+
+    @classmethod
+    def failed(cls, structure: str, lam: float, num_train_samples: int) -> FlatnessReport:
+        """A report of NaNs, recorded when a measurement could not be made."""
+        nan_fields = {
+            f: math.nan
+            for f in cls.__dataclass_fields__
+            if f not in ("structure", "eigenvalues", "lam", "num_train_samples")
+        }
+        nan_fields.update(num_samples=0, num_val_samples=0)
+        return cls(**nan_fields, lam=lam, num_train_samples=num_train_samples, structure=structure)
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    if not denominator or math.isnan(denominator):
+        return math.nan
+    return numerator / denominator
+
+
+def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    for p in model.parameters():
+        return p.device, p.dtype
+    return torch.device("cpu"), torch.get_default_dtype()
+
+
+def _stream(
+    model: ExtendedModel,
+    batches: Iterable,
+    statistics: SampleStatistics,
+    estimator: CurvatureEstimator | None,
+    loss_name: str,
+    max_samples: int | None,
+    split: str,
+) -> None:
+    """One forward + BackPACK backward per batch, feeding ``statistics`` and ``estimator``."""
+    device, dtype = _model_device_dtype(model.module)
+    loss_fn = extended_loss(loss_name)
+    extensions = statistics.extensions() + (estimator.extensions() if estimator else [])
+    seen = 0
+    for index, batch in enumerate(batches):
+        if max_samples is not None and seen >= max_samples:
+            break
+        inputs, targets = batch[0], batch[1]
+        if max_samples is not None:
+            inputs, targets = inputs[: max_samples - seen], targets[: max_samples - seen]
+        if inputs.shape[0] == 0:
+            continue
+        inputs = inputs.to(device=device, dtype=dtype if inputs.is_floating_point() else None)
+        targets = targets.to(device)
+        if loss_name == "mse":
+            targets = targets.to(dtype)
+        logits = model.module(inputs)
+        loss = loss_fn(logits, targets)
+        if not torch.isfinite(loss):
+            raise MeasurementError(
+                f"The {split} loss of batch {index} is {float(loss)} (not finite). The model "
+                "diverged or the inputs contain NaN/inf; fix training (lower the learning rate, "
+                "clip gradients) before measuring."
+            )
+        backward_with(model, loss, extensions, estimator.name if estimator else "statistics")
+        batch_size = inputs.shape[0]
+        if estimator is not None:
+            estimator.update(model, batch_size)
+        statistics.update(model, logits, targets, loss.detach())
+        seen += batch_size
+    model.zero_grad()
+
+
+def _reduce_statistics(statistics: SampleStatistics, all_reduce: AllReduce | None) -> None:
+    if all_reduce is not None:
+        statistics.sums = StatisticSums.from_tensor(all_reduce(statistics.sums.as_tensor()))
+
+
+def measure(
+    model: nn.Module,
+    train_batches: Iterable,
+    *,
+    lam: float,
+    num_train_samples: int,
+    structure: str = "kfac",
+    val_batches: Iterable | None = None,
+    max_samples: int | None = None,
+    max_val_samples: int | None = None,
+    trace_estimator: str = "exact",
+    kfac_mode: str = "exact",
+    mc_samples: int = 1,
+    loss: str = "cross_entropy",
+    dense_max_parameters: int | None = None,
+    gram_max_kernel_size: int | None = None,
+    seed: int = 0,
+    all_reduce: AllReduce | None = None,
+) -> FlatnessReport:
+    """Measure the flatness of ``model`` on ``train_batches`` and predict its generalization gap.
+
+    Args:
+        model: a classifier returning logits (or a regressor with ``loss="mse"``).
+        train_batches: iterable of ``(inputs, targets)`` training batches; all are used (up to
+            ``max_samples``), since the soft rank is biased low on subsets.
+        lam: the coupled L2 weight decay λ > 0 of the objective ``mean loss + ½λ‖θ‖²``.
+        num_train_samples: n, the size of the training set (scales the predicted gap).
+        structure: one of ``"dense"``, ``"gram"``, ``"kfac"``, ``"diag"``, ``"diag_mc"``.
+        val_batches: held-out batches for the trace ratio, validation loss and observed gap.
+        max_samples / max_val_samples: stop after this many training / validation samples.
+        trace_estimator: ``"exact"`` Tr(F), or ``"sampled"`` (unbiased, cheaper).
+        kfac_mode: ``"exact"`` (KFLR) or ``"sampled"`` (KFAC with sampled labels).
+        mc_samples: labels sampled per input for the Monte-Carlo structures.
+        loss: ``"cross_entropy"`` (classification) or ``"mse"`` (Gaussian regression, F = JᵀJ).
+        dense_max_parameters / gram_max_kernel_size: size guards of ``dense`` / ``gram``.
+        seed: seeds the Monte-Carlo structures in a forked RNG (global RNG left untouched).
+        all_reduce: sums a tensor across processes in place and returns it (data parallelism);
+            every sum is reduced before any eigenvalue or ratio is taken.
+
+    Returns:
+        A :class:`FlatnessReport`.
+
+    Raises:
+        ValueError: bad arguments (the message names the value and the fix).
+        MeasurementError: no samples, or a non-finite loss.
+        UnsupportedModelError: a layer BackPACK cannot handle (names the module type).
+    """
+    lam = check_lam(lam)
+    if structure not in STRUCTURES:
+        raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}.")
+    if int(num_train_samples) < 1:
+        raise ValueError(
+            f"num_train_samples (n, the training-set size) must be ≥ 1, got {num_train_samples!r}."
+        )
+    for name, value in (("max_samples", max_samples), ("max_val_samples", max_val_samples)):
+        if value is not None and int(value) < 1:
+            raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
+    classification = loss == "cross_entropy"
+    ggn_scale = 1.0 if classification else 0.5
+    estimator = make_estimator(
+        structure,
+        ggn_scale=ggn_scale,
+        kfac_mode=kfac_mode,
+        mc_samples=mc_samples,
+        dense_max_parameters=dense_max_parameters,
+        gram_max_kernel_size=gram_max_kernel_size,
+    )
+    start = time.perf_counter()
+    train_stats = SampleStatistics(trace_estimator, classification, estimator.extensions())
+    val_stats = SampleStatistics(trace_estimator, classification)
+    with torch.random.fork_rng(devices=_rng_devices(model)):
+        torch.manual_seed(seed)
+        extended = measurement_copy(model)
+        _stream(extended, train_batches, train_stats, estimator, loss, max_samples, "training")
+        if val_batches is not None:
+            _stream(extended, val_batches, val_stats, None, loss, max_val_samples, "validation")
+        del extended
+    num_samples = int(train_stats.sums.count)
+    if all_reduce is not None:
+        _reduce_statistics(train_stats, all_reduce)
+        _reduce_statistics(val_stats, all_reduce)
+        for state in estimator.summable_states():
+            all_reduce(state)
+        num_samples = int(train_stats.sums.count)
+    if num_samples == 0:
+        raise MeasurementError(
+            "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
+        )
+    curvature = estimator.estimate(num_samples, lam)
+    return _report(
+        curvature,
+        train_stats.sums,
+        val_stats.sums,
+        lam,
+        int(num_train_samples),
+        structure,
+        time.perf_counter() - start,
+    )
+
+
+def _rng_devices(model: nn.Module) -> list[int]:
+    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+
+
+def _report(
+    curvature,
+    train: StatisticSums,
+    val: StatisticSums,
+    lam: float,
+    n: int,
+    structure: str,
+    seconds: float,
+) -> FlatnessReport:
+    summary = curvature.summary
+    trace_cov = train.mean("grad_norm_sq")
+    trace_fisher = train.mean("fisher_trace")
+    ratio_train = _ratio(trace_cov, trace_fisher)
+    trace_cov_val = val.mean("grad_norm_sq")
+    trace_fisher_val = val.mean("fisher_trace")
+    ratio_val = _ratio(trace_cov_val, trace_fisher_val)
+    predicted_train = ratio_train * summary.soft_rank / n
+    predicted = ratio_val * summary.soft_rank / n if val.count else predicted_train
+    train_loss, val_loss = train.mean("loss"), val.mean("loss")
+    return FlatnessReport(
+        soft_rank=summary.soft_rank,
+        soft_rank2=summary.soft_rank2,
+        logdet=summary.logdet,
+        trace_fisher=trace_fisher,
+        max_eig=summary.max_eig,
+        trace_cov=trace_cov,
+        trace_ratio_train=ratio_train,
+        trace_ratio_val=ratio_val,
+        predicted_gap=predicted,
+        predicted_gap_train=predicted_train,
+        thomas_gap=ratio_train / n,
+        tic=curvature.tic_trace / n,
+        train_loss=train_loss,
+        val_loss=val_loss,
+        observed_gap=val_loss - train_loss,
+        train_accuracy=train.mean("correct"),
+        val_accuracy=val.mean("correct"),
+        error_uncertainty_train=_ratio(train.mean("error"), train.mean("uncertainty")),
+        error_uncertainty_val=_ratio(val.mean("error"), val.mean("uncertainty")),
+        relative_flatness=train.mean("relative_flatness"),
+        trace_fisher_val=trace_fisher_val,
+        trace_cov_val=trace_cov_val,
+        num_samples=int(train.count),
+        num_val_samples=int(val.count),
+        num_train_samples=n,
+        lam=lam,
+        structure=structure,
+        seconds=seconds,
+        eigenvalues=curvature.eigenvalues,
+        blocks=curvature.blocks,
+    )

@@ -1,0 +1,205 @@
+"""Trace functions of a positive semi-definite matrix, from its eigenvalues or Kronecker factors.
+
+All functions take eigenvalues ``μ_k ≥ 0`` of the Fisher ``F`` and the weight decay ``λ > 0``
+and return ``Σ_k h(μ_k)`` for a concave ``h`` with ``h(0) = 0`` ("Flatness After All?",
+Section 3 and Section 6; the table in MATH.md, "Spectral functions of F"):
+
+==================  =================================  ===============================
+name                formula                            function
+==================  =================================  ===============================
+soft rank           ``Σ μ/(μ+λ) = Tr(F(F+λI)⁻¹)``       :func:`soft_rank`
+rank⁽²⁾             ``Σ (μ/(μ+λ))²``                    :func:`soft_rank2`
+log-det complexity  ``½ Σ log(1 + μ/λ)``                :func:`logdet_complexity`
+trace               ``Σ μ``                             :func:`trace`
+operator norm       ``max μ``                           :func:`max_eig`
+==================  =================================  ===============================
+
+Computation is in float64; tiny negative eigenvalues (round-off of a PSD matrix) are clamped
+to zero. Kronecker-factored blocks ``A ⊗ G`` have the eigenvalues ``a_i · g_j``; the
+``kron_*`` helpers evaluate the sums over those products without forming the product matrix
+(MATH.md, "Structured approximations of F", KFAC).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "SpectralSummary",
+    "check_lam",
+    "clean_eigenvalues",
+    "kron_eigenvalues",
+    "kron_summary",
+    "logdet_complexity",
+    "max_eig",
+    "psd_eigenvalues",
+    "soft_rank",
+    "soft_rank2",
+    "spectral_summary",
+    "trace",
+]
+
+
+def check_lam(lam: float) -> float:
+    """Return ``lam`` as a float after checking that it is a finite positive number.
+
+    Raises:
+        ValueError: for λ ≤ 0, NaN or inf; the soft rank needs a positive weight decay.
+    """
+    lam_value = float(lam)
+    if not math.isfinite(lam_value) or lam_value <= 0.0:
+        raise ValueError(
+            f"λ (the weight decay) must be a finite positive number, got lam={lam!r}. "
+            "The soft rank Tr(F(F+λI)⁻¹) is the number of Fisher eigenvalues above λ, so λ = 0 "
+            "makes it the plain rank. Pass the coupled L2 weight decay of your objective "
+            "(L = mean loss + ½λ‖θ‖²), e.g. lam=1e-4."
+        )
+    return lam_value
+
+
+def clean_eigenvalues(eigenvalues: Tensor) -> Tensor:
+    """Flatten to float64 and clamp round-off negatives of a PSD spectrum to zero."""
+    values = eigenvalues.detach().reshape(-1).to(torch.float64)
+    if values.numel() and not bool(torch.isfinite(values).all()):
+        raise ValueError("The spectrum contains NaN or inf; the curvature could not be computed.")
+    return values.clamp_min(0.0)
+
+
+def psd_eigenvalues(matrix: Tensor) -> Tensor:
+    """Eigenvalues (float64, ascending, ≥ 0) of a symmetric positive semi-definite matrix.
+
+    The Fisher is usually exactly rank-deficient (rank ≤ m·C), and LAPACK's divide-and-conquer
+    solver in some builds takes ~100× longer on such matrices. A scalar shift ``s·I`` moves every
+    eigenvalue by exactly ``s`` and leaves the eigenvectors alone, so the spectrum is computed
+    for ``M + sI`` (``s`` = 1e-10 × mean diagonal, far below any λ of interest) and ``s`` is
+    subtracted again; the error is at round-off level relative to ``‖M‖``.
+    """
+    matrix = matrix.detach().to(torch.float64)
+    if matrix.numel() == 0:
+        return matrix.new_zeros(0)
+    shift = 1e-10 * float(matrix.diagonal().abs().mean()) or 1e-300
+    eye = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+    return (torch.linalg.eigvalsh(matrix + shift * eye) - shift).clamp_min(0.0)
+
+
+def soft_rank(eigenvalues: Tensor, lam: float) -> float:
+    """Soft rank ``rank_λ(F) = Tr(F(F+λI)⁻¹) = Σ_k μ_k/(μ_k+λ)`` (paper Eq. 6, Section 3)."""
+    mu = clean_eigenvalues(eigenvalues)
+    return float((mu / (mu + check_lam(lam))).sum())
+
+
+def soft_rank2(eigenvalues: Tensor, lam: float) -> float:
+    """Squared soft rank ``rank⁽²⁾_λ(F) = Σ_k (μ_k/(μ_k+λ))²`` (paper Section 4)."""
+    mu = clean_eigenvalues(eigenvalues)
+    return float(((mu / (mu + check_lam(lam))) ** 2).sum())
+
+
+def logdet_complexity(eigenvalues: Tensor, lam: float) -> float:
+    """Log-det complexity ``½ Σ_k log(1 + μ_k/λ) = ½ log det(I + F/λ)`` (paper Section 3)."""
+    mu = clean_eigenvalues(eigenvalues)
+    return float(0.5 * torch.log1p(mu / check_lam(lam)).sum())
+
+
+def trace(eigenvalues: Tensor) -> float:
+    """Trace ``Tr(F) = Σ_k μ_k`` (baseline, Table 4)."""
+    return float(clean_eigenvalues(eigenvalues).sum())
+
+
+def max_eig(eigenvalues: Tensor) -> float:
+    """Largest eigenvalue ``‖F‖₂ = max_k μ_k`` (baseline, Table 4); 0 for an empty spectrum."""
+    mu = clean_eigenvalues(eigenvalues)
+    return float(mu.max()) if mu.numel() else 0.0
+
+
+@dataclass(frozen=True)
+class SpectralSummary:
+    """The trace functions of one spectrum (see the module docstring for the formulas)."""
+
+    soft_rank: float
+    soft_rank2: float
+    logdet: float
+    trace: float
+    max_eig: float
+
+    def __add__(self, other: SpectralSummary) -> SpectralSummary:
+        """Combine the summaries of the diagonal blocks of a block-diagonal matrix."""
+        return SpectralSummary(
+            soft_rank=self.soft_rank + other.soft_rank,
+            soft_rank2=self.soft_rank2 + other.soft_rank2,
+            logdet=self.logdet + other.logdet,
+            trace=self.trace + other.trace,
+            max_eig=max(self.max_eig, other.max_eig),
+        )
+
+
+def spectral_summary(eigenvalues: Tensor, lam: float) -> SpectralSummary:
+    """All trace functions of the spectrum ``eigenvalues`` at weight decay ``lam``."""
+    mu = clean_eigenvalues(eigenvalues)
+    return SpectralSummary(
+        soft_rank=soft_rank(mu, lam),
+        soft_rank2=soft_rank2(mu, lam),
+        logdet=logdet_complexity(mu, lam),
+        trace=trace(mu),
+        max_eig=max_eig(mu),
+    )
+
+
+def _kron_reduce(
+    factor_eigenvalues: Sequence[Tensor], fn: Callable[[Tensor], Tensor], chunk: int = 1 << 22
+) -> float:
+    """``Σ fn(a_i · g_j · …)`` over all products of one eigenvalue per factor, in chunks."""
+    factors = [clean_eigenvalues(values) for values in factor_eigenvalues]
+    if not factors:
+        raise ValueError("A Kronecker product needs at least one factor.")
+    head, *rest = factors
+    tail = head.new_ones(1)
+    for factor in rest:
+        tail = torch.outer(tail, factor).reshape(-1)
+    rows_per_chunk = max(1, chunk // max(1, tail.numel()))
+    total = 0.0
+    for start in range(0, head.numel(), rows_per_chunk):
+        products = torch.outer(head[start : start + rows_per_chunk], tail)
+        total += float(fn(products).sum())
+    return total
+
+
+def kron_eigenvalues(factor_eigenvalues: Sequence[Tensor]) -> Tensor:
+    """All eigenvalues ``a_i · g_j`` of ``A ⊗ G`` (for histograms; size = product of sizes)."""
+    values = clean_eigenvalues(factor_eigenvalues[0])
+    for factor in factor_eigenvalues[1:]:
+        values = torch.outer(values, clean_eigenvalues(factor)).reshape(-1)
+    return values
+
+
+def kron_summary(factor_eigenvalues: Sequence[Tensor], lam: float) -> SpectralSummary:
+    """Trace functions of ``A ⊗ G ⊗ …`` from the factors' eigenvalues alone.
+
+    The eigenvalues of a Kronecker product are all products of the factors' eigenvalues, so
+    ``rank_λ(A ⊗ G) = Σ_i Σ_j a_i g_j / (a_i g_j + λ)`` (MATH.md, KFAC); the product matrix is
+    never formed and the products are visited in chunks of bounded memory.
+    """
+    lam = check_lam(lam)
+    largest = 1.0
+    for values in factor_eigenvalues:
+        cleaned = clean_eigenvalues(values)
+        largest *= float(cleaned.max()) if cleaned.numel() else 0.0
+    return SpectralSummary(
+        soft_rank=_kron_reduce(factor_eigenvalues, lambda mu: mu / (mu + lam)),
+        soft_rank2=_kron_reduce(factor_eigenvalues, lambda mu: (mu / (mu + lam)) ** 2),
+        logdet=_kron_reduce(factor_eigenvalues, lambda mu: 0.5 * torch.log1p(mu / lam)),
+        trace=_kron_reduce(factor_eigenvalues, lambda mu: mu),
+        max_eig=largest,
+    )
+
+
+def sum_summaries(summaries: Iterable[SpectralSummary]) -> SpectralSummary:
+    """Summary of a block-diagonal matrix from the summaries of its blocks."""
+    total = SpectralSummary(0.0, 0.0, 0.0, 0.0, 0.0)
+    for summary in summaries:
+        total = total + summary
+    return total

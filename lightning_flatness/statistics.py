@@ -1,0 +1,148 @@
+"""Per-sample statistics that every structure reports, as sums that add up across processes.
+
+Over the samples of one split (train or validation) :class:`SampleStatistics` accumulates, from
+the same BackPACK backward pass that feeds the curvature structure:
+
+- the loss ``Σ_i l_i`` (cross-entropy ``−log p_{i,y_i}``, or ``½‖y_i − f_i‖²`` for regression);
+- ``Σ_i ‖g_i‖²`` → ``Tr(C)`` (MATH.md, "The three matrices": C is uncentered, true labels);
+- ``Σ_i Tr(V_iᵀV_i)`` → ``Tr(F)`` (exact, or an unbiased one-sample Monte-Carlo estimate);
+- the error ``Σ_i ‖onehot(y_i) − p_i‖²`` and uncertainty ``Σ_i (1 − ‖p_i‖²)`` whose ratio is
+  the error/uncertainty ratio α* (MATH.md, "Generalization gap");
+- the relative flatness of the last linear layer (relative_flatness.txt; MATH.md, "Relative
+  flatness"): ``κ = (1/m) Σ_i ‖φ_i‖² · Tr(W Wᵀ (diag p_i − p_i p_iᵀ))``, φ_i its input;
+- the number of samples and of correct predictions.
+
+Only sums are kept, so the numbers do not depend on the batch size, and under data parallelism
+the sums are reduced across processes before any ratio is taken.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from backpack.extensions import BatchL2Grad, DiagGGNExact, DiagGGNMC, SqrtGGNExact
+from torch import Tensor, nn
+
+from lightning_flatness._backpack import ExtendedModel
+
+__all__ = ["SampleStatistics", "StatisticSums"]
+
+
+@dataclass
+class StatisticSums:
+    """Running sums over samples (all float64 scalars)."""
+
+    count: float = 0.0
+    loss: float = 0.0
+    grad_norm_sq: float = 0.0
+    fisher_trace: float = 0.0
+    error: float = 0.0
+    uncertainty: float = 0.0
+    correct: float = 0.0
+    relative_flatness: float = 0.0
+
+    def as_tensor(self) -> Tensor:
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, values: Tensor) -> StatisticSums:
+        return cls(*(float(v) for v in values))
+
+    def mean(self, name: str) -> float:
+        """Per-sample mean of the sum ``name``; NaN when there are no samples."""
+        return getattr(self, name) / self.count if self.count else math.nan
+
+
+class SampleStatistics:
+    """Accumulates :class:`StatisticSums` from BackPACK's per-sample quantities.
+
+    The Fisher trace is read from whatever BackPACK quantity the curvature structure already
+    computes (``SqrtGGNExact`` rows or the ``DiagGGNExact`` / ``DiagGGNMC`` diagonal) and only
+    costs an extension of its own when the structure has none.
+
+    Args:
+        trace_estimator: ``"exact"`` (``DiagGGNExact``) or ``"sampled"`` (``DiagGGNMC`` with one
+            label drawn from the model per input: unbiased, one backward vector instead of C).
+        classification: cross-entropy (True) or Gaussian regression with ``½‖y − f‖²`` (False).
+        structure_extensions: the BackPACK extensions the curvature structure runs anyway.
+    """
+
+    def __init__(
+        self,
+        trace_estimator: str = "exact",
+        classification: bool = True,
+        structure_extensions: Sequence[object] = (),
+    ) -> None:
+        if trace_estimator not in ("exact", "sampled"):
+            raise ValueError(
+                f"trace_estimator must be 'exact' or 'sampled', got {trace_estimator!r}."
+            )
+        self.trace_estimator = trace_estimator
+        self.classification = classification
+        self.sums = StatisticSums()
+        # MSELoss(sum) is ‖y − f‖²: its gradients are 2× and its GGN 2× those of ½‖y − f‖².
+        self.grad_scale = 1.0 if classification else 0.5
+        self.ggn_scale = 1.0 if classification else 0.5
+        self._own_extensions: list[object] = [BatchL2Grad()]
+        self.trace_savefield = self._pick_trace_source(structure_extensions)
+
+    def _pick_trace_source(self, structure_extensions: Sequence[object]) -> str:
+        present = {type(extension) for extension in structure_extensions}
+        if self.trace_estimator == "exact":
+            sources = ((SqrtGGNExact, "sqrt_ggn_exact"), (DiagGGNExact, "diag_ggn_exact"))
+            for kind, savefield in sources:
+                if kind in present:
+                    return savefield
+            self._own_extensions.append(DiagGGNExact())
+            return "diag_ggn_exact"
+        if DiagGGNMC not in present:  # else share the structure's (unbiased for any mc_samples)
+            self._own_extensions.append(DiagGGNMC(mc_samples=1))
+        return "diag_ggn_mc"
+
+    def extensions(self) -> list[object]:
+        """The extensions to add to the structure's for this pass."""
+        return list(self._own_extensions)
+
+    def update(
+        self, model: ExtendedModel, logits: Tensor, targets: Tensor, loss_sum: Tensor
+    ) -> None:
+        """Add one batch (after the BackPACK backward pass of its summed loss)."""
+        sums = self.sums
+        batch = logits.shape[0]
+        sums.count += batch
+        grad_norm_sq = sum(p.batch_l2.detach().to(torch.float64).sum() for p in model.parameters)
+        sums.grad_norm_sq += float(grad_norm_sq) * self.grad_scale**2
+        quantities = [getattr(p, self.trace_savefield).detach() for p in model.parameters]
+        if self.trace_savefield == "sqrt_ggn_exact":
+            trace = sum(q.to(torch.float64).square().sum() for q in quantities)
+        else:
+            trace = sum(q.to(torch.float64).sum() for q in quantities)
+        sums.fisher_trace += float(trace) * self.ggn_scale
+        logits = logits.detach().to(torch.float64)
+        if self.classification:
+            sums.loss += float(loss_sum)
+            probs = torch.softmax(logits, dim=-1)
+            onehot = nn.functional.one_hot(targets, logits.shape[-1]).to(torch.float64)
+            sums.error += float((onehot - probs).square().sum())
+            sums.uncertainty += float((1.0 - probs.square().sum(-1)).sum())
+            sums.correct += float((logits.argmax(-1) == targets).sum())
+            core = torch.diag_embed(probs) - probs.unsqueeze(-1) * probs.unsqueeze(-2)
+        else:
+            sums.loss += 0.5 * float(loss_sum)
+            core = torch.eye(logits.shape[-1], dtype=torch.float64).expand(batch, -1, -1)
+        sums.relative_flatness += self._relative_flatness_sum(model, logits.shape[-1], core)
+
+    @staticmethod
+    def _relative_flatness_sum(model: ExtendedModel, num_outputs: int, core: Tensor) -> float:
+        """``Σ_i ‖φ_i‖² Tr(W Wᵀ core_i)`` for the last linear layer, if it produces the outputs
+        (NaN otherwise, e.g. for a CNN whose class layer is a convolution)."""
+        layer, features = model.last_linear, model.last_linear_input
+        if layer is None or features is None or layer.out_features != num_outputs:
+            return math.nan
+        features = features.to(torch.float64).reshape(core.shape[0], -1)
+        weight = layer.weight.detach().to(torch.float64)
+        gram = weight @ weight.T
+        return float((features.square().sum(-1) * torch.einsum("ab,nab->n", gram, core)).sum())

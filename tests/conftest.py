@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny float64 versions of the paper's models and random 7×7 data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_flatness.models import build_model
+
+#: Small widths keep the dense P × P reference fast; the structure of each model is the paper's.
+TINY = {
+    "mlp": {"hidden": 12},
+    "cnn": {"channels": (4, 6)},
+    "resmlp": {"hidden": 10},
+}
+
+
+def tiny_model(architecture: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model(architecture, **TINY[architecture]).to(torch.float64)
+
+
+def random_data(num_samples: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(num_samples, 1, 7, 7, generator=generator, dtype=torch.float64)
+    targets = torch.randint(0, 10, (num_samples,), generator=generator)
+    return inputs, targets
+
+
+def batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> list:
+    return [
+        (inputs[i : i + batch_size], targets[i : i + batch_size])
+        for i in range(0, inputs.shape[0], batch_size)
+    ]
+
+
+@pytest.fixture(params=["mlp", "cnn", "resmlp"])
+def architecture(request) -> str:
+    return request.param
