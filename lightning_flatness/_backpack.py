@@ -138,15 +138,20 @@ def _translated_errors(structure: str):
                 f"structure={structure!r} cannot follow branching (residual) graphs in BackPACK; "
                 "use structure='dense', 'gram', 'diag' or 'diag_mc' for this model."
             )
+        elif structure == "kfac":
+            hint = (
+                "structure='kfac' has Kronecker factors for Linear and Conv layers only; use "
+                "structure='diag' or 'gram' for this model, or freeze that layer."
+            )
         else:
             hint = (
-                "a layer with trainable parameters has no BackPACK rule (supported: Linear, "
+                "A layer with trainable parameters has no BackPACK rule (supported: Linear, "
                 "Conv1d/2d/3d, ConvTranspose, BatchNorm in eval mode, Embedding, RNN/LSTM and "
                 "parameter-free activations, pooling, Flatten, Dropout). Freeze that layer "
                 "(requires_grad_(False)), replace it, or use a matrix-free structure."
             )
         raise UnsupportedModelError(
-            f"BackPACK cannot measure this model: {message}. {hint}"
+            f"BackPACK cannot compute {structure!r} for this model: {message}. {hint}"
         ) from error
 
 

@@ -38,7 +38,10 @@ from lightning_flatness.curvature.base import CurvatureEstimator
 from lightning_flatness.spectral import SpectralSummary, check_lam
 from lightning_flatness.statistics import SampleStatistics, StatisticSums
 
-__all__ = ["FlatnessReport", "MeasurementError", "measure"]
+__all__ = ["MATRIX_FREE_STRUCTURES", "FlatnessReport", "MeasurementError", "measure"]
+
+#: Structures computed from Fisher-vector products with torch.func (any differentiable model).
+MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson")
 
 AllReduce = Callable[[Tensor], Tensor]
 
@@ -148,7 +151,7 @@ def _stream(
         loss = loss_fn(logits, targets)
         if not torch.isfinite(loss):
             raise MeasurementError(
-                f"The {split} loss of batch {index} is {float(loss)} (not finite). The model "
+                f"The {split} loss of batch {index} is {float(loss.detach())} (not finite). The model "
                 "diverged or the inputs contain NaN/inf; fix training (lower the learning rate, "
                 "clip gradients) before measuring."
             )
@@ -184,6 +187,7 @@ def measure(
     gram_max_kernel_size: int | None = None,
     seed: int = 0,
     all_reduce: AllReduce | None = None,
+    matrix_free_options: dict | None = None,
 ) -> FlatnessReport:
     """Measure the flatness of ``model`` on ``train_batches`` and predict its generalization gap.
 
@@ -204,6 +208,7 @@ def measure(
         seed: seeds the Monte-Carlo structures in a forked RNG (global RNG left untouched).
         all_reduce: sums a tensor across processes in place and returns it (data parallelism);
             every sum is reduced before any eigenvalue or ratio is taken.
+        matrix_free_options: options of the matrix-free structures (probes, Lanczos steps, ...).
 
     Returns:
         A :class:`FlatnessReport`.
@@ -214,8 +219,10 @@ def measure(
         UnsupportedModelError: a layer BackPACK cannot handle (names the module type).
     """
     lam = check_lam(lam)
-    if structure not in STRUCTURES:
-        raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}.")
+    if structure not in STRUCTURES + MATRIX_FREE_STRUCTURES:
+        raise ValueError(
+            f"structure must be one of {STRUCTURES + MATRIX_FREE_STRUCTURES}, got {structure!r}."
+        )
     if int(num_train_samples) < 1:
         raise ValueError(
             f"num_train_samples (n, the training-set size) must be ≥ 1, got {num_train_samples!r}."
@@ -225,15 +232,48 @@ def measure(
             raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
     classification = loss == "cross_entropy"
     ggn_scale = 1.0 if classification else 0.5
-    estimator = make_estimator(
-        structure,
-        ggn_scale=ggn_scale,
-        kfac_mode=kfac_mode,
-        mc_samples=mc_samples,
-        dense_max_parameters=dense_max_parameters,
-        gram_max_kernel_size=gram_max_kernel_size,
+    estimator = (
+        None
+        if structure in MATRIX_FREE_STRUCTURES
+        else make_estimator(
+            structure,
+            ggn_scale=ggn_scale,
+            kfac_mode=kfac_mode,
+            mc_samples=mc_samples,
+            dense_max_parameters=dense_max_parameters,
+            gram_max_kernel_size=gram_max_kernel_size,
+        )
     )
     start = time.perf_counter()
+    if structure in MATRIX_FREE_STRUCTURES:
+        from lightning_flatness.matrix_free import stream_matrix_free
+
+        curvature, train_sums, val_sums = stream_matrix_free(
+            model,
+            train_batches,
+            val_batches,
+            structure=structure,
+            lam=lam,
+            loss=loss,
+            max_samples=max_samples,
+            max_val_samples=max_val_samples,
+            seed=seed,
+            all_reduce=all_reduce,
+            options=matrix_free_options or {},
+        )
+        if train_sums.count == 0:
+            raise MeasurementError(
+                "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
+            )
+        return _report(
+            curvature,
+            train_sums,
+            val_sums,
+            lam,
+            int(num_train_samples),
+            structure,
+            time.perf_counter() - start,
+        )
     train_stats = SampleStatistics(trace_estimator, classification, estimator.extensions())
     val_stats = SampleStatistics(trace_estimator, classification)
     with torch.random.fork_rng(devices=_rng_devices(model)):

@@ -1,0 +1,200 @@
+"""``measure()`` leaves the model as found and refuses bad input with a clear message."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import batches, random_data, tiny_model
+from torch import nn
+
+from lightning_flatness._backpack import UnsupportedModelError
+from lightning_flatness.curvature import StructureTooLargeError
+from lightning_flatness.measure import MeasurementError, measure
+
+LAM = 1e-3
+
+
+class BatchNormMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(49, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {
+        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+        "grads": {
+            k: None if v.grad is None else v.grad.clone() for k, v in model.named_parameters()
+        },
+        "buffers": {k: v.clone() for k, v in model.named_buffers()},
+        "modes": [m.training for m in model.modules()],
+        "attributes": [sorted(vars(m)) for m in model.modules()],
+        "hooks": [
+            (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+            for m in model.modules()
+        ],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_same(before: dict, after: dict) -> None:
+    for key in ("params", "buffers"):
+        for name, value in before[key].items():
+            assert torch.equal(value, after[key][name]), f"{key} {name} changed"
+    for name, grad in before["grads"].items():
+        other = after["grads"][name]
+        assert (grad is None and other is None) or torch.equal(grad, other), f"grad {name}"
+    assert before["modes"] == after["modes"]
+    assert before["attributes"] == after["attributes"]
+    assert before["hooks"] == after["hooks"]
+    assert torch.equal(before["rng"], after["rng"])
+
+
+@pytest.mark.parametrize("structure", ["dense", "gram", "kfac", "diag", "diag_mc"])
+def test_model_left_as_found(structure):
+    torch.manual_seed(0)
+    # KFAC has no BatchNorm rule (tested below); the other structures see running statistics.
+    model = tiny_model("cnn").train() if structure == "kfac" else BatchNormMLP().double().train()
+    inputs, targets = random_data(32)
+    model(inputs)  # non-trivial running statistics
+    nn.functional.cross_entropy(model(inputs), targets).backward()  # a .grad to preserve
+    before = snapshot(model)
+    report = measure(
+        model,
+        batches(inputs, targets, 8),
+        lam=LAM,
+        num_train_samples=100,
+        structure=structure,
+        kfac_mode="sampled",
+        trace_estimator="sampled",
+        val_batches=batches(inputs, targets, 8),
+    )
+    assert math.isfinite(report.soft_rank)
+    assert_same(before, snapshot(model))
+
+
+def test_measures_in_eval_mode():
+    """BatchNorm uses its running statistics: the loss equals the eval-mode loss."""
+    torch.manual_seed(0)
+    model = BatchNormMLP().double().train()
+    inputs, targets = random_data(32)
+    model(inputs)
+    report = measure(model, [(inputs, targets)], lam=LAM, num_train_samples=100, structure="diag")
+    model.eval()
+    with torch.no_grad():
+        expected = nn.functional.cross_entropy(model(inputs), targets)
+    assert report.train_loss == pytest.approx(float(expected), rel=1e-10)
+
+
+def test_training_after_measure_is_bit_identical():
+    inputs, targets = random_data(64)
+
+    def train(measure_between: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = tiny_model("cnn").train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=1e-3)
+        for step in range(4):
+            optimizer.zero_grad()
+            index = torch.randperm(64)[:16]  # consumes the global RNG
+            nn.functional.cross_entropy(model(inputs[index]), targets[index]).backward()
+            if measure_between and step == 1:
+                measure(
+                    model,
+                    batches(inputs, targets, 16),
+                    lam=LAM,
+                    num_train_samples=64,
+                    structure="kfac",
+                    kfac_mode="sampled",
+                )
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for plain, measured in zip(train(False), train(True), strict=True):
+        assert torch.equal(plain, measured)
+
+
+@pytest.mark.parametrize("lam", [0.0, -1e-3, math.nan])
+def test_lambda_must_be_positive(lam):
+    model = tiny_model("mlp")
+    with pytest.raises(ValueError, match="lam="):
+        measure(model, [random_data(4)], lam=lam, num_train_samples=10)
+
+
+def test_bad_arguments_name_the_value():
+    model = tiny_model("mlp")
+    data = [random_data(4)]
+    with pytest.raises(ValueError, match="'spectral'"):
+        measure(model, data, lam=LAM, num_train_samples=10, structure="spectral")
+    with pytest.raises(ValueError, match="num_train_samples"):
+        measure(model, data, lam=LAM, num_train_samples=0)
+    with pytest.raises(ValueError, match="max_samples"):
+        measure(model, data, lam=LAM, num_train_samples=10, max_samples=0)
+    with pytest.raises(ValueError, match="kfac_mode"):
+        measure(model, data, lam=LAM, num_train_samples=10, kfac_mode="fast")
+    with pytest.raises(ValueError, match="trace_estimator"):
+        measure(model, data, lam=LAM, num_train_samples=10, trace_estimator="approx")
+
+
+def test_empty_loader_is_refused():
+    with pytest.raises(MeasurementError, match="no samples"):
+        measure(tiny_model("mlp"), [], lam=LAM, num_train_samples=10)
+
+
+def test_non_finite_loss_is_refused():
+    inputs, targets = random_data(8)
+    inputs[3] = math.nan
+    with pytest.raises(MeasurementError, match="batch 1"):
+        measure(tiny_model("mlp"), batches(inputs, targets, 2), lam=LAM, num_train_samples=10)
+
+
+def test_unsupported_layer_is_named():
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(10, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    model = nn.Sequential(tiny_model("mlp"), Scale())
+    with pytest.raises(UnsupportedModelError, match="Scale"):
+        measure(model, [random_data(4)], lam=LAM, num_train_samples=10, structure="diag")
+
+
+def test_kfac_on_a_residual_graph_says_which_structures_work():
+    with pytest.raises(UnsupportedModelError, match="structure='dense', 'gram'"):
+        measure(tiny_model("resmlp"), [random_data(4)], lam=LAM, num_train_samples=10)
+
+
+def test_size_guards():
+    model = tiny_model("mlp")
+    with pytest.raises(StructureTooLargeError, match="dense_max_parameters"):
+        measure(
+            model,
+            [random_data(4)],
+            lam=LAM,
+            num_train_samples=10,
+            structure="dense",
+            dense_max_parameters=100,
+        )
+    with pytest.raises(StructureTooLargeError, match="gram_max_kernel_size"):
+        measure(
+            model,
+            [random_data(16)],
+            lam=LAM,
+            num_train_samples=10,
+            structure="gram",
+            gram_max_kernel_size=50,
+        )
+
+
+def test_kfac_names_a_layer_without_kronecker_factors():
+    with pytest.raises(UnsupportedModelError, match="BatchNorm1d.*'diag' or 'gram'"):
+        measure(BatchNormMLP().double(), [random_data(4)], lam=LAM, num_train_samples=10)
