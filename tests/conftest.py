@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -32,6 +34,14 @@ def batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> lis
         (inputs[i : i + batch_size], targets[i : i + batch_size])
         for i in range(0, inputs.shape[0], batch_size)
     ]
+
+
+def assert_records_equal(first: dict, second: dict) -> None:
+    """Equal flatness records, NaN equal to NaN."""
+    assert first.keys() == second.keys()
+    for key, value in first.items():
+        same = value == second[key] or (math.isnan(value) and math.isnan(second[key]))
+        assert same, f"{key}: {value} != {second[key]}"
 
 
 @pytest.fixture(params=["mlp", "cnn", "resmlp"])

@@ -196,5 +196,5 @@ def test_size_guards():
 
 
 def test_kfac_names_a_layer_without_kronecker_factors():
-    with pytest.raises(UnsupportedModelError, match="BatchNorm1d.*'diag' or 'gram'"):
+    with pytest.raises(UnsupportedModelError, match=r"BatchNorm1d.*'diag' or 'gram'"):
         measure(BatchNormMLP().double(), [random_data(4)], lam=LAM, num_train_samples=10)

@@ -1,0 +1,146 @@
+"""What the callback reads from a Trainer: λ from the optimizer, n from the data, fixed subsets.
+
+Kept apart from the callback so each rule is stated (and tested) once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, Subset
+
+__all__ = [
+    "LambdaResolutionError",
+    "first_dataloader",
+    "fixed_subset_batches",
+    "resolve_lam",
+    "resolve_num_train_samples",
+]
+
+#: Optimizers whose ``weight_decay`` adds ``λθ`` to the gradient (coupled L2), i.e. minimise
+#: ``mean loss + ½λ‖θ‖²`` — the λ of the soft rank (MATH.md, "Setting").
+COUPLED_DECAY_OPTIMIZERS = ("SGD", "Adam", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "ASGD")
+#: Optimizers whose decay is decoupled from the gradient (not this λ).
+DECOUPLED_DECAY_OPTIMIZERS = ("AdamW", "Lion", "SGDW")
+
+
+class LambdaResolutionError(ValueError):
+    """λ cannot be read from the optimizer; the message says to pass ``lam=``."""
+
+
+def resolve_lam(optimizers: Sequence[torch.optim.Optimizer], explicit: float | None) -> float:
+    """λ for the soft rank: ``explicit`` if given, else the optimizers' coupled weight decay.
+
+    Raises:
+        LambdaResolutionError: no optimizer, decoupled decay (AdamW), ``weight_decay=0``, or
+            different decays across parameter groups; each message names the value and says to
+            pass ``FlatnessMonitor(lam=...)``.
+    """
+    if explicit is not None:
+        return float(explicit)
+    fix = "Pass FlatnessMonitor(lam=...) with the coupled L2 weight decay λ of your objective."
+    if not optimizers:
+        raise LambdaResolutionError(f"The trainer has no optimizer to read λ from. {fix}")
+    decays = set()
+    for optimizer in optimizers:
+        name = type(optimizer).__name__
+        groups = [group.get("weight_decay", 0.0) for group in optimizer.param_groups]
+        if name in DECOUPLED_DECAY_OPTIMIZERS or optimizer.defaults.get("decoupled_weight_decay"):
+            raise LambdaResolutionError(
+                f"{name} uses decoupled weight decay (weight_decay={groups[0]}), which is not the "
+                "λ of L = mean loss + ½λ‖θ‖² in the soft rank. Use a coupled decay (Adam/SGD "
+                f"weight_decay) or {fix[5:]}"
+            )
+        if name not in COUPLED_DECAY_OPTIMIZERS:
+            raise LambdaResolutionError(
+                f"Cannot tell whether {name}'s weight_decay is a coupled L2 term. {fix}"
+            )
+        decays.update(float(decay) for decay in groups)
+    if len(decays) > 1:
+        raise LambdaResolutionError(
+            f"The parameter groups use different weight decays {sorted(decays)}; the soft rank "
+            f"needs one λ. {fix}"
+        )
+    (lam,) = decays
+    if lam <= 0.0:
+        raise LambdaResolutionError(
+            f"The optimizer's weight_decay is {lam}: the soft rank needs λ > 0 (with λ = 0 it is "
+            f"the plain rank of F). {fix}"
+        )
+    return lam
+
+
+def first_dataloader(loaders: object) -> DataLoader | None:
+    """The first DataLoader in what ``trainer.train_dataloader`` / ``val_dataloaders`` return."""
+    if loaders is None or isinstance(loaders, DataLoader):
+        return loaders
+    if isinstance(loaders, dict):
+        return first_dataloader(next(iter(loaders.values()), None))
+    if isinstance(loaders, (list, tuple)):
+        return first_dataloader(loaders[0]) if loaders else None
+    return None
+
+
+def _sized(loader: DataLoader) -> bool:
+    dataset = loader.dataset
+    if isinstance(dataset, IterableDataset):
+        return False
+    try:
+        len(dataset)
+    except TypeError:
+        return False
+    return True
+
+
+def resolve_num_train_samples(loader: DataLoader | None, explicit: int | None) -> int:
+    """n, the global training-set size: ``explicit``, else ``len(loader.dataset)``.
+
+    Under DDP the sampler shards the data, but ``loader.dataset`` is still the whole set.
+    """
+    if explicit is not None:
+        return int(explicit)
+    if loader is None or not _sized(loader):
+        raise ValueError(
+            "Cannot read the training-set size n from the training dataloader (none, or an "
+            "iterable dataset without a length). Pass FlatnessMonitor(num_train_samples=n)."
+        )
+    return len(loader.dataset)
+
+
+def fixed_subset_batches(
+    loader: DataLoader,
+    max_samples: int | None,
+    batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Iterable:
+    """A deterministic set of at most ``max_samples`` samples of ``loader``'s dataset, sharded.
+
+    The indices are drawn once from a private generator seeded with ``seed`` (the user's RNG
+    streams and the training loader's sampler and iterator are not touched), sorted, and split
+    across ranks as ``indices[rank::world_size]`` so the union over ranks is the same set a
+    single process would measure. Iterable datasets fall back to the first batches of a fresh
+    iterator of ``loader``.
+    """
+    if not _sized(loader):
+        num_batches = None if max_samples is None else math.ceil(max_samples / loader.batch_size)
+        return list(itertools.islice(iter(loader), num_batches))
+    size = len(loader.dataset)
+    if max_samples is None or max_samples >= size:
+        indices = torch.arange(size)
+    else:
+        generator = torch.Generator().manual_seed(seed)
+        indices = torch.randperm(size, generator=generator)[:max_samples].sort().values
+    shard = indices[rank::world_size].tolist()
+    return DataLoader(
+        Subset(loader.dataset, shard),
+        batch_size=batch_size,
+        shuffle=False,
+        collate_fn=loader.collate_fn,
+        num_workers=0,
+        generator=torch.Generator().manual_seed(seed),
+    )

@@ -1,0 +1,321 @@
+"""``FlatnessMonitor``: measure flatness and predict the generalization gap while training.
+
+At the end of every ``every_n_epochs``-th training epoch the callback calls
+:func:`lightning_flatness.measure` on a fixed, deterministic subset of the training set (and of
+the validation set), logs every :class:`~lightning_flatness.FlatnessReport` field through
+``pl_module.log`` under ``log_prefix`` — so every logger, ``EarlyStopping`` and
+``ModelCheckpoint`` see e.g. ``flatness/predicted_gap`` — and, with a ``TensorBoardLogger``,
+draws the Fisher spectrum and a predicted-vs-observed gap figure.
+
+A monitor that only measures does not change training: it works on a private copy of the model,
+draws its samples with its own generator through its own dataloader, and forks the RNG.
+A failed measurement logs a warning and records NaN; training goes on.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_flatness._backpack import UnsupportedModelError
+from lightning_flatness._trainer_facts import (
+    first_dataloader,
+    fixed_subset_batches,
+    resolve_lam,
+    resolve_num_train_samples,
+)
+from lightning_flatness.curvature import STRUCTURES
+from lightning_flatness.figures import gap_figure, log10_spectrum, summary_table
+from lightning_flatness.measure import MATRIX_FREE_STRUCTURES, FlatnessReport, measure
+
+__all__ = ["FlatnessMonitor"]
+
+#: Measuring 2,048 training samples keeps the KFAC soft rank of the paper's models on 7×7
+#: MNIST within 5% of its full-training-set value (docs/RESULTS.md, "Sample size").
+DEFAULT_MAX_SAMPLES = 2048
+DEFAULT_MAX_VAL_SAMPLES = 1024
+
+
+def _check_positive_int(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+
+
+class FlatnessMonitor(Callback):
+    """Log the soft rank of the Fisher and the predicted generalization gap during training.
+
+    Args:
+        structure: curvature structure for :func:`~lightning_flatness.measure` (``"kfac"``,
+            ``"dense"``, ``"gram"``, ``"diag"``, ``"diag_mc"``, or matrix-free ``"lanczos"``,
+            ``"hutchinson"``).
+        lam: λ, the coupled L2 weight decay. ``None`` reads it from the optimizer (SGD, Adam,
+            RMSprop ``weight_decay``); AdamW's decoupled decay, ``weight_decay=0`` or different
+            decays across parameter groups are refused with a message to pass ``lam``.
+        every_n_epochs: measure at the end of every n-th training epoch.
+        max_samples: training samples the Fisher averages over (``None``: the whole training
+            set, the least biased soft rank; see MATH.md, "Sample size").
+        max_val_samples: held-out samples for the trace ratio and the observed gap.
+        use_val: use the validation dataloader (held-out trace ratio, observed gap).
+        log_prefix: prefix of every logged name.
+        measure_on_fit_end: also measure after the last epoch if it was not measured.
+        num_train_samples: n for the predicted gap; default ``len(train dataset)``.
+        batch_size: batch size of the measurement passes (does not change any number).
+        trace_estimator: ``"exact"`` or ``"sampled"`` Tr(F).
+        kfac_mode: ``"exact"`` (KFLR) or ``"sampled"`` (KFAC) factors.
+        log_spectrum: write the log10 eigenvalue histogram and the gap figure to TensorBoard.
+        print_summary: print a summary table of the last measurement at fit end.
+        fallback_structure: used (with one info message) when BackPACK cannot extend the model;
+            ``None`` records NaN instead.
+        seed: seeds the sample subset and the Monte-Carlo structures.
+        measure_kwargs: further keyword arguments for :func:`~lightning_flatness.measure`.
+    """
+
+    def __init__(
+        self,
+        structure: str = "kfac",
+        lam: float | None = None,
+        every_n_epochs: int = 1,
+        max_samples: int | None = DEFAULT_MAX_SAMPLES,
+        max_val_samples: int | None = DEFAULT_MAX_VAL_SAMPLES,
+        use_val: bool = True,
+        log_prefix: str = "flatness/",
+        measure_on_fit_end: bool = True,
+        num_train_samples: int | None = None,
+        batch_size: int = 256,
+        trace_estimator: str = "exact",
+        kfac_mode: str = "exact",
+        log_spectrum: bool = True,
+        print_summary: bool = True,
+        fallback_structure: str | None = "lanczos",
+        seed: int = 0,
+        measure_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        structures = STRUCTURES + MATRIX_FREE_STRUCTURES
+        if structure not in structures:
+            raise ValueError(f"`structure` must be one of {structures}, got {structure!r}.")
+        if fallback_structure is not None and fallback_structure not in MATRIX_FREE_STRUCTURES:
+            raise ValueError(
+                f"`fallback_structure` must be one of {MATRIX_FREE_STRUCTURES} or None, got "
+                f"{fallback_structure!r}."
+            )
+        if lam is not None and (not math.isfinite(float(lam)) or float(lam) <= 0):
+            raise ValueError(f"`lam` must be a finite positive number or None, got {lam!r}.")
+        _check_positive_int("every_n_epochs", every_n_epochs)
+        _check_positive_int("max_samples", max_samples, allow_none=True)
+        _check_positive_int("max_val_samples", max_val_samples, allow_none=True)
+        _check_positive_int("num_train_samples", num_train_samples, allow_none=True)
+        _check_positive_int("batch_size", batch_size)
+        if trace_estimator not in ("exact", "sampled"):
+            raise ValueError(
+                f"`trace_estimator` must be 'exact' or 'sampled', got {trace_estimator!r}."
+            )
+        if kfac_mode not in ("exact", "sampled"):
+            raise ValueError(f"`kfac_mode` must be 'exact' or 'sampled', got {kfac_mode!r}.")
+        if not isinstance(log_prefix, str):
+            raise ValueError(f"`log_prefix` must be a string, got {log_prefix!r}.")
+        self.structure = structure
+        self.lam = None if lam is None else float(lam)
+        self.every_n_epochs = every_n_epochs
+        self.max_samples = max_samples
+        self.max_val_samples = max_val_samples
+        self.use_val = use_val
+        self.log_prefix = log_prefix
+        self.measure_on_fit_end = measure_on_fit_end
+        self.num_train_samples = num_train_samples
+        self.batch_size = batch_size
+        self.trace_estimator = trace_estimator
+        self.kfac_mode = kfac_mode
+        self.log_spectrum = log_spectrum
+        self.print_summary = print_summary
+        self.fallback_structure = fallback_structure
+        self.seed = seed
+        self.measure_kwargs = dict(measure_kwargs or {})
+        self.history: list[dict[str, float]] = []
+        self.resolved_lam: float | None = None
+        self.resolved_num_train_samples: int | None = None
+        self._active_structure = structure
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(structure=self.structure, log_prefix=self.log_prefix)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values only, so checkpoints load with ``torch.load(weights_only=True)``."""
+        return {
+            "history": [dict(record) for record in self.history],
+            "active_structure": self._active_structure,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = [dict(record) for record in state_dict.get("history", [])]
+        self._active_structure = state_dict.get("active_structure", self.structure)
+
+    # ------------------------------------------------------------------ setup
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loader = first_dataloader(trainer.train_dataloader)
+        self.resolved_num_train_samples = resolve_num_train_samples(loader, self.num_train_samples)
+
+    # ------------------------------------------------------------------ schedule
+    def _due(self, trainer: Trainer) -> bool:
+        epoch = trainer.current_epoch
+        already = any(record["epoch"] == epoch for record in self.history)
+        return (epoch + 1) % self.every_n_epochs == 0 and not already
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Measured here when validation closes the epoch, so that ModelCheckpoint and
+        # EarlyStopping (which act on validation end) already see this epoch's values.
+        if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if trainer.is_last_batch and self._due(trainer):
+            self._measure_and_log(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._due(trainer):
+            self._measure_and_log(trainer, pl_module)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        last_epoch = trainer.current_epoch - 1 if trainer.current_epoch else 0
+        if (
+            self.measure_on_fit_end
+            and trainer.global_step > 0
+            and not any(record["epoch"] >= last_epoch for record in self.history)
+        ):
+            record = self._measure(trainer, pl_module)
+            record["epoch"] = float(last_epoch)
+            self.history.append(record)
+            metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        if self.print_summary and self.history and trainer.is_global_zero:
+            rank_zero_info(summary_table(self.history[-1], self._active_structure))
+
+    # ------------------------------------------------------------------ measurement
+    def _batches(self, trainer: Trainer, loaders: object, max_samples: int | None) -> Iterable:
+        loader = first_dataloader(loaders)
+        if loader is None:
+            return []
+        return fixed_subset_batches(
+            loader,
+            max_samples,
+            self.batch_size,
+            self.seed,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+        )
+
+    def _all_reduce(self, trainer: Trainer):
+        if trainer.world_size <= 1:
+            return None
+        strategy = trainer.strategy
+
+        def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+            reduced = strategy.reduce(tensor.clone(), reduce_op="sum")
+            tensor.copy_(reduced.to(tensor.device, tensor.dtype))
+            return tensor
+
+        return all_reduce
+
+    def _run_measure(self, trainer: Trainer, pl_module: LightningModule) -> FlatnessReport:
+        val_loaders = trainer.val_dataloaders if self.use_val else None
+        train_batches = self._batches(trainer, trainer.train_dataloader, self.max_samples)
+        val_batches = (
+            self._batches(trainer, val_loaders, self.max_val_samples) if val_loaders else None
+        )
+        with torch.inference_mode(False), torch.enable_grad():
+            return measure(
+                pl_module,
+                train_batches,
+                lam=self.resolved_lam,
+                num_train_samples=self.resolved_num_train_samples,
+                structure=self._active_structure,
+                val_batches=val_batches,
+                trace_estimator=self.trace_estimator,
+                kfac_mode=self.kfac_mode,
+                seed=self.seed,
+                all_reduce=self._all_reduce(trainer),
+                **self.measure_kwargs,
+            )
+
+    def _measure(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
+        """One measurement as a plain dict; NaN (and a warning) if it fails."""
+        if self.resolved_lam is None:
+            self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
+        if self.resolved_num_train_samples is None:
+            self.on_train_start(trainer, pl_module)
+        try:
+            try:
+                report = self._run_measure(trainer, pl_module)
+            except UnsupportedModelError as error:
+                if self.fallback_structure is None or self._active_structure in (
+                    MATRIX_FREE_STRUCTURES
+                ):
+                    raise
+                rank_zero_info(
+                    f"FlatnessMonitor: {error} Switching to the matrix-free structure "
+                    f"{self.fallback_structure!r} for this model."
+                )
+                self._active_structure = self.fallback_structure
+                report = self._run_measure(trainer, pl_module)
+        except Exception as error:  # a metric must never stop training
+            rank_zero_warn(
+                f"FlatnessMonitor: the measurement at epoch {trainer.current_epoch} failed and "
+                f"is recorded as NaN ({type(error).__name__}: {error})"
+            )
+            report = FlatnessReport.failed(
+                self._active_structure,
+                self.resolved_lam,
+                self.resolved_num_train_samples or 0,
+            )
+        self._last_report = report
+        record = {k: v for k, v in report.as_dict().items() if k != "structure"}
+        if trainer.world_size > 1:  # the only per-rank number: log the mean so ranks agree
+            seconds = torch.tensor(record["seconds"], dtype=torch.float64)
+            record["seconds"] = float(trainer.strategy.reduce(seconds, reduce_op="mean"))
+        return record
+
+    def _measure_and_log(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        record = self._measure(trainer, pl_module)
+        record["epoch"] = float(trainer.current_epoch)
+        self.history.append(record)
+        metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+        if self.log_spectrum:
+            self._draw(trainer)
+
+    def _draw(self, trainer: Trainer) -> None:
+        """Spectrum histogram and gap figure, for TensorBoard loggers only (others: skipped)."""
+        if not trainer.is_global_zero:
+            return
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        eigenvalues = getattr(self._last_report, "eigenvalues", None)
+        for logger in loggers:
+            writer = logger.experiment
+            step = trainer.global_step
+            if eigenvalues is not None and eigenvalues.numel():
+                spectrum = log10_spectrum(eigenvalues)
+                if spectrum.numel():
+                    writer.add_histogram(
+                        f"{self.log_prefix}spectrum_log10", spectrum.float(), global_step=step
+                    )
+            try:
+                figure = gap_figure(self.history)
+            except Exception as error:  # drawing must never stop training either
+                warnings.warn(
+                    f"FlatnessMonitor could not draw the gap figure: {error}", stacklevel=2
+                )
+                continue
+            writer.add_figure(f"{self.log_prefix}gap", figure, global_step=step, close=True)

@@ -1,0 +1,49 @@
+"""Fit with FlatnessMonitor under Lightning's DDP on two CPU processes (gloo).
+
+Usage: python ddp_fit.py OUTPUT_DIR STRUCTURE [REGULARIZE]
+
+Each rank writes its last flatness record to OUTPUT_DIR/rank{r}.json and its final weights to
+OUTPUT_DIR/weights{r}.pt.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
+
+
+def main() -> None:
+    output, structure = Path(sys.argv[1]), sys.argv[2]
+    regularize = len(sys.argv) > 3 and sys.argv[3] == "regularize"
+    seed_everything(0)
+    monitor_kwargs = {"structure": structure, "max_samples": 200, "max_val_samples": 100}
+    if regularize:
+        monitor_kwargs.update(regularize=True, reg_strength=1.0)
+    monitor = FlatnessMonitor(**monitor_kwargs)
+    trainer = Trainer(
+        accelerator="cpu",
+        strategy="ddp",
+        devices=2,
+        max_epochs=1,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=output,
+    )
+    model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3)
+    trainer.fit(model, MNIST7DataModule(train_size=256, val_size=128, batch_size=32))
+    rank = trainer.global_rank
+    (output / f"rank{rank}.json").write_text(json.dumps(monitor.history[-1]))
+    torch.save(model.state_dict(), output / f"weights{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()

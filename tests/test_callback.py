@@ -1,0 +1,188 @@
+"""FlatnessMonitor in real (tiny) fits: logging, λ and n resolution, failures, checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import assert_records_equal
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness._trainer_facts import LambdaResolutionError, resolve_lam
+
+
+def fit(tmp_path, callbacks=(), architecture="mlp", max_epochs=2, optimizer="adam", **trainer_kw):
+    seed_everything(0)
+    data = MNIST7DataModule(train_size=256, val_size=128, batch_size=32)
+    model = FlatnessClassifier(architecture=architecture, optimizer=optimizer, weight_decay=1e-3)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=max_epochs,
+        callbacks=list(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        **trainer_kw,
+    )
+    trainer.fit(model, data)
+    return trainer, model, data
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"structure": "full"}, "'full'"),
+        ({"every_n_epochs": 0}, "every_n_epochs"),
+        ({"max_samples": -5}, "max_samples"),
+        ({"lam": 0.0}, "lam"),
+        ({"trace_estimator": "cheap"}, "cheap"),
+        ({"fallback_structure": "kfac"}, "fallback_structure"),
+        ({"batch_size": 1.5}, "batch_size"),
+    ],
+)
+def test_arguments_are_validated_with_the_value(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FlatnessMonitor(**kwargs)
+
+
+def _optimizer(name, **kwargs):
+    param = torch.nn.Parameter(torch.zeros(2))
+    return getattr(torch.optim, name)([param], lr=0.1, **kwargs)
+
+
+def test_lambda_is_read_from_coupled_weight_decay():
+    assert resolve_lam([_optimizer("SGD", weight_decay=1e-3)], None) == 1e-3
+    assert resolve_lam([_optimizer("Adam", weight_decay=2e-4)], None) == 2e-4
+    assert resolve_lam([_optimizer("AdamW", weight_decay=1e-2)], 5e-4) == 5e-4  # explicit wins
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "match"),
+    [
+        (lambda: _optimizer("AdamW", weight_decay=1e-2), "AdamW uses decoupled"),
+        (lambda: _optimizer("Adam", weight_decay=0.0), "weight_decay is 0.0"),
+        (lambda: _optimizer("Adam", weight_decay=1e-3, decoupled_weight_decay=True), "decoupled"),
+    ],
+)
+def test_lambda_refusals_say_to_pass_lam(optimizer, match):
+    with pytest.raises(LambdaResolutionError, match=f"{match}.*lam="):
+        resolve_lam([optimizer()], None)
+
+
+def test_lambda_refused_for_differing_parameter_groups():
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD(
+        [{"params": [a], "weight_decay": 1e-3}, {"params": [b], "weight_decay": 0.0}], lr=0.1
+    )
+    with pytest.raises(LambdaResolutionError, match=r"different weight decays \[0.0, 0.001\]"):
+        resolve_lam([optimizer], None)
+
+
+def test_adamw_fit_fails_before_training_with_the_fix(tmp_path):
+    with pytest.raises(LambdaResolutionError, match="lam="):
+        fit(tmp_path, [FlatnessMonitor()], optimizer="adamw", max_epochs=1)
+
+
+def test_metrics_are_logged_and_monitorable(tmp_path):
+    monitor = FlatnessMonitor(structure="kfac")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="flatness/predicted_gap")
+    stopping = EarlyStopping(monitor="flatness/predicted_gap", patience=5)
+    trainer, _, _ = fit(tmp_path, [monitor, checkpoint, stopping])
+    metrics = trainer.callback_metrics
+    for name in ("soft_rank", "predicted_gap", "trace_ratio_val", "observed_gap", "tic"):
+        assert f"flatness/{name}" in metrics
+    assert len(monitor.history) == 2
+    last = monitor.history[-1]
+    assert last["num_train_samples"] == 256 and last["num_samples"] == 256
+    assert last["lam"] == pytest.approx(1e-3)
+    assert checkpoint.best_model_path  # ModelCheckpoint found the metric
+    assert float(metrics["flatness/soft_rank"]) == pytest.approx(last["soft_rank"], rel=1e-6)
+
+
+def test_logged_values_equal_a_direct_measurement(tmp_path):
+    """The callback measures the end-of-epoch weights on the fixed subset it documents."""
+    monitor = FlatnessMonitor(structure="diag", max_samples=100, max_val_samples=50, seed=3)
+    trainer, model, _ = fit(tmp_path, [monitor], max_epochs=1)
+    generator = torch.Generator().manual_seed(3)
+    train_set = trainer.train_dataloader.dataset
+    indices = torch.randperm(len(train_set), generator=generator)[:100].sort().values
+    inputs = torch.stack([train_set[i][0] for i in indices])
+    targets = torch.stack([torch.as_tensor(train_set[i][1]) for i in indices])
+    report = measure(model, [(inputs, targets)], lam=1e-3, num_train_samples=256, structure="diag")
+    assert monitor.history[-1]["soft_rank"] == pytest.approx(report.soft_rank, rel=1e-5)
+    assert monitor.history[-1]["train_loss"] == pytest.approx(report.train_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("architecture", ["mlp", "cnn"])
+def test_monitor_does_not_change_training(tmp_path, architecture):
+    _, plain, _ = fit(tmp_path / "plain", [], architecture=architecture, max_epochs=2)
+    monitor = FlatnessMonitor(structure="kfac", kfac_mode="sampled", trace_estimator="sampled")
+    _, monitored, _ = fit(tmp_path / "monitored", [monitor], architecture=architecture)
+    assert len(monitor.history) == 2
+    for (name, a), b in zip(
+        plain.state_dict().items(), monitored.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_failed_measurement_records_nan_and_training_continues(tmp_path):
+    monitor = FlatnessMonitor(structure="dense", measure_kwargs={"dense_max_parameters": 10})
+    with pytest.warns(UserWarning, match="recorded as NaN.*dense_max_parameters"):
+        trainer, _, _ = fit(tmp_path, [monitor])
+    assert trainer.current_epoch == 2
+    assert all(math.isnan(record["soft_rank"]) for record in monitor.history)
+
+
+def test_every_n_epochs_and_fit_end(tmp_path):
+    monitor = FlatnessMonitor(every_n_epochs=2, measure_on_fit_end=True)
+    fit(tmp_path, [monitor], max_epochs=3)
+    assert [record["epoch"] for record in monitor.history] == [1.0, 2.0]
+
+
+def test_checkpoint_loads_weights_only_and_resume_continues(tmp_path):
+    monitor = FlatnessMonitor(max_samples=64)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    fit(tmp_path, [monitor, checkpoint], max_epochs=2)
+    path = tmp_path / "ckpt" / "last.ckpt"
+    state = torch.load(path, weights_only=True)
+    (saved,) = [v for k, v in state["callbacks"].items() if "FlatnessMonitor" in k]
+    assert len(saved["history"]) == 2
+
+    resumed = FlatnessMonitor(max_samples=64)
+    seed_everything(0)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=3,
+        callbacks=[resumed],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(
+        FlatnessClassifier(weight_decay=1e-3),
+        MNIST7DataModule(train_size=256, val_size=128, batch_size=32),
+        ckpt_path=path,
+    )
+    assert [record["epoch"] for record in resumed.history] == [0.0, 1.0, 2.0]
+    for restored, original in zip(resumed.history[:2], saved["history"], strict=True):
+        assert_records_equal(restored, original)
+
+
+def test_tensorboard_gets_spectrum_and_figure_and_other_loggers_skip(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tensorboard = TensorBoardLogger(tmp_path, name="tb")
+    csv = CSVLogger(tmp_path, name="csv")
+    fit(tmp_path, [FlatnessMonitor()], logger=[tensorboard, csv])
+    events = EventAccumulator(tensorboard.log_dir, size_guidance={"histograms": 0, "images": 0})
+    events.Reload()
+    tags = events.Tags()
+    assert "flatness/soft_rank" in tags["scalars"]
+    assert "flatness/spectrum_log10" in tags["histograms"]
+    assert "flatness/gap" in tags["images"]
+    assert len(events.Histograms("flatness/spectrum_log10")) == 2
+    csv_text = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
+    assert "flatness/predicted_gap" in csv_text

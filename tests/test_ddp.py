@@ -1,0 +1,56 @@
+"""FlatnessMonitor under Lightning's ``strategy="ddp"`` with two CPU processes on gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_records_equal
+
+from lightning_flatness import FlatnessClassifier, MNIST7DataModule, measure
+from lightning_flatness._trainer_facts import fixed_subset_batches
+
+SCRIPT = Path(__file__).parent / "scripts" / "ddp_fit.py"
+
+
+def run_ddp(tmp_path: Path, *args: str) -> list[dict]:
+    env = {**os.environ, "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    completed = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("structure", ["kfac", "dense"])
+def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure):
+    rank0, rank1 = run_ddp(tmp_path, structure)
+    assert_records_equal(rank0, rank1)  # every rank logs the same values
+    weights = torch.load(tmp_path / "weights0.pt", weights_only=True)
+    model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3)
+    model.load_state_dict(weights)
+    data = MNIST7DataModule(train_size=256, val_size=128, batch_size=32)
+    data.setup("fit")
+    union = fixed_subset_batches(data.train_dataloader(), 200, 256, seed=0)
+    val_union = fixed_subset_batches(data.val_dataloader(), 100, 256, seed=0)
+    single = measure(
+        model,
+        union,
+        lam=1e-3,
+        num_train_samples=256,
+        structure=structure,
+        val_batches=val_union,
+    ).as_dict()
+    assert rank0["num_samples"] == 200 and rank0["num_val_samples"] == 100
+    for key in ("soft_rank", "logdet", "trace_fisher", "trace_cov", "predicted_gap", "val_loss"):
+        assert rank0[key] == pytest.approx(single[key], rel=1e-5), key
