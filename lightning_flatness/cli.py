@@ -1,0 +1,95 @@
+"""Command line: ``lightning-flatness {fit,validate,test,sweep} --config CONFIG.yaml``.
+
+Built on :class:`lightning.pytorch.cli.LightningCLI`. The model and the data default to
+:class:`~lightning_flatness.lightning_module.FlatnessClassifier` and
+:class:`~lightning_flatness.data.MNIST7DataModule`, so their arguments can be given directly
+(``--model.architecture=cnn``, ``--data.train_size=1000``), but *any* ``LightningModule`` and
+``LightningDataModule`` can be chosen by class path::
+
+    model:
+      class_path: my_package.MyModule
+      init_args: {hidden: 32}
+    data:
+      class_path: my_package.MyData
+
+``data: null`` drops the datamodule (for a model that defines its own data loaders). The seed
+defaults to 0 rather than a random one, for reproducible runs.
+
+``lightning-flatness sweep ...`` is handed to ``lightning_flatness.sweep.main`` when that module
+exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from typing import Any
+
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+
+__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FlatnessCLI", "main"]
+
+#: Class path of the default model.
+DEFAULT_MODEL = "lightning_flatness.lightning_module.FlatnessClassifier"
+#: Class path of the default datamodule.
+DEFAULT_DATA = "lightning_flatness.data.MNIST7DataModule"
+
+_SWEEP_MODULE = "lightning_flatness.sweep"
+_DESCRIPTION = (
+    "Train, validate or test a classifier with PyTorch Lightning (subcommands fit, validate, "
+    "test, predict); 'lightning-flatness sweep --help' describes sweeps where available."
+)
+
+
+class FlatnessCLI(LightningCLI):
+    """``LightningCLI`` accepting any model and datamodule, with this package's as defaults.
+
+    Args:
+        args: Command line arguments (``None``: ``sys.argv[1:]``), a dict or a namespace.
+        **kwargs: Further keyword arguments of :class:`~lightning.pytorch.cli.LightningCLI`.
+    """
+
+    def __init__(self, args: ArgsType = None, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("seed_everything_default", 0)
+        kwargs.setdefault("parser_kwargs", {"description": _DESCRIPTION})
+        # With model_class=None and datamodule_class=None, LightningCLI accepts any
+        # LightningModule / LightningDataModule by class path (subclass mode); the defaults are
+        # set in add_arguments_to_parser.
+        super().__init__(None, None, args=args, **kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Make this package's classifier and datamodule the defaults."""
+        parser.set_defaults(
+            {"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}}
+        )
+
+
+def _run_sweep(args: list[str]) -> Any:
+    if importlib.util.find_spec(_SWEEP_MODULE) is None:
+        raise SystemExit(
+            "lightning-flatness: the 'sweep' subcommand is not available in this installation."
+        )
+    return importlib.import_module(_SWEEP_MODULE).main(args)
+
+
+def main(args: ArgsType = None) -> int | None:
+    """Entry point of the ``lightning-flatness`` console script.
+
+    Args:
+        args: Command line arguments without the program name (``None``: ``sys.argv[1:]``), or a
+            dict/namespace as accepted by ``LightningCLI``.
+
+    Returns:
+        The exit status of ``sweep`` if it returns one, else ``None`` (success).
+    """
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, list | tuple) and argv and argv[0] == "sweep":
+        return _run_sweep(list(argv[1:]))
+    FlatnessCLI(args=args)
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

