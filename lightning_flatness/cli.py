@@ -27,6 +27,7 @@ import sys
 from typing import Any
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FlatnessCLI", "main"]
 
@@ -64,6 +65,20 @@ class FlatnessCLI(LightningCLI):
         parser.set_defaults(
             {"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}}
         )
+
+
+    def after_fit(self) -> None:
+        """Say where the TensorBoard logs went and how to look at them."""
+        if not self.trainer.is_global_zero:
+            return
+        for logger in self.trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                print(
+                    f"\nTensorBoard logs: {logger.log_dir}\n"
+                    f"Look at the curves with:  tensorboard --logdir {logger.save_dir}\n"
+                    "and open http://localhost:6006 (scalars under flatness/, the Fisher spectrum "
+                    "under Histograms, predicted vs observed gap under Images)."
+                )
 
 
 def _run_sweep(args: list[str]) -> Any:
