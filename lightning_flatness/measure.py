@@ -34,7 +34,7 @@ from lightning_flatness._backpack import (
     measurement_copy,
 )
 from lightning_flatness.curvature import STRUCTURES, make_estimator
-from lightning_flatness.curvature.base import CurvatureEstimator
+from lightning_flatness.curvature.base import CurvatureEstimate, CurvatureEstimator
 from lightning_flatness.spectral import SpectralSummary, check_lam
 from lightning_flatness.statistics import SampleStatistics, StatisticSums
 
@@ -151,9 +151,9 @@ def _stream(
         loss = loss_fn(logits, targets)
         if not torch.isfinite(loss):
             raise MeasurementError(
-                f"The {split} loss of batch {index} is {float(loss.detach())} (not finite). The model "
-                "diverged or the inputs contain NaN/inf; fix training (lower the learning rate, "
-                "clip gradients) before measuring."
+                f"The {split} loss of batch {index} is {float(loss.detach())} (not finite). "
+                "The model diverged or the inputs contain NaN/inf; fix training (lower the "
+                "learning rate, clip gradients) before measuring."
             )
         backward_with(model, loss, extensions, estimator.name if estimator else "statistics")
         batch_size = inputs.shape[0]
@@ -230,20 +230,8 @@ def measure(
     for name, value in (("max_samples", max_samples), ("max_val_samples", max_val_samples)):
         if value is not None and int(value) < 1:
             raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
-    classification = loss == "cross_entropy"
-    ggn_scale = 1.0 if classification else 0.5
-    estimator = (
-        None
-        if structure in MATRIX_FREE_STRUCTURES
-        else make_estimator(
-            structure,
-            ggn_scale=ggn_scale,
-            kfac_mode=kfac_mode,
-            mc_samples=mc_samples,
-            dense_max_parameters=dense_max_parameters,
-            gram_max_kernel_size=gram_max_kernel_size,
-        )
-    )
+    if loss not in ("cross_entropy", "mse"):
+        raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}.")
     start = time.perf_counter()
     if structure in MATRIX_FREE_STRUCTURES:
         from lightning_flatness.matrix_free import stream_matrix_free
@@ -265,40 +253,32 @@ def measure(
             raise MeasurementError(
                 "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
             )
-        return _report(
-            curvature,
-            train_sums,
-            val_sums,
-            lam,
-            int(num_train_samples),
+    else:
+        estimator = make_estimator(
             structure,
-            time.perf_counter() - start,
+            ggn_scale=1.0 if loss == "cross_entropy" else 0.5,
+            kfac_mode=kfac_mode,
+            mc_samples=mc_samples,
+            dense_max_parameters=dense_max_parameters,
+            gram_max_kernel_size=gram_max_kernel_size,
         )
-    train_stats = SampleStatistics(trace_estimator, classification, estimator.extensions())
-    val_stats = SampleStatistics(trace_estimator, classification)
-    with torch.random.fork_rng(devices=_rng_devices(model)):
-        torch.manual_seed(seed)
-        extended = measurement_copy(model)
-        _stream(extended, train_batches, train_stats, estimator, loss, max_samples, "training")
-        if val_batches is not None:
-            _stream(extended, val_batches, val_stats, None, loss, max_val_samples, "validation")
-        del extended
-    num_samples = int(train_stats.sums.count)
-    if all_reduce is not None:
-        _reduce_statistics(train_stats, all_reduce)
-        _reduce_statistics(val_stats, all_reduce)
-        for state in estimator.summable_states():
-            all_reduce(state)
-        num_samples = int(train_stats.sums.count)
-    if num_samples == 0:
-        raise MeasurementError(
-            "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
+        train_sums, val_sums = _stream_backpack(
+            model,
+            train_batches,
+            val_batches,
+            estimator,
+            trace_estimator,
+            loss,
+            max_samples,
+            max_val_samples,
+            seed,
+            all_reduce,
         )
-    curvature = estimator.estimate(num_samples, lam)
+        curvature = estimator.estimate(int(train_sums.count), lam)
     return _report(
         curvature,
-        train_stats.sums,
-        val_stats.sums,
+        train_sums,
+        val_sums,
         lam,
         int(num_train_samples),
         structure,
@@ -306,12 +286,66 @@ def measure(
     )
 
 
+def _stream_backpack(
+    model: nn.Module,
+    train_batches: Iterable,
+    val_batches: Iterable | None,
+    estimator: CurvatureEstimator,
+    trace_estimator: str,
+    loss: str,
+    max_samples: int | None,
+    max_val_samples: int | None,
+    seed: int,
+    all_reduce: AllReduce | None,
+) -> tuple[StatisticSums, StatisticSums]:
+    """Stream both splits through one extended copy; reduce every sum across processes.
+
+    Under data parallelism a failure on one process must not leave the others waiting in a
+    collective: every process first learns whether all of them succeeded, then all raise or
+    all reduce.
+    """
+    classification = loss == "cross_entropy"
+    train_stats = SampleStatistics(trace_estimator, classification, estimator.extensions())
+    val_stats = SampleStatistics(trace_estimator, classification)
+    failure: Exception | None = None
+    try:
+        with torch.random.fork_rng(devices=_rng_devices(model)):
+            torch.manual_seed(seed)
+            extended = measurement_copy(model)
+            _stream(extended, train_batches, train_stats, estimator, loss, max_samples, "training")
+            if val_batches is not None:
+                _stream(extended, val_batches, val_stats, None, loss, max_val_samples, "validation")
+            del extended
+        if train_stats.sums.count == 0:
+            raise MeasurementError(
+                "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
+            )
+    except Exception as error:
+        if all_reduce is None:
+            raise
+        failure = error
+    if all_reduce is not None:
+        failed_processes = all_reduce(torch.tensor([float(failure is not None)]))
+        if failure is not None:
+            raise failure
+        if failed_processes.item() > 0:
+            raise MeasurementError(
+                f"The measurement failed on {int(failed_processes.item())} other process(es); "
+                "see their error messages."
+            )
+        _reduce_statistics(train_stats, all_reduce)
+        _reduce_statistics(val_stats, all_reduce)
+        for state in estimator.summable_states():
+            all_reduce(state)
+    return train_stats.sums, val_stats.sums
+
+
 def _rng_devices(model: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
 
 def _report(
-    curvature,
+    curvature: CurvatureEstimate,
     train: StatisticSums,
     val: StatisticSums,
     lam: float,
