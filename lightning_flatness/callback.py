@@ -35,6 +35,7 @@ from lightning_flatness._trainer_facts import (
 from lightning_flatness.curvature import STRUCTURES
 from lightning_flatness.figures import gap_figure, log10_spectrum, summary_table
 from lightning_flatness.measure import MATRIX_FREE_STRUCTURES, FlatnessReport, measure
+from lightning_flatness.regularizer import SoftRankPenalty
 
 __all__ = ["FlatnessMonitor"]
 
@@ -78,6 +79,16 @@ class FlatnessMonitor(Callback):
             ``None`` records NaN instead.
         seed: seeds the sample subset and the Monte-Carlo structures.
         measure_kwargs: further keyword arguments for :func:`~lightning_flatness.measure`.
+        regularize: add ``reg_strength · h(F_b)/B`` (Theorem 6.5, the batched upper bound of
+            the soft rank, :class:`~lightning_flatness.regularizer.SoftRankPenalty`) to every
+            training loss — exactly as writing ``loss + penalty`` in ``training_step``.
+        reg_strength: β, the weight of the penalty.
+        reg_function: ``"soft_rank"`` or ``"logdet"``.
+        reg_labels: ``"sampled"`` (one label drawn from the model per input; B × B kernel) or
+            ``"exact"`` (all classes; BC × BC kernel).
+        reg_params: ``"all"``, ``"last_layer"`` or a list of module names.
+        reg_every_n_steps: add the penalty on every n-th training batch only.
+        reg_warmup_steps: no penalty for the first k training batches.
     """
 
     def __init__(
@@ -99,6 +110,13 @@ class FlatnessMonitor(Callback):
         fallback_structure: str | None = "lanczos",
         seed: int = 0,
         measure_kwargs: dict[str, Any] | None = None,
+        regularize: bool = False,
+        reg_strength: float = 1.0,
+        reg_function: str = "soft_rank",
+        reg_labels: str = "sampled",
+        reg_params: str | list[str] = "all",
+        reg_every_n_steps: int = 1,
+        reg_warmup_steps: int = 0,
     ) -> None:
         structures = STRUCTURES + MATRIX_FREE_STRUCTURES
         if structure not in structures:
@@ -123,6 +141,23 @@ class FlatnessMonitor(Callback):
             raise ValueError(f"`kfac_mode` must be 'exact' or 'sampled', got {kfac_mode!r}.")
         if not isinstance(log_prefix, str):
             raise ValueError(f"`log_prefix` must be a string, got {log_prefix!r}.")
+        if not math.isfinite(float(reg_strength)) or float(reg_strength) < 0:
+            raise ValueError(f"`reg_strength` must be a finite number ≥ 0, got {reg_strength!r}.")
+        if reg_function not in ("soft_rank", "logdet"):
+            raise ValueError(
+                f"`reg_function` must be 'soft_rank' or 'logdet', got {reg_function!r}."
+            )
+        if reg_labels not in ("sampled", "exact"):
+            raise ValueError(f"`reg_labels` must be 'sampled' or 'exact', got {reg_labels!r}.")
+        _check_positive_int("reg_every_n_steps", reg_every_n_steps)
+        if (
+            isinstance(reg_warmup_steps, bool)
+            or not isinstance(reg_warmup_steps, int)
+            or reg_warmup_steps < 0
+        ):
+            raise ValueError(
+                f"`reg_warmup_steps` must be an integer ≥ 0, got {reg_warmup_steps!r}."
+            )
         self.structure = structure
         self.lam = None if lam is None else float(lam)
         self.every_n_epochs = every_n_epochs
@@ -140,6 +175,17 @@ class FlatnessMonitor(Callback):
         self.fallback_structure = fallback_structure
         self.seed = seed
         self.measure_kwargs = dict(measure_kwargs or {})
+        self.regularize = regularize
+        self.reg_strength = float(reg_strength)
+        self.reg_function = reg_function
+        self.reg_labels = reg_labels
+        self.reg_params = reg_params
+        self.reg_every_n_steps = reg_every_n_steps
+        self.reg_warmup_steps = reg_warmup_steps
+        self._penalty: SoftRankPenalty | None = None
+        self._batch_inputs: torch.Tensor | None = None
+        self._penalty_calls = 0
+        self._restored_generator_state: torch.Tensor | None = None
         self.history: list[dict[str, float]] = []
         self.resolved_lam: float | None = None
         self.resolved_num_train_samples: int | None = None
@@ -152,14 +198,20 @@ class FlatnessMonitor(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values only, so checkpoints load with ``torch.load(weights_only=True)``."""
-        return {
+        state: dict[str, Any] = {
             "history": [dict(record) for record in self.history],
             "active_structure": self._active_structure,
+            "penalty_calls": self._penalty_calls,
         }
+        if self._penalty is not None:
+            state["penalty_generator"] = self._penalty.generator.get_state()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [dict(record) for record in state_dict.get("history", [])]
         self._active_structure = state_dict.get("active_structure", self.structure)
+        self._penalty_calls = int(state_dict.get("penalty_calls", 0))
+        self._restored_generator_state = state_dict.get("penalty_generator")
 
     # ------------------------------------------------------------------ setup
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -168,6 +220,76 @@ class FlatnessMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loader = first_dataloader(trainer.train_dataloader)
         self.resolved_num_train_samples = resolve_num_train_samples(loader, self.num_train_samples)
+        if self.regularize and self._penalty is None:
+            self._penalty = self.make_penalty()
+            if self._restored_generator_state is not None:
+                self._penalty.generator.set_state(self._restored_generator_state)
+
+    # ------------------------------------------------------------------ regularizer
+    def make_penalty(self) -> SoftRankPenalty:
+        """A :class:`SoftRankPenalty` with this monitor's λ, n and ``reg_*`` options."""
+        if self.resolved_lam is None or self.resolved_num_train_samples is None:
+            raise RuntimeError(
+                "FlatnessMonitor resolves λ and n when fit starts; compute the penalty from "
+                "training_step (or later)."
+            )
+        return SoftRankPenalty(
+            lam=self.resolved_lam,
+            num_train_samples=self.resolved_num_train_samples,
+            function=self.reg_function,
+            labels=self.reg_labels,
+            params=self.reg_params,
+            seed=self.seed,
+        )
+
+    def penalty(self, model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+        """The penalty ``h(F_b)/B`` of one batch (without β), for manual optimization::
+
+            loss = loss + beta * monitor.penalty(self, x)
+            self.manual_backward(loss)
+
+        With automatic optimization the monitor adds ``β · penalty`` itself when
+        ``regularize=True``; do not add it twice.
+        """
+        if self._penalty is None:
+            self._penalty = self.make_penalty()
+        return self._penalty(model, inputs)
+
+    def _penalty_due(self) -> bool:
+        calls = self._penalty_calls
+        return calls >= self.reg_warmup_steps and (calls % self.reg_every_n_steps == 0)
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.regularize:
+            self._batch_inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+
+    def on_before_backward(
+        self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
+    ) -> None:
+        """Add ``β · penalty / accumulate_grad_batches`` to the loss about to be backpropagated.
+
+        Lightning hands this hook the very tensor it backpropagates next (the training-step
+        loss already divided by ``accumulate_grad_batches``), so an in-place addition makes the
+        backward pass, DDP's gradient averaging, clipping and the optimizer step see
+        ``loss + penalty`` — the same as writing it in ``training_step``.
+        """
+        if not self.regularize or self._batch_inputs is None:
+            return
+        if not pl_module.automatic_optimization:  # manual: users call monitor.penalty()
+            return
+        due = self._penalty_due()
+        self._penalty_calls += 1
+        inputs, self._batch_inputs = self._batch_inputs, None
+        if not due or self.reg_strength == 0.0:
+            return
+        with trainer.precision_plugin.forward_context():
+            penalty = self.penalty(pl_module, inputs)
+        loss.add_(self.reg_strength / trainer.accumulate_grad_batches * penalty.to(loss.dtype))
+        pl_module.log(
+            f"{self.log_prefix}penalty", penalty.detach(), on_step=True, on_epoch=True, batch_size=1
+        )
 
     # ------------------------------------------------------------------ schedule
     def _due(self, trainer: Trainer) -> bool:

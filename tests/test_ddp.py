@@ -54,3 +54,13 @@ def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure):
     assert rank0["num_samples"] == 200 and rank0["num_val_samples"] == 100
     for key in ("soft_rank", "logdet", "trace_fisher", "trace_cov", "predicted_gap", "val_loss"):
         assert rank0[key] == pytest.approx(single[key], rel=1e-5), key
+
+
+@pytest.mark.ddp
+def test_regularized_fit_keeps_ranks_identical(tmp_path):
+    rank0, rank1 = run_ddp(tmp_path, "kfac", "regularize")
+    assert_records_equal(rank0, rank1)
+    first = torch.load(tmp_path / "weights0.pt", weights_only=True)
+    second = torch.load(tmp_path / "weights1.pt", weights_only=True)
+    for name, value in first.items():
+        assert torch.equal(value, second[name]), name

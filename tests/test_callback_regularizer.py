@@ -1,0 +1,151 @@
+"""``FlatnessMonitor(regularize=True)`` equals writing ``loss + β·penalty`` in training_step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
+from lightning_flatness.regularizer import SoftRankPenalty
+
+BETA = 50.0
+LAM = 1e-3
+N = 128
+
+
+class HandWritten(FlatnessClassifier):
+    """The user's own version: the penalty added in training_step."""
+
+    def __init__(self, function: str = "soft_rank", labels: str = "sampled", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.penalty = SoftRankPenalty(
+            lam=LAM, num_train_samples=N, function=function, labels=labels, seed=0
+        )
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss + BETA * self.penalty(self, batch[0])
+
+
+def fit(tmp_path, model, callbacks=(), max_steps=3, **trainer_kwargs):
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_steps=max_steps,
+        callbacks=list(callbacks),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(model, MNIST7DataModule(train_size=N, val_size=64, batch_size=32))
+    return trainer
+
+
+def monitor(**kwargs) -> FlatnessMonitor:
+    return FlatnessMonitor(
+        regularize=True,
+        reg_strength=BETA,
+        lam=LAM,
+        every_n_epochs=1000,
+        measure_on_fit_end=False,
+        print_summary=False,
+        **kwargs,
+    )
+
+
+def weights(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("function", "labels", "trainer_kwargs"),
+    [
+        ("soft_rank", "sampled", {}),
+        ("logdet", "exact", {}),
+        ("soft_rank", "sampled", {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+        ("soft_rank", "exact", {"precision": "bf16-mixed"}),
+    ],
+)
+def test_regularized_fit_equals_hand_written_penalty(tmp_path, function, labels, trainer_kwargs):
+    seed_everything(0)
+    reference = HandWritten(function=function, labels=labels, weight_decay=LAM, lr=1e-2)
+    fit(tmp_path / "hand", reference, **trainer_kwargs)
+
+    seed_everything(0)
+    plain = FlatnessClassifier(weight_decay=LAM, lr=1e-2)
+    callback = monitor(reg_function=function, reg_labels=labels)
+    fit(tmp_path / "callback", plain, [callback], **trainer_kwargs)
+
+    seed_everything(0)
+    unregularized = FlatnessClassifier(weight_decay=LAM, lr=1e-2)
+    fit(tmp_path / "plain", unregularized, **trainer_kwargs)
+
+    for got, expected in zip(weights(plain), weights(reference), strict=True):
+        assert torch.allclose(got, expected, rtol=0, atol=1e-6)
+    pairs = zip(weights(plain), weights(unregularized), strict=True)
+    moved = sum(float((a - b).abs().max()) for a, b in pairs)
+    assert moved > 1e-4  # the penalty really changed the trajectory
+
+
+def test_penalty_is_logged_and_warmup_and_schedule_are_respected(tmp_path):
+    seed_everything(0)
+    callback = monitor(reg_warmup_steps=2, reg_every_n_steps=2)
+    calls = []
+    original = SoftRankPenalty.__call__
+
+    def counting(self, model, inputs):
+        calls.append(1)
+        return original(self, model, inputs)
+
+    SoftRankPenalty.__call__ = counting
+    try:
+        trainer = fit(tmp_path, FlatnessClassifier(weight_decay=LAM), [callback], max_steps=7)
+    finally:
+        SoftRankPenalty.__call__ = original
+    assert len(calls) == 3  # steps 2, 4, 6 of 0..6
+    assert "flatness/penalty_step" in trainer.callback_metrics
+
+
+def test_regularizer_arguments_are_validated():
+    for kwargs, match in (
+        ({"reg_strength": -1.0}, "reg_strength"),
+        ({"reg_function": "trace"}, "'trace'"),
+        ({"reg_labels": "some"}, "'some'"),
+        ({"reg_every_n_steps": 0}, "reg_every_n_steps"),
+        ({"reg_warmup_steps": -2}, "reg_warmup_steps"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            FlatnessMonitor(regularize=True, **kwargs)
+
+
+class ManualStep(FlatnessClassifier):
+    """Manual optimization: the user adds the monitor's penalty themselves."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        (monitor_cb,) = [c for c in self.trainer.callbacks if isinstance(c, FlatnessMonitor)]
+        loss = self._step(batch, "train", self.train_acc)
+        if monitor_cb.regularize:
+            loss = loss + BETA * monitor_cb.penalty(self, batch[0])
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+def test_manual_optimization_uses_the_penalty_once(tmp_path):
+    """With manual optimization the monitor never adds the penalty behind the user's back."""
+    seed_everything(0)
+    manual = ManualStep(weight_decay=LAM, lr=1e-2)
+    fit(tmp_path / "manual", manual, [monitor()])
+    seed_everything(0)
+    automatic = FlatnessClassifier(weight_decay=LAM, lr=1e-2)
+    fit(tmp_path / "automatic", automatic, [monitor()])
+    for got, expected in zip(weights(manual), weights(automatic), strict=True):
+        assert torch.allclose(got, expected, atol=1e-6)
