@@ -23,7 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import torch
-from backpack.extensions import BatchL2Grad, DiagGGNExact, DiagGGNMC, SqrtGGNExact
+from backpack.extensions import (
+    BatchGrad,
+    BatchL2Grad,
+    DiagGGNExact,
+    DiagGGNMC,
+    SqrtGGNExact,
+    SumGradSquared,
+)
 from torch import Tensor, nn
 
 from lightning_flatness._backpack import ExtendedModel
@@ -86,8 +93,19 @@ class SampleStatistics:
         # MSELoss(sum) is ‖y − f‖²: its gradients are 2× and its GGN 2× those of ½‖y − f‖².
         self.grad_scale = 1.0 if classification else 0.5
         self.ggn_scale = 1.0 if classification else 0.5
-        self._own_extensions: list[object] = [BatchL2Grad()]
+        self._own_extensions: list[object] = []
         self.trace_savefield = self._pick_trace_source(structure_extensions)
+        self.grad_norm_savefield = self._pick_gradient_source(structure_extensions)
+
+    def _pick_gradient_source(self, structure_extensions: Sequence[object]) -> str:
+        """``Σ_i ‖g_i‖²`` from per-sample gradients or their summed squares when the structure
+        computes them anyway (``BatchGrad``, ``SumGradSquared``), else from ``BatchL2Grad``."""
+        present = {type(extension) for extension in structure_extensions}
+        for kind, savefield in ((BatchGrad, "grad_batch"), (SumGradSquared, "sum_grad_squared")):
+            if kind in present:
+                return savefield
+        self._own_extensions.append(BatchL2Grad())
+        return "batch_l2"
 
     def _pick_trace_source(self, structure_extensions: Sequence[object]) -> str:
         present = {type(extension) for extension in structure_extensions}
@@ -113,7 +131,11 @@ class SampleStatistics:
         sums = self.sums
         batch = logits.shape[0]
         sums.count += batch
-        grad_norm_sq = sum(p.batch_l2.detach().to(torch.float64).sum() for p in model.parameters)
+        per_sample = [getattr(p, self.grad_norm_savefield).detach() for p in model.parameters]
+        if self.grad_norm_savefield == "grad_batch":
+            grad_norm_sq = sum(g.to(torch.float64).square().sum() for g in per_sample)
+        else:  # batch_l2 and sum_grad_squared both sum to Σ_i ‖g_i‖²
+            grad_norm_sq = sum(g.to(torch.float64).sum() for g in per_sample)
         sums.grad_norm_sq += float(grad_norm_sq) * self.grad_scale**2
         quantities = [getattr(p, self.trace_savefield).detach() for p in model.parameters]
         if self.trace_savefield == "sqrt_ggn_exact":
