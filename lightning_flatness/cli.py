@@ -66,7 +66,6 @@ class FlatnessCLI(LightningCLI):
             {"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}}
         )
 
-
     def after_fit(self) -> None:
         """Say where the TensorBoard logs went and how to look at them."""
         if not self.trainer.is_global_zero:
