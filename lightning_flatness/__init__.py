@@ -18,6 +18,7 @@ from lightning_flatness.measure import (
     MeasurementError,
     measure,
 )
+from lightning_flatness.regularizer import SoftRankPenalty, soft_rank_penalty
 from lightning_flatness.spectral import (
     logdet_complexity,
     max_eig,
@@ -45,6 +46,9 @@ __all__ = [
     "MeasurementError",
     "StructureTooLargeError",
     "UnsupportedModelError",
+    # the regularizer (Theorem 6.5)
+    "SoftRankPenalty",
+    "soft_rank_penalty",
     # spectral functions
     "soft_rank",
     "soft_rank2",

@@ -1,0 +1,156 @@
+"""Cost of a training step regularized by the Theorem 6.5 penalty, relative to a plain step.
+
+For each model (the paper's MLP and CNN on 7×7 inputs, 10 classes) and each option combination
+of :func:`lightning_flatness.regularizer.soft_rank_penalty` (function × labels × params), one
+step is: forward, ``cross_entropy + β · penalty``, backward, Adam step. The plain step drops the
+penalty. Plain and regularized steps are interleaved in one run (same threads, same data) and
+the table reports medians over ``--steps`` steps after ``--warmup`` steps, as markdown, plus
+the ratio of the fastest steps (robust when other processes share the cores).
+
+Usage::
+
+    python benchmarks/bench_regularizer.py --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_flatness.models import build_model
+from lightning_flatness.regularizer import BACKENDS, FUNCTIONS, LABELS, SoftRankPenalty
+
+
+def _step_fn(
+    model: nn.Module,
+    inputs: Tensor,
+    targets: Tensor,
+    penalty: SoftRankPenalty | None,
+    beta: float,
+) -> Callable[[], None]:
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+        if penalty is not None:
+            loss = loss + beta * penalty(model, inputs)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-step seconds of the plain and regularized steps, measured alternately."""
+
+    plain: list[float]
+    regularized: list[float]
+
+    @property
+    def median_ratio(self) -> float:
+        """Median over steps of regularized / plain (the headline number)."""
+        pairs = zip(self.plain, self.regularized, strict=True)
+        return statistics.median(r / p for p, r in pairs)
+
+    @property
+    def min_ratio(self) -> float:
+        """Ratio of the fastest steps: robust when other processes share the cores."""
+        return min(self.regularized) / min(self.plain)
+
+
+def _interleaved(
+    plain: Callable[[], None], regularized: Callable[[], None], steps: int, warmup: int
+) -> Timing:
+    """Time ``steps`` alternating plain/regularized steps after ``warmup`` untimed pairs.
+
+    Alternating makes a change of machine load affect both alike.
+    """
+    for _ in range(warmup):
+        plain()
+        regularized()
+    timing = Timing([], [])
+    for _ in range(steps):
+        start = time.perf_counter()
+        plain()
+        middle = time.perf_counter()
+        regularized()
+        end = time.perf_counter()
+        timing.plain.append(middle - start)
+        timing.regularized.append(end - middle)
+    return timing
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark and print a markdown table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per row (median)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per row first")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
+    parser.add_argument("--labels", nargs="+", default=list(LABELS), choices=LABELS)
+    parser.add_argument("--backend", default="auto", choices=BACKENDS)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
+    )
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    generator = torch.Generator().manual_seed(args.seed)
+    inputs = torch.randn(args.batch_size, 1, 7, 7, generator=generator)
+    targets = torch.randint(0, 10, (args.batch_size,), generator=generator)
+    num_train = 10_000
+    lam = 1e-2 / num_train
+
+    print(
+        f"B = {args.batch_size}, n = {num_train}, λ = {lam:g}, backend = {args.backend}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; plain and regularized "
+        f"steps alternate, medians of {args.steps} steps after {args.warmup} warm-up steps; "
+        "ratio (median) = median of the per-step ratios, ratio (min) = fastest regularized / "
+        "fastest plain step\n"
+    )
+    print(
+        "| model | function | labels | params | plain (ms) | regularized (ms) | ratio "
+        "(median) | ratio (min) |"
+    )
+    print("|---|---|---|---|---:|---:|---:|---:|")
+    for architecture in args.models:
+        for function, labels, params in itertools.product(
+            FUNCTIONS, args.labels, ("all", "last_layer")
+        ):
+            torch.manual_seed(args.seed)
+            model = build_model(architecture)
+            torch.manual_seed(args.seed)
+            plain = _step_fn(build_model(architecture), inputs, targets, None, 0.0)
+            penalty = SoftRankPenalty(
+                lam=lam,
+                num_train_samples=num_train,
+                function=function,
+                labels=labels,
+                params=params,
+                backend=args.backend,
+                seed=args.seed,
+            )
+            regularized = _step_fn(model, inputs, targets, penalty, beta=1.0)
+            timing = _interleaved(plain, regularized, args.steps, args.warmup)
+            print(
+                f"| {architecture} | {function} | {labels} | {params} | "
+                f"{statistics.median(timing.plain) * 1e3:.2f} | "
+                f"{statistics.median(timing.regularized) * 1e3:.2f} | "
+                f"{timing.median_ratio:.1f}× | {timing.min_ratio:.1f}× |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
