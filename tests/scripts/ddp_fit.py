@@ -22,7 +22,12 @@ def main() -> None:
     output, structure = Path(sys.argv[1]), sys.argv[2]
     regularize = len(sys.argv) > 3 and sys.argv[3] == "regularize"
     seed_everything(0)
-    monitor_kwargs = {"structure": structure, "max_samples": 200, "max_val_samples": 100}
+    monitor_kwargs = {
+        "structure": structure,
+        "max_samples": 200,
+        "max_val_samples": 100,
+        "trace_estimator": "exact",  # deterministic, to compare with one process exactly
+    }
     if regularize:
         monitor_kwargs.update(regularize=True, reg_strength=1.0)
     monitor = FlatnessMonitor(**monitor_kwargs)
