@@ -200,6 +200,7 @@ class FlatnessMonitor(Callback):
         self.resolved_lam: float | None = None
         self.resolved_num_train_samples: int | None = None
         self._active_structure = structure
+        self._last_report: FlatnessReport | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -435,7 +436,7 @@ class FlatnessMonitor(Callback):
 
     def _draw(self, trainer: Trainer) -> None:
         """Spectrum histogram, and now and then the gap figure (TensorBoard loggers only)."""
-        eigenvalues = getattr(self._last_report, "eigenvalues", None)
+        eigenvalues = self._last_report.eigenvalues if self._last_report else None
         spectrum = log10_spectrum(eigenvalues) if eigenvalues is not None else None
         for writer in self._tensorboard_writers(trainer):
             if spectrum is not None and spectrum.numel():
