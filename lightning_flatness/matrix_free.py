@@ -1,0 +1,512 @@
+"""Matrix-free measurement: ``structure="lanczos"`` and ``"hutchinson"`` for any classifier.
+
+:func:`stream_matrix_free` is what :func:`lightning_flatness.measure.measure` calls for the
+structures of ``MATRIX_FREE_STRUCTURES``. It uses :mod:`torch.func` only (no BackPACK), so it
+needs nothing of the model but a differentiable ``forward``: LayerNorm, attention, custom
+modules that use their own ``nn.Parameter`` functionally, shared weights.
+
+One pass over the training batches computes the statistics of
+:func:`~lightning_flatness.functional_stats.batch_statistics` (and, for ``"hutchinson"``, the
+probes' gradients); ``"lanczos"`` keeps the prepared inputs (``cache=True``) and then makes one
+more pass per Lanczos step (MATH.md, "Matrix-free"; :mod:`lightning_flatness.curvature.lanczos`).
+The Fisher averages every sample given (up to ``max_samples``), since its soft rank is biased
+low on subsets (MATH.md, "Sample size").
+
+The model is left exactly as found: it is evaluated in eval mode through ``functional_call``
+with detached parameters (never modified, no ``.grad`` written) and private copies of its
+buffers (BatchNorm statistics untouched), every module's train/eval flag is restored, and all
+randomness comes from private ``torch.Generator`` s seeded by ``seed`` inside
+``torch.random.fork_rng``.
+
+Options (``matrix_free_options`` of ``measure``; unknown keys raise):
+
+==================  ============  ===========================================================
+key                 default       meaning
+==================  ============  ===========================================================
+probes              10            probe vectors (Lanczos runs / Hutchinson probes per batch)
+lanczos_steps       40            Lanczos steps per probe (one pass over the data each)
+space               "auto"        Lanczos on F (``"parameters"``, dim P) or on the Gram kernel
+                                  K (``"samples"``, dim m·C); ``"auto"``: the smaller one
+start               "range"       ``"range"`` (start at the Eq. 2 gradient, see lanczos.py) or
+                                  ``"random"`` (classic SLQ in parameter space)
+distribution        "rademacher"  probe entries: ``"rademacher"`` or ``"gaussian"``
+trace_estimator     "auto"        Tr(F) statistic: ``"exact"`` (per-sample Jacobians),
+                                  ``"sampled"`` (Hutchinson, Eq. 2) or ``"auto"`` (exact when
+                                  C·P ≤ chunk_elements)
+chunk_elements      2**25         numbers per vectorized chunk (per-sample gradients and
+                                  Jacobians; activations of the batched products)
+chunk_size          None          samples per product call (None: from chunk_elements and the
+                                  activation size measured on the first batch)
+power_iterations    50            power iterations of the rank-1 core (Eq. 9)
+bounds              True          Hutchinson: also the Eq. 8 / Eq. 9 bounds
+cache               True          Lanczos: keep the prepared inputs in memory; False iterates
+                                  ``train_batches`` again per step (must repeat the same
+                                  samples in the same order; checked)
+rank                None          this process's rank (None: ``torch.distributed``'s, else 0);
+                                  decorrelates the per-sample probes of different processes
+max_basis_elements  2**28         size guard on the Lanczos basis (steps × probes × dim)
+max_histogram       100_000       entries of the returned spectral-density sample
+breakdown_tol       None          Lanczos breakdown tolerance (None: √eps of the dtype)
+==================  ============  ===========================================================
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor, nn
+
+from lightning_flatness.curvature.base import CurvatureEstimate
+from lightning_flatness.curvature.hutchinson import VARIANTS, HutchinsonFisher
+from lightning_flatness.curvature.lanczos import LanczosFisher
+from lightning_flatness.functional_stats import (
+    LOSSES,
+    FunctionalModel,
+    batch_statistics,
+    resolve_trace_estimator,
+)
+from lightning_flatness.measure import MATRIX_FREE_STRUCTURES, MeasurementError
+from lightning_flatness.spectral import SpectralSummary, check_lam
+from lightning_flatness.statistics import StatisticSums
+
+__all__ = ["MatrixFreeOptions", "stream_matrix_free"]
+
+AllReduce = Callable[[Tensor], Tensor]
+
+_CHOICES = {
+    "space": ("auto", "parameters", "samples"),
+    "start": ("range", "random"),
+    "distribution": ("rademacher", "gaussian"),
+    "trace_estimator": ("auto", "exact", "sampled"),
+}
+
+
+@dataclass(frozen=True)
+class MatrixFreeOptions:
+    """Validated options of the matrix-free structures (table in the module docstring)."""
+
+    probes: int = 10
+    lanczos_steps: int = 40
+    space: str = "auto"
+    start: str = "range"
+    distribution: str = "rademacher"
+    trace_estimator: str = "auto"
+    chunk_elements: int = 2**25
+    chunk_size: int | None = None
+    power_iterations: int = 50
+    bounds: bool = True
+    cache: bool = True
+    rank: int | None = None
+    max_basis_elements: int = 2**28
+    max_histogram: int = 100_000
+    breakdown_tol: float | None = None
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, object] | None) -> MatrixFreeOptions:
+        """Build from a mapping, naming any unknown key or bad value.
+
+        Raises:
+            ValueError: unknown key, bad choice, or a count below 1.
+        """
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"Unknown matrix_free_options {unknown}; valid keys are {sorted(known)}."
+            )
+        result = cls(**options)
+        for name, choices in _CHOICES.items():
+            if getattr(result, name) not in choices:
+                raise ValueError(
+                    f"matrix_free_options[{name!r}] must be one of {choices}, "
+                    f"got {getattr(result, name)!r}."
+                )
+        for name in ("probes", "lanczos_steps", "chunk_elements", "max_histogram"):
+            if int(getattr(result, name)) < 1:
+                raise ValueError(
+                    f"matrix_free_options[{name!r}] must be ≥ 1, got {getattr(result, name)!r}."
+                )
+        if result.chunk_size is not None and int(result.chunk_size) < 1:
+            raise ValueError(f"chunk_size must be ≥ 1 or None, got {result.chunk_size!r}.")
+        if result.start == "random" and result.space == "samples":
+            raise ValueError(
+                "start='random' draws probes in parameter space; use space='parameters' or "
+                "'auto' with it, or start='range'."
+            )
+        return result
+
+
+@contextmanager
+def _left_as_found(model: nn.Module) -> Iterator[None]:
+    """Eval mode, gradients enabled, forked global RNG; every module's mode restored on exit."""
+    modes = [(module, module.training) for module in model.modules()]
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    try:
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+        ):
+            model.eval()
+            yield
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def _process_rank(explicit: int | None, all_reduce: AllReduce | None) -> int:
+    if explicit is not None:
+        return int(explicit)
+    if all_reduce is None:
+        return 0
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank()
+    warnings.warn(
+        "all_reduce is given but no torch.distributed process group is initialized: pass "
+        "matrix_free_options={'rank': <this process's rank>} so that each process draws its "
+        "own probes (identical probes on different samples bias the Lanczos estimate).",
+        stacklevel=3,
+    )
+    return 0
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(int(seed) % (2**63))
+
+
+def _prepared(
+    batches: Iterable, max_samples: int | None, model: FunctionalModel, loss: str
+) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """``(index, inputs, targets)`` on the model's device/dtype, truncated at ``max_samples``."""
+    seen = 0
+    for index, batch in enumerate(batches):
+        if max_samples is not None and seen >= max_samples:
+            break
+        inputs, targets = batch[0], batch[1]
+        if max_samples is not None:
+            inputs, targets = inputs[: max_samples - seen], targets[: max_samples - seen]
+        if inputs.shape[0] == 0:
+            continue
+        dtype = model.dtype if inputs.is_floating_point() else None
+        inputs = inputs.to(device=model.device, dtype=dtype)
+        targets = targets.to(model.device)
+        if loss == "mse":
+            targets = targets.to(model.dtype)
+        if inputs.is_inference():
+            inputs, targets = inputs.clone(), targets.clone()
+        seen += inputs.shape[0]
+        yield index, inputs, targets
+
+
+def _add(total: StatisticSums, part: StatisticSums) -> StatisticSums:
+    return StatisticSums.from_tensor(total.as_tensor() + part.as_tensor())
+
+
+def _reduced(sums: StatisticSums, all_reduce: AllReduce | None) -> StatisticSums:
+    if all_reduce is None:
+        return sums
+    return StatisticSums.from_tensor(all_reduce(sums.as_tensor()))
+
+
+def _activation_elements_per_sample(model: FunctionalModel, inputs: Tensor) -> float:
+    """Numbers autograd saves per sample in a forward pass (difference of 2 and 1 samples)."""
+    counts = []
+    params = {name: p.detach().requires_grad_() for name, p in model.params.items()}
+    for size in (1, 2):
+        saved = [0]
+
+        def pack(tensor: Tensor, saved: list[int] = saved) -> Tensor:
+            saved[0] += tensor.numel()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model.logits(params, inputs[:1].expand(size, *inputs.shape[1:]).contiguous())
+        counts.append(saved[0])
+    return max(1.0, float(counts[1] - counts[0]))
+
+
+class _Chunker:
+    """Splits batches into chunks of samples for the batched products of ``vectors`` vectors.
+
+    Unless ``chunk_size`` is given, a chunk holds as many samples as keep the activations of
+    one batched product, ``(vectors + 1) × chunk × (saved numbers per sample)``, within
+    ``chunk_elements``.
+    """
+
+    def __init__(self, model: FunctionalModel, options: MatrixFreeOptions, vectors: int):
+        self.model, self.options, self.vectors = model, options, vectors
+        self.size: int | None = options.chunk_size
+
+    def split(self, inputs: Tensor) -> tuple[Tensor, ...]:
+        if self.size is None:
+            per_sample = _activation_elements_per_sample(self.model, inputs)
+            budget = self.options.chunk_elements / ((self.vectors + 1) * per_sample)
+            self.size = max(1, int(budget))
+        return inputs.split(self.size)
+
+
+class _CachedInputs:
+    """This process's prepared training inputs, kept for the Lanczos passes."""
+
+    def __init__(self, chunker: _Chunker) -> None:
+        self.chunker = chunker
+        self.batches: list[Tensor] = []
+        self.num_samples = 0
+
+    def add(self, inputs: Tensor) -> None:
+        self.batches.append(inputs)
+        self.num_samples += inputs.shape[0]
+
+    def _batches(self) -> Iterator[Tensor]:
+        yield from self.batches
+
+    def chunks(self, with_rows: bool = False) -> Iterator:
+        """Chunks of inputs (and, with ``with_rows``, their rows in this process's sample axis)."""
+        offset = 0
+        for inputs in self._batches():
+            for piece in self.chunker.split(inputs):
+                rows = slice(offset, offset + piece.shape[0])
+                offset += piece.shape[0]
+                yield (piece, rows) if with_rows else piece
+
+
+class _ReiteratedInputs(_CachedInputs):
+    """Iterates ``train_batches`` again for every pass (``cache=False``), checking each pass
+    yields the same samples in the same order (count and per-batch input sums)."""
+
+    def __init__(self, chunker, batches, max_samples, model, loss, fingerprint) -> None:
+        super().__init__(chunker)
+        self.source, self.max_samples, self.model, self.loss = batches, max_samples, model, loss
+        self.fingerprint = fingerprint
+        self.num_samples = sum(size for size, _ in fingerprint)
+
+    def _batches(self) -> Iterator[Tensor]:
+        seen = []
+        for _, inputs, _ in _prepared(self.source, self.max_samples, self.model, self.loss):
+            seen.append(_fingerprint(inputs))
+            yield inputs
+        if not _same_fingerprints(seen, self.fingerprint):
+            raise MeasurementError(
+                "train_batches yielded different samples on a later pass (shuffling, random "
+                "augmentation or a one-shot iterator). structure='lanczos' makes one pass per "
+                "Lanczos step over the same samples: pass a deterministic loader or keep "
+                "matrix_free_options['cache']=True."
+            )
+
+
+def _fingerprint(inputs: Tensor) -> tuple[int, float]:
+    return inputs.shape[0], float(inputs.detach().to(torch.float64).sum())
+
+
+def _same_fingerprints(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
+    return len(a) == len(b) and all(
+        n == m and math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9)
+        for (n, x), (m, y) in zip(a, b, strict=True)
+    )
+
+
+def _empty_estimate() -> CurvatureEstimate:
+    nan = SpectralSummary(*([math.nan] * 5))
+    return CurvatureEstimate(nan, torch.zeros(0, dtype=torch.float64))
+
+
+def _split_statistics(
+    model: FunctionalModel,
+    batches: Iterable,
+    max_samples: int | None,
+    *,
+    loss: str,
+    trace_estimator: str,
+    options: MatrixFreeOptions,
+    generator: torch.Generator,
+    split: str,
+    on_batch: Callable[[Tensor], None] | None = None,
+    grad_sq_sum: Tensor | None = None,
+) -> tuple[StatisticSums, int]:
+    """Statistic sums of one split, and the number of outputs C (0 when empty)."""
+    total, classes = StatisticSums(), 0
+    for index, inputs, targets in _prepared(batches, max_samples, model, loss):
+        if trace_estimator == "auto":
+            trace_estimator = resolve_trace_estimator(
+                trace_estimator,
+                _num_outputs(model, inputs),
+                model.num_parameters,
+                options.chunk_elements,
+            )
+        sums, logits = batch_statistics(
+            model,
+            inputs,
+            targets,
+            loss=loss,
+            trace_estimator=trace_estimator,
+            generator=generator,
+            chunk_elements=options.chunk_elements,
+            grad_sq_sum=grad_sq_sum,
+        )
+        if not math.isfinite(sums.loss):
+            raise MeasurementError(
+                f"The {split} loss of batch {index} is {sums.loss} (not finite). The model "
+                "diverged or the inputs contain NaN/inf; fix training (lower the learning rate, "
+                "clip gradients) before measuring."
+            )
+        classes = logits.shape[1]
+        total = _add(total, sums)
+        if on_batch is not None:
+            on_batch(inputs)
+    return total, classes
+
+
+def _num_outputs(model: FunctionalModel, inputs: Tensor) -> int:
+    """C, the number of outputs, from one sample."""
+    with torch.no_grad():
+        return int(model.logits(model.params, inputs[:1]).shape[-1])
+
+
+def stream_matrix_free(
+    model: nn.Module,
+    train_batches: Iterable,
+    val_batches: Iterable | None,
+    *,
+    structure: str,
+    lam: float,
+    loss: str = "cross_entropy",
+    max_samples: int | None = None,
+    max_val_samples: int | None = None,
+    seed: int = 0,
+    all_reduce: AllReduce | None = None,
+    options: Mapping[str, object] | None = None,
+) -> tuple[CurvatureEstimate, StatisticSums, StatisticSums]:
+    """Curvature estimate and statistics of ``model`` from Fisher products (no BackPACK).
+
+    Args:
+        model: a classifier returning logits (B, C), or a regressor with ``loss="mse"``.
+        train_batches: iterable of ``(inputs, targets)``; all are used up to ``max_samples``.
+        val_batches: held-out batches (statistics only), or None.
+        structure: ``"lanczos"`` (SLQ of the exact F) or ``"hutchinson"`` (Hutchinson
+            diagonal, Eq. 2, with the Eq. 8 / Eq. 9 bounds).
+        lam: the weight decay λ > 0.
+        loss: ``"cross_entropy"`` or ``"mse"`` (F = JᵀJ, loss ½‖y − f‖²).
+        max_samples / max_val_samples: stop after this many training / validation samples.
+        seed: seeds the private generators (probes, sampled traces).
+        all_reduce: sums a tensor across processes in place and returns it (data parallelism):
+            statistics and Hutchinson sums are reduced once, Lanczos products inside every step.
+        options: see the table in the module docstring.
+
+    Returns:
+        ``(curvature, train_sums, val_sums)``; the sums are already reduced across processes.
+        ``curvature.blocks["stderr"]`` holds the standard errors of ``curvature.summary``; for
+        ``"hutchinson"`` also ``"hutchinson_upper"``, ``"hutchinson_lower"`` and their
+        ``*_stderr``. With no training samples the curvature is all NaN.
+
+    Raises:
+        ValueError: bad structure, loss or options.
+        MeasurementError: a non-finite loss, or (``cache=False``) batches that change between
+            passes.
+        StructureTooLargeError: the Lanczos basis would exceed ``max_basis_elements``.
+    """
+    if structure not in MATRIX_FREE_STRUCTURES:
+        raise ValueError(
+            f"structure must be one of {MATRIX_FREE_STRUCTURES} here, got {structure!r}."
+        )
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}.")
+    settings = MatrixFreeOptions.from_dict(options)
+    lam = check_lam(lam)
+    with _left_as_found(model):
+        functional = FunctionalModel(model)
+        rank = _process_rank(settings.rank, all_reduce)
+        local = _generator(functional.device, seed * 1_000_003 + 7919 * (rank + 1))
+        shared = _generator(functional.device, seed)
+        lanczos = structure == "lanczos"
+        variants = 1 if lanczos else (len(VARIANTS) if settings.bounds else 1)
+        chunker = _Chunker(functional, settings, settings.probes * variants)
+        cache = _CachedInputs(chunker)
+        hutchinson, grad_sq_sum, on_batch = None, None, None
+        if lanczos:
+            if settings.cache:
+                on_batch = cache.add
+        else:
+            hutchinson = HutchinsonFisher(
+                functional,
+                loss=loss,
+                probes=settings.probes,
+                distribution=settings.distribution,
+                generator=local,
+                power_iterations=settings.power_iterations,
+                bounds=settings.bounds,
+            )
+            grad_sq_sum = torch.zeros(
+                functional.num_parameters, dtype=functional.dtype, device=functional.device
+            )
+
+            def on_batch(inputs: Tensor) -> None:
+                for piece in chunker.split(inputs):
+                    hutchinson.update(piece)
+
+        fingerprints: list[tuple[int, float]] = []
+        if lanczos and not settings.cache:
+
+            def on_batch(inputs: Tensor) -> None:
+                fingerprints.append(_fingerprint(inputs))
+
+        common = {
+            "loss": loss,
+            "trace_estimator": settings.trace_estimator,
+            "options": settings,
+            "generator": local,
+        }
+        train, classes = _split_statistics(
+            functional,
+            train_batches,
+            max_samples,
+            split="training",
+            on_batch=on_batch,
+            grad_sq_sum=grad_sq_sum,
+            **common,
+        )
+        val = StatisticSums()
+        if val_batches is not None:
+            val, _ = _split_statistics(
+                functional, val_batches, max_val_samples, split="validation", **common
+            )
+        train, val = _reduced(train, all_reduce), _reduced(val, all_reduce)
+        num_samples = int(train.count)
+        if num_samples == 0:
+            return _empty_estimate(), train, val
+        if all_reduce is not None:  # a process without samples learns C from the others
+            known = all_reduce(torch.tensor([float(classes), float(classes > 0)]))
+            classes = round(float(known[0]) / max(1.0, float(known[1])))
+        if hutchinson is not None:
+            if all_reduce is not None:
+                for state in [*hutchinson.summable_states(), grad_sq_sum]:
+                    all_reduce(state)
+            return hutchinson.estimate(num_samples, lam, grad_sq_sum), train, val
+        source = cache
+        if not settings.cache:
+            source = _ReiteratedInputs(
+                chunker, train_batches, max_samples, functional, loss, fingerprints
+            )
+        estimator = LanczosFisher(
+            functional,
+            source,
+            loss=loss,
+            probes=settings.probes,
+            steps=settings.lanczos_steps,
+            space=settings.space,
+            start=settings.start,
+            distribution=settings.distribution,
+            local_generator=local,
+            shared_generator=shared,
+            all_reduce=all_reduce,
+            max_basis_elements=settings.max_basis_elements,
+            max_histogram=settings.max_histogram,
+            breakdown_tol=settings.breakdown_tol,
+        )
+        return estimator.estimate(num_samples, classes, lam), train, val
