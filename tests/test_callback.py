@@ -186,3 +186,48 @@ def test_tensorboard_gets_spectrum_and_figure_and_other_loggers_skip(tmp_path):
     assert len(events.Histograms("flatness/spectrum_log10")) == 2
     csv_text = (tmp_path / "csv" / "version_0" / "metrics.csv").read_text()
     assert "flatness/predicted_gap" in csv_text
+
+
+class ScaledClassifier(FlatnessClassifier):
+    """A model BackPACK cannot extend: LayerNorm and a parameter used functionally."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.model = torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(49, 16),
+            torch.nn.LayerNorm(16),
+            torch.nn.ReLU(),
+            torch.nn.Linear(16, 10),
+        )
+        self.temperature = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return self.model(x) * self.temperature
+
+
+def test_unsupported_model_switches_to_matrix_free_with_one_message(tmp_path, caplog):
+    monitor = FlatnessMonitor(
+        structure="kfac",
+        max_samples=64,
+        measure_kwargs={"matrix_free_options": {"probes": 2, "lanczos_steps": 8}},
+    )
+    seed_everything(0)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=2,
+        callbacks=[monitor],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+    )
+    with caplog.at_level("INFO"):
+        trainer.fit(
+            ScaledClassifier(weight_decay=1e-3),
+            MNIST7DataModule(train_size=64, val_size=32, batch_size=32),
+        )
+    switches = [r for r in caplog.records if "Switching to the matrix-free" in r.getMessage()]
+    assert len(switches) == 1
+    assert "ScaledClassifier" in switches[0].getMessage()  # names what forced the switch
+    assert monitor._active_structure == "lanczos"
+    assert all(math.isfinite(record["soft_rank"]) for record in monitor.history)
