@@ -402,8 +402,9 @@ def stream_matrix_free(
     Returns:
         ``(curvature, train_sums, val_sums)``; the sums are already reduced across processes.
         ``curvature.blocks["stderr"]`` holds the standard errors of ``curvature.summary``; for
-        ``"hutchinson"`` also ``"hutchinson_upper"``, ``"hutchinson_lower"`` and their
-        ``*_stderr``. With no training samples the curvature is all NaN.
+        ``"hutchinson"`` also ``"hutchinson_estimate"`` (= the summary), ``"hutchinson_upper"``,
+        ``"hutchinson_lower"`` and their ``*_stderr``. With no training samples the curvature
+        is all NaN.
 
     Raises:
         ValueError: bad structure, loss or options.

@@ -13,7 +13,7 @@ The report combines (MATH.md, "Generalization gap"):
   Prop. 5.4), else the training one; ``predicted_gap_train`` always uses the training ratio;
 - ``thomas_gap`` = Eq. (11): ``(1/n) · Tr(C)/Tr(F)`` (training data);
 - ``tic`` = ``(1/n) · Tr(C (F+λI)⁻¹)`` where the structure supports it (dense, gram: exact;
-  diag/diag_mc: the diagonal formula; kfac: NaN);
+  diag/diag_mc/hutchinson: the diagonal formula; kfac, lanczos: NaN);
 - ``observed_gap`` = validation loss − training loss (plain loss, no regularizer).
 """
 
@@ -95,7 +95,23 @@ class FlatnessReport:
         values = asdict(self)
         values.pop("eigenvalues")
         values.pop("blocks")
+        values.update(self._random_estimator_extras())
         return {k: (v if isinstance(v, str) else float(v)) for k, v in values.items()}
+
+    def _random_estimator_extras(self) -> dict[str, float]:
+        """Standard errors of the random structures and the Hutchinson trace bounds."""
+        extras = {}
+        stderr = self.blocks.get("stderr")
+        if stderr is not None:
+            extras.update(soft_rank_stderr=stderr.soft_rank, logdet_stderr=stderr.logdet)
+        for bound in ("lower", "estimate", "upper"):
+            summary = self.blocks.get(f"hutchinson_{bound}")
+            error = self.blocks.get(f"hutchinson_{bound}_stderr")
+            if summary is not None:
+                extras[f"hutchinson_trace_{bound}"] = summary.trace
+            if error is not None:
+                extras[f"hutchinson_trace_{bound}_stderr"] = error.trace
+        return extras
 
     @classmethod
     def failed(cls, structure: str, lam: float, num_train_samples: int) -> FlatnessReport:
@@ -103,7 +119,7 @@ class FlatnessReport:
         nan_fields = {
             f: math.nan
             for f in cls.__dataclass_fields__
-            if f not in ("structure", "eigenvalues", "lam", "num_train_samples")
+            if f not in ("structure", "eigenvalues", "blocks", "lam", "num_train_samples")
         }
         nan_fields.update(num_samples=0, num_val_samples=0)
         return cls(**nan_fields, lam=lam, num_train_samples=num_train_samples, structure=structure)
@@ -179,7 +195,7 @@ def measure(
     val_batches: Iterable | None = None,
     max_samples: int | None = None,
     max_val_samples: int | None = None,
-    trace_estimator: str = "exact",
+    trace_estimator: str | None = None,
     kfac_mode: str = "exact",
     mc_samples: int = 1,
     loss: str = "cross_entropy",
@@ -197,10 +213,15 @@ def measure(
             ``max_samples``), since the soft rank is biased low on subsets.
         lam: the coupled L2 weight decay λ > 0 of the objective ``mean loss + ½λ‖θ‖²``.
         num_train_samples: n, the size of the training set (scales the predicted gap).
-        structure: one of ``"dense"``, ``"gram"``, ``"kfac"``, ``"diag"``, ``"diag_mc"``.
+        structure: one of ``"dense"``, ``"gram"``, ``"kfac"``, ``"diag"``, ``"diag_mc"`` (BackPACK),
+            or ``"lanczos"`` (stochastic Lanczos quadrature of the exact F) and
+            ``"hutchinson"`` (Hutchinson diagonal with its Eq. 8/9 bounds), matrix-free for any
+            differentiable model (options: :mod:`lightning_flatness.matrix_free`).
         val_batches: held-out batches for the trace ratio, validation loss and observed gap.
         max_samples / max_val_samples: stop after this many training / validation samples.
-        trace_estimator: ``"exact"`` Tr(F), or ``"sampled"`` (unbiased, cheaper).
+        trace_estimator: ``"exact"`` Tr(F), or ``"sampled"`` (unbiased, cheaper). Default:
+            exact; for the matrix-free structures exact only when the per-sample Jacobians are
+            small (``C·P ≤ 2²⁵``), else sampled.
         kfac_mode: ``"exact"`` (KFLR) or ``"sampled"`` (KFAC with sampled labels).
         mc_samples: labels sampled per input for the Monte-Carlo structures.
         loss: ``"cross_entropy"`` (classification) or ``"mse"`` (Gaussian regression, F = JᵀJ).
@@ -247,7 +268,10 @@ def measure(
             max_val_samples=max_val_samples,
             seed=seed,
             all_reduce=all_reduce,
-            options=matrix_free_options or {},
+            options={
+                **({"trace_estimator": trace_estimator} if trace_estimator else {}),
+                **(matrix_free_options or {}),
+            },
         )
         if train_sums.count == 0:
             raise MeasurementError(
@@ -267,7 +291,7 @@ def measure(
             train_batches,
             val_batches,
             estimator,
-            trace_estimator,
+            trace_estimator or "exact",
             loss,
             max_samples,
             max_val_samples,

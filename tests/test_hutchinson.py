@@ -87,6 +87,7 @@ def test_diagonal_and_trace_are_unbiased(cases, architecture):
     assert error_many < 0.5 * error_few and error_many < 0.1
     trace = float(diagonal.sum())
     assert abs(many.summary.trace - trace) <= 4 * many.blocks["stderr"].trace
+    assert many.blocks["hutchinson_estimate"] == many.summary
     assert many.blocks["stderr"].trace < 0.25 * few.blocks["stderr"].trace
     assert many.summary.trace == pytest.approx(float(many.eigenvalues.sum()), rel=1e-12)
 
@@ -155,6 +156,8 @@ def test_tic_uses_the_estimated_diagonal(cases):
     assert report.tic == pytest.approx(expected, rel=1e-9)
     assert set(report.blocks) == {
         "stderr",
+        "hutchinson_estimate",
+        "hutchinson_estimate_stderr",
         "hutchinson_upper",
         "hutchinson_upper_stderr",
         "hutchinson_lower",

@@ -198,3 +198,28 @@ def test_size_guards():
 def test_kfac_names_a_layer_without_kronecker_factors():
     with pytest.raises(UnsupportedModelError, match=r"BatchNorm1d.*'diag' or 'gram'"):
         measure(BatchNormMLP().double(), [random_data(4)], lam=LAM, num_train_samples=10)
+
+
+def test_random_structures_report_their_error_bars():
+    data = [random_data(32)]
+    options = {"probes": 4, "lanczos_steps": 10}
+    lanczos = measure(
+        tiny_model("mlp"),
+        data,
+        lam=LAM,
+        num_train_samples=100,
+        structure="lanczos",
+        matrix_free_options=options,
+    ).as_dict()
+    assert lanczos["soft_rank_stderr"] > 0 and lanczos["logdet_stderr"] > 0
+    hutchinson = measure(
+        tiny_model("mlp"),
+        data,
+        lam=LAM,
+        num_train_samples=100,
+        structure="hutchinson",
+        matrix_free_options={"probes": 4},
+    ).as_dict()
+    for bound in ("lower", "estimate", "upper"):
+        assert hutchinson[f"hutchinson_trace_{bound}_stderr"] >= 0
+    assert hutchinson["hutchinson_trace_lower"] <= hutchinson["hutchinson_trace_upper"]

@@ -10,7 +10,9 @@ from lightning_flatness.curvature.base import (
 from lightning_flatness.curvature.dense import DenseFisher
 from lightning_flatness.curvature.diag import DiagonalFisher
 from lightning_flatness.curvature.gram import GramFisher
+from lightning_flatness.curvature.hutchinson import HutchinsonFisher
 from lightning_flatness.curvature.kfac import KFACFisher
+from lightning_flatness.curvature.lanczos import LanczosFisher, SLQEstimate
 
 __all__ = [
     "STRUCTURES",
@@ -19,7 +21,10 @@ __all__ = [
     "DenseFisher",
     "DiagonalFisher",
     "GramFisher",
+    "HutchinsonFisher",
     "KFACFisher",
+    "LanczosFisher",
+    "SLQEstimate",
     "StructureTooLargeError",
     "make_estimator",
 ]

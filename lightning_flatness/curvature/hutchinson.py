@@ -144,6 +144,7 @@ class HutchinsonFisher:
             ``summary``: trace functions of the estimated ``diag F`` (Eq. 2); ``eigenvalues``:
             that diagonal (float64, P); ``tic_trace``: ``Σ_k C_kk/(F_kk+λ)`` when
             ``grad_sq_sum = Σ_i g_i∘g_i`` is given; ``blocks``: ``"stderr"`` (of ``summary``),
+            ``"hutchinson_estimate"`` / ``"hutchinson_estimate_stderr"`` (Eq. 2, = ``summary``),
             ``"hutchinson_upper"`` / ``"hutchinson_upper_stderr"`` (Eq. 8) and
             ``"hutchinson_lower"`` / ``"hutchinson_lower_stderr"`` (Eq. 9), each a
             :class:`SpectralSummary` of the mean diagonal of that variant and its errors.
@@ -157,12 +158,11 @@ class HutchinsonFisher:
         for index, variant in enumerate(self.variants):
             per_probe = [d.to(torch.float64) / num_samples for d in self.squares[index]]
             variant_summary, stderr = jackknife_summary(per_probe, lam)
+            blocks[f"hutchinson_{variant}"] = variant_summary
+            blocks[f"hutchinson_{variant}_stderr"] = stderr
             if variant == "estimate":
                 summary, diagonal = variant_summary, torch.stack(per_probe).mean(0)
                 blocks["stderr"] = stderr
-            else:
-                blocks[f"hutchinson_{variant}"] = variant_summary
-                blocks[f"hutchinson_{variant}_stderr"] = stderr
         tic = math.nan
         if grad_sq_sum is not None:
             covariance = grad_sq_sum.to(torch.float64) / num_samples
