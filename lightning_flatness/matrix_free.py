@@ -61,6 +61,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
+from lightning_flatness._batches import prepared_batches
 from lightning_flatness.curvature.base import CurvatureEstimate
 from lightning_flatness.curvature.hutchinson import VARIANTS, HutchinsonFisher
 from lightning_flatness.curvature.lanczos import LanczosFisher
@@ -185,24 +186,7 @@ def _prepared(
     batches: Iterable, max_samples: int | None, model: FunctionalModel, loss: str
 ) -> Iterator[tuple[int, Tensor, Tensor]]:
     """``(index, inputs, targets)`` on the model's device/dtype, truncated at ``max_samples``."""
-    seen = 0
-    for index, batch in enumerate(batches):
-        if max_samples is not None and seen >= max_samples:
-            break
-        inputs, targets = batch[0], batch[1]
-        if max_samples is not None:
-            inputs, targets = inputs[: max_samples - seen], targets[: max_samples - seen]
-        if inputs.shape[0] == 0:
-            continue
-        dtype = model.dtype if inputs.is_floating_point() else None
-        inputs = inputs.to(device=model.device, dtype=dtype)
-        targets = targets.to(model.device)
-        if loss == "mse":
-            targets = targets.to(model.dtype)
-        if inputs.is_inference():
-            inputs, targets = inputs.clone(), targets.clone()
-        seen += inputs.shape[0]
-        yield index, inputs, targets
+    return prepared_batches(batches, max_samples, model.device, model.dtype, loss)
 
 
 def _add(total: StatisticSums, part: StatisticSums) -> StatisticSums:

@@ -33,6 +33,7 @@ from lightning_flatness._backpack import (
     extended_loss,
     measurement_copy,
 )
+from lightning_flatness._batches import prepared_batches
 from lightning_flatness.curvature import STRUCTURES, make_estimator
 from lightning_flatness.curvature.base import CurvatureEstimate, CurvatureEstimator
 from lightning_flatness.spectral import SpectralSummary, check_lam
@@ -150,19 +151,7 @@ def _stream(
     device, dtype = _model_device_dtype(model.module)
     loss_fn = extended_loss(loss_name)
     extensions = statistics.extensions() + (estimator.extensions() if estimator else [])
-    seen = 0
-    for index, batch in enumerate(batches):
-        if max_samples is not None and seen >= max_samples:
-            break
-        inputs, targets = batch[0], batch[1]
-        if max_samples is not None:
-            inputs, targets = inputs[: max_samples - seen], targets[: max_samples - seen]
-        if inputs.shape[0] == 0:
-            continue
-        inputs = inputs.to(device=device, dtype=dtype if inputs.is_floating_point() else None)
-        targets = targets.to(device)
-        if loss_name == "mse":
-            targets = targets.to(dtype)
+    for index, inputs, targets in prepared_batches(batches, max_samples, device, dtype, loss_name):
         logits = model.module(inputs)
         loss = loss_fn(logits, targets)
         if not torch.isfinite(loss):
@@ -176,7 +165,6 @@ def _stream(
         if estimator is not None:
             estimator.update(model, batch_size)
         statistics.update(model, logits, targets, loss.detach())
-        seen += batch_size
     model.zero_grad()
 
 
