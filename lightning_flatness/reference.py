@@ -25,6 +25,7 @@ __all__ = [
     "dense_gradient_covariance",
     "parameter_blocks",
     "per_sample_gradients",
+    "per_sample_jacobians",
     "per_sample_sqrt_fisher",
 ]
 
@@ -36,6 +37,17 @@ def _trainable(model: nn.Module) -> dict[str, Tensor]:
 def _flatten_rows(per_param: dict[str, Tensor], leading: int) -> Tensor:
     """Concatenate per-parameter tensors with ``leading`` batch dims along a flat P axis."""
     return torch.cat([t.reshape(*t.shape[:leading], -1) for t in per_param.values()], dim=-1)
+
+
+def per_sample_jacobians(model: nn.Module, inputs: Tensor) -> Tensor:
+    """Output Jacobians ``J_i = ∂z(x_i)/∂θ`` of shape (m, C, P); for Gaussian regression
+    ``F = (1/m) Σ_i J_iᵀ J_i``."""
+    params = _trainable(model)
+
+    def outputs(theta: dict[str, Tensor], x: Tensor) -> Tensor:
+        return functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
+
+    return _flatten_rows(vmap(jacrev(outputs), in_dims=(None, 0))(params, inputs), leading=2)
 
 
 def per_sample_sqrt_fisher(model: nn.Module, inputs: Tensor) -> Tensor:

@@ -44,6 +44,15 @@ def assert_records_equal(first: dict, second: dict) -> None:
         assert same, f"{key}: {value} != {second[key]}"
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one thread avoids OpenMP contention on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["mlp", "cnn", "resmlp"])
 def architecture(request) -> str:
     return request.param

@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 from conftest import batches, random_data, tiny_model
-from torch.func import functional_call, jacrev, vmap
 
 from lightning_flatness import reference
 from lightning_flatness.curvature.hutchinson import jackknife_summary
@@ -21,24 +20,12 @@ N_TRAIN = 1000
 NUM_SAMPLES = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids OpenMP contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def exact_diagonals(model, inputs):
     """Exact diagonals of F, of the Eq. 8 upper bound and of the Eq. 9 lower bound (eigh)."""
-    params = {name: p.detach() for name, p in model.named_parameters()}
-
-    def logits(theta, x):
-        return functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
-
-    jac = vmap(jacrev(logits), in_dims=(None, 0))(params, inputs)
-    jac = torch.cat([j.reshape(inputs.shape[0], 10, -1) for j in jac.values()], -1)
+    jac = reference.per_sample_jacobians(model, inputs)
     with torch.no_grad():
         probs = torch.softmax(model(inputs), -1)
     core = torch.diag_embed(probs) - probs.unsqueeze(-1) * probs.unsqueeze(-2)
@@ -181,13 +168,8 @@ def test_regression_fisher_is_estimated_without_bias(cases):
     """loss="mse": F = JᵀJ/m; the estimate (and the Eq. 8 variant, exact for Λ = I) converge."""
     model, inputs, _, _ = cases["mlp"]
     targets = torch.randn(inputs.shape[0], 10, dtype=torch.float64)
-    params = {name: p.detach() for name, p in model.named_parameters()}
-
-    def outputs(theta, x):
-        return functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
-
-    jac = vmap(jacrev(outputs), in_dims=(None, 0))(params, inputs)
-    trace = float(sum(j.square().sum() for j in jac.values())) / inputs.shape[0]
+    jac = reference.per_sample_jacobians(model, inputs)
+    trace = float(jac.square().sum()) / inputs.shape[0]
     estimate, sums, _ = stream_matrix_free(
         model,
         batches(inputs, targets, 16),

@@ -34,13 +34,7 @@ NUM_SAMPLES = 64
 SUMMARY_FIELDS = ("soft_rank", "soft_rank2", "logdet")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids OpenMP contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

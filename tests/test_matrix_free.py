@@ -38,13 +38,7 @@ STATISTICS = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids OpenMP contention on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -288,13 +282,7 @@ def test_regression_lanczos_matches_jacobian_gram(data):
     inputs, _, _, _ = data
     model = tiny_model("mlp").eval()
     targets = torch.randn(inputs.shape[0], 10, dtype=torch.float64)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def outputs(theta, x):
-        return torch.func.functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
-
-    jac = torch.func.vmap(torch.func.jacrev(outputs), in_dims=(None, 0))(params, inputs)
-    flat = torch.cat([j.reshape(inputs.shape[0], 10, -1) for j in jac.values()], -1)
+    flat = reference.per_sample_jacobians(model, inputs)
     fisher = torch.einsum("ncp,ncq->pq", flat, flat) / inputs.shape[0]
     truth = spectral.soft_rank(spectral.psd_eigenvalues(fisher), LAM)
     report = measure(

@@ -322,13 +322,7 @@ def test_regression_fisher_is_jacobian_gram(cases):
     """Gaussian regression (loss="mse"): F = (1/m) Σ J_iᵀ J_i and losses ½‖y − f‖²."""
     model, inputs, _, _ = cases["mlp"]
     targets = torch.randn(inputs.shape[0], 10, dtype=torch.float64)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-
-    def outputs(theta, x):
-        return torch.func.functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
-
-    jac = torch.func.vmap(torch.func.jacrev(outputs), in_dims=(None, 0))(params, inputs)
-    flat = torch.cat([j.reshape(inputs.shape[0], 10, -1) for j in jac.values()], -1)
+    flat = reference.per_sample_jacobians(model, inputs)
     fisher = torch.einsum("ncp,ncq->pq", flat, flat) / inputs.shape[0]
     residual = model(inputs) - targets
     report = measure(
