@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
 from backpack import backpack, extend
 from torch import Tensor, nn
 
@@ -23,7 +22,7 @@ __all__ = ["ExtendedModel", "UnsupportedModelError", "backward_with", "measureme
 
 # Attributes objects commonly hold that must be shared, not copied (e.g. a LightningModule's
 # trainer, which owns dataloaders and loggers).
-_SHARED_ATTRIBUTES = ("_trainer", "_fabric", "_jit_is_scripting")
+_SHARED_ATTRIBUTES = ("_trainer", "_fabric")
 _CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -90,7 +89,7 @@ def _needs_converter(model: nn.Module) -> bool:
     return any(True for _ in model.children())
 
 
-def measurement_copy(model: nn.Module, dtype: torch.dtype | None = None) -> ExtendedModel:
+def measurement_copy(model: nn.Module) -> ExtendedModel:
     """Deep-copy ``model`` in eval mode and extend the copy with BackPACK.
 
     Residual and other non-sequential graphs go through BackPACK's graph converter
@@ -103,8 +102,6 @@ def measurement_copy(model: nn.Module, dtype: torch.dtype | None = None) -> Exte
     if not original:
         raise ValueError("The model has no trainable parameters; there is no Fisher to measure.")
     clone = _plain_deepcopy(model)
-    if dtype is not None:
-        clone = clone.to(dtype)
     clone.eval()
     clone_params = dict(clone.named_parameters())
     parameters = [clone_params[name] for name, _ in original]
