@@ -15,8 +15,17 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
 from backpack import backpack, extend
+from backpack.core.derivatives.bcewithlogitsloss import BCELossWithLogitsDerivatives
+from backpack.extensions import DiagGGNExact, DiagGGNMC, SqrtGGNExact, SqrtGGNMC
+from backpack.extensions.secondorder.diag_ggn.losses import DiagGGNLoss
+from backpack.extensions.secondorder.hbp import HBP
+from backpack.extensions.secondorder.hbp.losses import HBPLoss
+from backpack.extensions.secondorder.sqrt_ggn.losses import SqrtGGNBaseLossModule
 from torch import Tensor, nn
+
+from lightning_flatness.batches import LogitsModule
 
 __all__ = ["ExtendedModel", "UnsupportedModelError", "backward_with", "measurement_copy"]
 
@@ -75,10 +84,11 @@ class ExtendedModel:
 
 def _plain_deepcopy(model: nn.Module) -> nn.Module:
     memo: dict[int, object] = {}
-    for attribute in _SHARED_ATTRIBUTES:
-        value = model.__dict__.get(attribute)
-        if value is not None and not isinstance(value, (Tensor, nn.Module)):
-            memo[id(value)] = value
+    for module in model.modules():
+        for attribute in _SHARED_ATTRIBUTES:
+            value = module.__dict__.get(attribute)
+            if value is not None and not isinstance(value, (Tensor, nn.Module)):
+                memo[id(value)] = value
     return copy.deepcopy(model, memo)
 
 
@@ -89,22 +99,27 @@ def _needs_converter(model: nn.Module) -> bool:
     return any(True for _ in model.children())
 
 
-def measurement_copy(model: nn.Module) -> ExtendedModel:
+def measurement_copy(model: LogitsModule) -> ExtendedModel:
     """Deep-copy ``model`` in eval mode and extend the copy with BackPACK.
 
+    When the wrapped model alone computes the logits from one tensor (the default call) the
+    copy of the wrapped model is extended, else the copy of the whole :class:`LogitsModule`.
     Residual and other non-sequential graphs go through BackPACK's graph converter
     (``use_converter=True``), which turns functional operations such as ``+`` into modules.
+    Parameter names are those of the user's model either way.
 
     Raises:
         UnsupportedModelError: when the graph cannot be converted; names the reason.
     """
-    original = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    inner = model.model
+    original = [(name, p) for name, p in inner.named_parameters() if p.requires_grad]
     if not original:
         raise ValueError("The model has no trainable parameters; there is no Fisher to measure.")
-    clone = _plain_deepcopy(model)
+    clone = _plain_deepcopy(inner if model.is_plain() else model)
     clone.eval()
+    prefix = "" if model.is_plain() else LogitsModule.PREFIX
     clone_params = dict(clone.named_parameters())
-    parameters = [clone_params[name] for name, _ in original]
+    parameters = [clone_params[prefix + name] for name, _ in original]
     if _needs_converter(clone):
         try:
             with warnings.catch_warnings():
@@ -112,9 +127,9 @@ def measurement_copy(model: nn.Module) -> ExtendedModel:
                 extended = extend(clone, use_converter=True)
         except Exception as error:  # torch.fx cannot trace data-dependent control flow
             raise UnsupportedModelError(
-                f"BackPACK's graph converter could not trace {type(model).__name__} "
-                f"({type(error).__name__}: {error}). Use a model whose forward is traceable by "
-                "torch.fx, or a matrix-free structure."
+                f"BackPACK's graph converter could not convert {type(inner).__name__} "
+                f"({type(error).__name__}: {error}). Use a matrix-free structure "
+                "(structure='lanczos' or 'hutchinson') for this model."
             ) from error
         extended.eval()
     else:
@@ -152,6 +167,44 @@ def _translated_errors(structure: str):
         ) from error
 
 
+class _MultiOutputBCEDerivatives(BCELossWithLogitsDerivatives):
+    """BackPACK's BCE-with-logits derivatives for C ≥ 1 independent outputs and soft targets.
+
+    BackPACK 1.7 accepts one output and 0/1 targets only. The loss Hessian of
+    ``Σ_c BCE(z_c, y_c)`` is ``diag(σ(1 − σ))`` whatever the targets, with square root
+    ``diag √(σ(1 − σ))`` (shape [C, N, C]); the sampled square root (one Bernoulli draw per
+    output) is BackPACK's own and already works per output.
+    """
+
+    def _verify_support(self, module: nn.BCEWithLogitsLoss) -> None:
+        self._check_is_default(module)
+        if module.input0.dim() != 2:
+            raise NotImplementedError("loss='bce' needs logits of shape (batch, outputs).")
+
+    def _sqrt_hessian(self, module, g_inp, g_out, subsampling=None) -> Tensor:
+        self._verify_support(module)
+        logits = module.input0 if subsampling is None else module.input0[subsampling]
+        sigma = logits.sigmoid()
+        root = torch.diag_embed((sigma * (1.0 - sigma)).sqrt())  # [N, C, C]
+        if module.reduction == "mean":
+            root = root / module.input0.shape[0] ** 0.5
+        return root.transpose(0, 1)  # [C, N, C]: root[:, n, :] is sample n's (symmetric) root
+
+
+def _with_multi_output_bce(extensions: Sequence[object]) -> None:
+    """Teach the second-order extensions the multi-output BCE derivatives (idempotent)."""
+    for extension in extensions:
+        if isinstance(extension, (DiagGGNExact, DiagGGNMC)):
+            module_extension = DiagGGNLoss(_MultiOutputBCEDerivatives())
+        elif isinstance(extension, (SqrtGGNExact, SqrtGGNMC)):
+            module_extension = SqrtGGNBaseLossModule(_MultiOutputBCEDerivatives())
+        elif isinstance(extension, HBP):
+            module_extension = HBPLoss(_MultiOutputBCEDerivatives())
+        else:
+            continue
+        extension.set_module_extension(nn.BCEWithLogitsLoss, module_extension, overwrite=True)
+
+
 def backward_with(
     model: ExtendedModel,
     loss: Tensor,
@@ -160,6 +213,7 @@ def backward_with(
 ) -> None:
     """Run one backward pass of ``loss`` with the given BackPACK extensions active."""
     model.zero_grad()
+    _with_multi_output_bce(extensions)
     with _translated_errors(structure), backpack(*extensions), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
         loss.backward()
@@ -167,9 +221,14 @@ def backward_with(
 
 def extended_loss(loss: str) -> nn.Module:
     """The summed per-sample loss, extended: sum reduction makes every BackPACK quantity a sum
-    over samples, which :mod:`lightning_flatness.measure` divides by the sample count once."""
+    over samples, which :mod:`lightning_flatness.measure` divides by the sample count once.
+
+    ``"mse"`` is ``‖y − f‖²`` (twice ``½‖y − f‖²``: callers halve gradients and curvature).
+    """
     if loss == "cross_entropy":
         return extend(nn.CrossEntropyLoss(reduction="sum"))
+    if loss == "bce":
+        return extend(nn.BCEWithLogitsLoss(reduction="sum"))
     if loss == "mse":
         return extend(nn.MSELoss(reduction="sum"))
-    raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}.")
+    raise ValueError(f"loss must be 'cross_entropy', 'bce' or 'mse', got {loss!r}.")

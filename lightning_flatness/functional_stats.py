@@ -9,10 +9,9 @@ own ``nn.Parameter`` functionally and shared weights all work.
   (``torch.func.functional_call``), with Jacobian-vector products ``J v`` and vector-Jacobian
   products ``Jᵀ u``, each batched over a block of vectors (``vmap``). Buffers are private
   copies, so nothing a forward pass writes reaches the user's model.
-- :class:`OutputCore`: the Fisher of the output distribution (MATH.md, "The three matrices"):
-  ``Λ = diag p − p pᵀ = Aᵀ A`` with ``A = diag √p − √p pᵀ`` for cross-entropy, ``Λ = A = I`` for
-  the Gaussian regression loss ``½‖y − f‖²``. Then ``F = (1/m) Σ_i J_iᵀ Λ_i J_i`` and the rows of
-  ``V_i = A_i J_i`` are ``√p_ic ∇θ log p_ic``.
+- :class:`~lightning_flatness.likelihoods.OutputCore`: the Fisher of the output distribution,
+  ``Λ = AᵀA`` (docs/math.md, "The three matrices", "Losses"); then
+  ``F = (1/m) Σ_i J_iᵀ Λ_i J_i`` and ``V_i = A_i J_i``.
 - :func:`batch_statistics`: the :class:`StatisticSums` of one batch, exact sums over its samples
   (so they do not depend on how samples are batched), with ``Tr(F)`` either exact from per-sample
   Jacobians or the unbiased Hutchinson estimate ``‖∂h/∂θ‖²`` of fim_bounds_hutchinson.txt, Eq. 2.
@@ -23,25 +22,24 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
+from torch.func import grad, jacrev, jvp, vjp, vmap
 
+from lightning_flatness.batches import Leaves, LogitsModule, take_rows
+from lightning_flatness.likelihoods import LOSSES, OutputCore, get_likelihood
 from lightning_flatness.statistics import StatisticSums
 
 __all__ = [
     "LOSSES",
     "TRACE_ESTIMATORS",
     "FunctionalModel",
-    "OutputCore",
     "batch_statistics",
     "probe_vectors",
     "resolve_trace_estimator",
 ]
 
-LOSSES = ("cross_entropy", "mse")
 TRACE_ESTIMATORS = ("auto", "exact", "sampled")
 
 
@@ -56,8 +54,13 @@ def probe_vectors(shape: tuple[int, ...], generator: torch.Generator, dtype, dev
     raise ValueError(f"probe distribution must be 'rademacher' or 'gaussian', got {kind!r}.")
 
 
+def _unsqueeze(leaves: Leaves) -> Leaves:
+    return tuple(t.unsqueeze(0) for t in leaves)
+
+
 class FunctionalModel:
-    """The logits of ``model`` as a pure function of its trainable parameters.
+    """The logits of ``model`` (a :class:`LogitsModule`) as a pure function of its trainable
+    parameters, keyed by the user model's own names.
 
     Parameters with ``requires_grad=False`` are constants, like buffers. Parameters are used
     detached (never modified, no ``.grad`` is ever written); buffers are cloned once, so
@@ -70,8 +73,8 @@ class FunctionalModel:
         last_linear: the last ``nn.Linear`` in module order (relative flatness), if any.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        named = dict(model.named_parameters())
+    def __init__(self, model: LogitsModule) -> None:
+        named = dict(model.model.named_parameters())
         self.module = model
         self.params = {name: p.detach() for name, p in named.items() if p.requires_grad}
         if not self.params:
@@ -79,7 +82,7 @@ class FunctionalModel:
                 "The model has no trainable parameters; there is no Fisher to measure."
             )
         self.constants = {name: p.detach() for name, p in named.items() if not p.requires_grad}
-        self.constants.update({name: b.detach().clone() for name, b in model.named_buffers()})
+        self.constants.update({name: b.detach().clone() for name, b in model.model.named_buffers()})
         self.names = list(self.params)
         self.shapes = [p.shape for p in self.params.values()]
         self.sizes = [p.numel() for p in self.params.values()]
@@ -87,13 +90,13 @@ class FunctionalModel:
         first = next(iter(self.params.values()))
         self.dtype, self.device = first.dtype, first.device
         self.last_linear = None
-        for module in model.modules():
+        for module in model.model.modules():
             if isinstance(module, nn.Linear):
                 self.last_linear = module
 
-    def logits(self, params: dict[str, Tensor], inputs: Tensor) -> Tensor:
+    def logits(self, params: dict[str, Tensor], inputs: Leaves) -> Tensor:
         """``z(θ, x)`` for a batch of inputs, with ``params`` in place of the trainable ones."""
-        return functional_call(self.module, {**params, **self.constants}, (inputs,))
+        return self.module.call({**params, **self.constants}, inputs)
 
     def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
         """Views of a ``(..., P)`` block of flat vectors as ``{name: (..., *shape)}``."""
@@ -109,7 +112,7 @@ class FunctionalModel:
             view.add_(per_param[name])
         return buffer
 
-    def jvp(self, inputs: Tensor, vectors: Tensor) -> tuple[Tensor, Tensor]:
+    def jvp(self, inputs: Leaves, vectors: Tensor) -> tuple[Tensor, Tensor]:
         """Logits ``z`` (B, C) and ``J v`` (K, B, C) for each row ``v`` of ``vectors`` (K, P).
 
         One forward pass for ``z`` and forward-mode tangents for the K vectors (``vmap``).
@@ -125,7 +128,7 @@ class FunctionalModel:
         primal, products = vmap(single, out_dims=(None, 0))(tangents)
         return primal.detach(), products
 
-    def vjp(self, inputs: Tensor) -> tuple[Tensor, Callable[[Tensor], dict[str, Tensor]]]:
+    def vjp(self, inputs: Leaves) -> tuple[Tensor, Callable[[Tensor], dict[str, Tensor]]]:
         """Logits ``z`` (B, C) and a function mapping cotangents (K, B, C) to ``Jᵀ u``
         (``{name: (K, *shape)}``; see :meth:`accumulate` to add them to a flat buffer).
 
@@ -139,22 +142,21 @@ class FunctionalModel:
 
         return primal.detach(), backward
 
-    def per_sample_gradients(self, inputs: Tensor, targets: Tensor, loss: str) -> dict[str, Tensor]:
-        """Per-sample gradients ``{name: (B, *shape)}`` of ``−log p_y`` or ``½‖y − f‖²``."""
+    def per_sample_gradients(self, inputs: Leaves, targets: Tensor, loss: str) -> dict[str, Tensor]:
+        """Per-sample gradients ``{name: (B, *shape)}`` of ``−log p(y_i | z_i)``."""
+        likelihood = get_likelihood(loss)
 
-        def sample_loss(params: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-            output = self.logits(params, x.unsqueeze(0)).squeeze(0)
-            if loss == "mse":
-                return 0.5 * (output - y).square().sum()
-            return -torch.log_softmax(output, dim=-1).gather(0, y.reshape(1)).squeeze(0)
+        def sample_loss(params: dict[str, Tensor], x: Leaves, y: Tensor) -> Tensor:
+            output = self.logits(params, _unsqueeze(x))
+            return likelihood.nll(output, y.unsqueeze(0)).squeeze(0)
 
         return vmap(grad(sample_loss), in_dims=(None, 0, 0))(self.params, inputs, targets)
 
-    def per_sample_jacobians(self, inputs: Tensor) -> dict[str, Tensor]:
+    def per_sample_jacobians(self, inputs: Leaves) -> dict[str, Tensor]:
         """Jacobians ``J_i = ∂z(x_i)/∂θ`` as ``{name: (B, C, *shape)}``."""
 
-        def sample_logits(params: dict[str, Tensor], x: Tensor) -> Tensor:
-            return self.logits(params, x.unsqueeze(0)).squeeze(0)
+        def sample_logits(params: dict[str, Tensor], x: Leaves) -> Tensor:
+            return self.logits(params, _unsqueeze(x)).squeeze(0)
 
         return vmap(jacrev(sample_logits), in_dims=(None, 0))(self.params, inputs)
 
@@ -179,82 +181,6 @@ class FunctionalModel:
             handle.remove()
 
 
-@dataclass
-class OutputCore:
-    """The output Fisher ``Λ_i`` of each sample of a batch and its square root ``A_i``.
-
-    Cross-entropy (``probs`` given): ``Λ = diag p − p pᵀ`` and ``A = diag √p − √p pᵀ``, so that
-    ``AᵀA = Λ``, ``A √p = 0`` and row c of ``A J`` is ``√p_c ∇θ log p_c`` (MATH.md, "The three
-    matrices"). Regression (``probs=None``): ``Λ = A = I``, F = JᵀJ.
-
-    All methods act on the last axis (C) of tensors shaped (..., B, C).
-    """
-
-    probs: Tensor | None
-
-    @classmethod
-    def from_logits(cls, logits: Tensor, loss: str) -> OutputCore:
-        if loss == "mse":
-            return cls(None)
-        return cls(torch.softmax(logits.detach(), dim=-1))
-
-    def fisher(self, v: Tensor) -> Tensor:
-        """``Λ v = p∘v − p (pᵀv)``."""
-        if self.probs is None:
-            return v
-        p = self.probs
-        return p * v - p * (p * v).sum(-1, keepdim=True)
-
-    def sqrt(self, w: Tensor) -> Tensor:
-        """``A w = √p∘w − √p (pᵀw)``: output tangents ``J v`` → rows of ``V v``."""
-        if self.probs is None:
-            return w
-        p = self.probs
-        root = p.sqrt()
-        return root * w - root * (p * w).sum(-1, keepdim=True)
-
-    def sqrt_transpose(self, u: Tensor) -> Tensor:
-        """``Aᵀ u = √p∘u − p (√pᵀu)``: the cotangent on the logits of ``Σ_c u_c √p_c log p_c``."""
-        if self.probs is None:
-            return u
-        p = self.probs
-        root = p.sqrt()
-        return root * u - p * (root * u).sum(-1, keepdim=True)
-
-    def project(self, u: Tensor) -> Tensor:
-        """Remove each sample's component along ``√p_i``, the exact null space of ``Aᵀ``."""
-        if self.probs is None:
-            return u
-        root = self.probs.sqrt()
-        return u - root * (root * u).sum(-1, keepdim=True)
-
-    def diagonal(self, logits: Tensor) -> Tensor:
-        """``ζ`` (B, C) of the diagonal-core upper bound ``Σ_c p_c ∇z_c ∇z_cᵀ ⪰ F`` (Prop. 6,
-        Eq. 8): ``ζ = p``; for regression ``Λ = I`` is diagonal already (``ζ = 1``)."""
-        return torch.ones_like(logits) if self.probs is None else self.probs
-
-    def top_eigenpair(
-        self, generator: torch.Generator, iterations: int, shape: tuple[int, int]
-    ) -> tuple[Tensor, Tensor]:
-        """Largest eigenvalue ``λ_C`` (B,) and unit eigenvector ``v_C`` (B, C) of each ``Λ_i``.
-
-        Power iteration from a random unit vector (fim_bounds_hutchinson.txt, Section 4.3):
-        ``v ← (p∘v − (pᵀv) p)/‖·‖``, then ``λ_C = pᵀ(v∘v) − (pᵀv)²``. For regression ``Λ = I``:
-        ``λ_C = 1`` and any unit vector (the random start) is an eigenvector.
-        """
-        v = torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float64)
-        v = v / v.norm(dim=-1, keepdim=True)
-        if self.probs is None:
-            return v.new_ones(shape[0]), v
-        p = self.probs
-        v = v.to(device=p.device, dtype=p.dtype)
-        for _ in range(iterations):
-            v = self.fisher(v)
-            v = v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
-        value = (p * v.square()).sum(-1) - (p * v).sum(-1).square()
-        return value.clamp_min(0.0), v
-
-
 def resolve_trace_estimator(
     trace_estimator: str, num_outputs: int, num_parameters: int, chunk_elements: int
 ) -> str:
@@ -275,7 +201,7 @@ def _chunks(size: int, per_chunk: int) -> Iterator[slice]:
 
 def batch_statistics(
     model: FunctionalModel,
-    inputs: Tensor,
+    inputs: Leaves,
     targets: Tensor,
     *,
     loss: str,
@@ -286,49 +212,41 @@ def batch_statistics(
 ) -> tuple[StatisticSums, Tensor]:
     """The :class:`StatisticSums` of one batch and its logits (float64).
 
-    All sums are over the batch's samples (MATH.md, "The three matrices", "Generalization gap",
-    "Relative flatness"):
+    All sums are over the batch's samples (docs/math.md, "The three matrices", "Losses",
+    "Generalization gap", "Relative flatness"), for the likelihood ``loss``:
 
-    - ``loss``: ``Σ_i −log p_{i,y_i}`` or ``Σ_i ½‖y_i − f_i‖²``;
+    - ``loss``: ``Σ_i −log p(y_i | z_i)``;
     - ``grad_norm_sq``: ``Σ_i ‖g_i‖²`` from per-sample gradients (→ Tr(C));
     - ``fisher_trace``: ``Σ_i Tr(J_iᵀ Λ_i J_i)``, exact from per-sample Jacobians, or
-      (``"sampled"``) the unbiased ``‖∂h/∂θ‖²`` with ``h = Σ_x Σ_c √p̃_xc log p_xc ξ_xc``
-      (fim_bounds_hutchinson.txt, Eq. 2 and the remark after Prop. 12), one Rademacher ξ per
-      sample and class;
-    - ``error`` ``Σ_i ‖onehot_i − p_i‖²``, ``uncertainty`` ``Σ_i (1 − ‖p_i‖²)``, ``correct``;
+      (``"sampled"``) the unbiased ``‖J_iᵀ A_iᵀ ξ_i‖²`` summed over samples, one Rademacher ξ
+      per sample and output (the Hutchinson-Fisher paper, Eq. 2);
+    - ``error``, ``uncertainty``, ``correct`` (:meth:`Likelihood.scores`; NaN for regression);
     - ``relative_flatness``: ``Σ_i ‖φ_i‖² Tr(W Wᵀ Λ_i)`` for the last ``nn.Linear`` if it produces
       the outputs (NaN otherwise).
 
+    ``targets`` are the batch's raw targets; they are checked against the logits here.
     Per-sample gradients and Jacobians are computed ``chunk_elements`` numbers at a time. When
     ``grad_sq_sum`` (P,) is given, ``Σ_i g_i∘g_i`` is added to it (the diagonal of C, for the TIC).
     """
+    likelihood = get_likelihood(loss)
     with torch.no_grad(), model.capture_last_linear_input() as captured:
         logits = model.logits(model.params, inputs)
-    if logits.dim() != 2:
-        raise ValueError(
-            f"The model must return logits of shape (batch, classes); got {tuple(logits.shape)}."
-        )
+    likelihood.check_outputs(logits)
+    targets = likelihood.prepare_targets(targets, logits)
     batch, classes = logits.shape
     logits64 = logits.detach().to(torch.float64)
     sums = StatisticSums(count=float(batch))
     num_params = model.num_parameters
-    if loss == "mse":
-        sums.loss = float(0.5 * (logits64 - targets.to(torch.float64)).square().sum())
-        core64 = torch.eye(classes, dtype=torch.float64).expand(batch, -1, -1)
-    else:
-        log_probs = torch.log_softmax(logits64, dim=-1)
-        probs = log_probs.exp()
-        sums.loss = float(-log_probs.gather(1, targets.view(-1, 1)).sum())
-        onehot = nn.functional.one_hot(targets, classes).to(torch.float64)
-        sums.error = float((onehot - probs).square().sum())
-        sums.uncertainty = float((1.0 - probs.square().sum(-1)).sum())
-        sums.correct = float((logits64.argmax(-1) == targets).sum())
-        core64 = torch.diag_embed(probs) - probs.unsqueeze(-1) * probs.unsqueeze(-2)
+    target64 = targets.to(torch.float64) if targets.is_floating_point() else targets
+    sums.loss = float(likelihood.nll(logits64, target64).sum())
+    scores = likelihood.scores(logits64, targets)
+    sums.error, sums.uncertainty, sums.correct = scores.error, scores.uncertainty, scores.correct
     if not math.isfinite(sums.loss):
         return sums, logits64
+    core64 = likelihood.fisher_matrices(logits64)
     sums.relative_flatness = _relative_flatness_sum(model, captured, classes, core64)
     for rows in _chunks(batch, max(1, chunk_elements // num_params)):
-        grads = model.per_sample_gradients(inputs[rows], targets[rows], loss)
+        grads = model.per_sample_gradients(take_rows(inputs, rows), targets[rows], loss)
         sums.grad_norm_sq += _squared_norm(grads.values())
         if grad_sq_sum is not None:
             for name, view in model.unflatten(grad_sq_sum).items():
@@ -336,7 +254,7 @@ def batch_statistics(
                     view.addcmul_(row, row)
     if trace_estimator == "exact":
         for rows in _chunks(batch, max(1, chunk_elements // (num_params * classes))):
-            jacobians = model.per_sample_jacobians(inputs[rows]).values()
+            jacobians = model.per_sample_jacobians(take_rows(inputs, rows)).values()
             gram = sum(torch.einsum("nc...,nd...->ncd", j, j).to(torch.float64) for j in jacobians)
             sums.fisher_trace += float((core64[rows] * gram).sum())
     else:
@@ -357,7 +275,7 @@ def _squared_norm(tensors: Iterable[Tensor]) -> float:
 def _relative_flatness_sum(
     model: FunctionalModel, captured: list[Tensor], classes: int, core: Tensor
 ) -> float:
-    """``Σ_i ‖φ_i‖² Tr(W Wᵀ Λ_i)`` (relative_flatness.txt; MATH.md, "Relative flatness")."""
+    """``Σ_i ‖φ_i‖² Tr(W Wᵀ Λ_i)`` (docs/math.md, "Relative flatness")."""
     layer = model.last_linear
     if layer is None or not captured or layer.out_features != classes:
         return math.nan

@@ -61,16 +61,25 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from lightning_flatness._batches import prepared_batches
+from lightning_flatness.batches import (
+    InputSpec,
+    Leaves,
+    LogitsModule,
+    UnpackBatch,
+    num_samples,
+    peek_spec,
+    prepared_batches,
+    split_leaves,
+)
 from lightning_flatness.curvature.base import CurvatureEstimate
 from lightning_flatness.curvature.hutchinson import VARIANTS, HutchinsonFisher
 from lightning_flatness.curvature.lanczos import LanczosFisher
 from lightning_flatness.functional_stats import (
-    LOSSES,
     FunctionalModel,
     batch_statistics,
     resolve_trace_estimator,
 )
+from lightning_flatness.likelihoods import get_likelihood
 from lightning_flatness.measure import MATRIX_FREE_STRUCTURES, MeasurementError
 from lightning_flatness.spectral import SpectralSummary, check_lam
 from lightning_flatness.statistics import StatisticSums
@@ -183,10 +192,15 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 def _prepared(
-    batches: Iterable, max_samples: int | None, model: FunctionalModel, loss: str
-) -> Iterator[tuple[int, Tensor, Tensor]]:
+    batches: Iterable,
+    max_samples: int | None,
+    model: FunctionalModel,
+    unpack_batch: UnpackBatch | None,
+) -> Iterator[tuple[int, Leaves, Tensor]]:
     """``(index, inputs, targets)`` on the model's device/dtype, truncated at ``max_samples``."""
-    return prepared_batches(batches, max_samples, model.device, model.dtype, loss)
+    return prepared_batches(
+        batches, max_samples, model.device, model.dtype, unpack_batch, model.module.spec
+    )
 
 
 def _add(total: StatisticSums, part: StatisticSums) -> StatisticSums:
@@ -199,7 +213,7 @@ def _reduced(sums: StatisticSums, all_reduce: AllReduce | None) -> StatisticSums
     return StatisticSums.from_tensor(all_reduce(sums.as_tensor()))
 
 
-def _activation_elements_per_sample(model: FunctionalModel, inputs: Tensor) -> float:
+def _activation_elements_per_sample(model: FunctionalModel, inputs: Leaves) -> float:
     """Numbers autograd saves per sample in a forward pass (difference of 2 and 1 samples)."""
     counts = []
     params = {name: p.detach().requires_grad_() for name, p in model.params.items()}
@@ -211,7 +225,9 @@ def _activation_elements_per_sample(model: FunctionalModel, inputs: Tensor) -> f
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model.logits(params, inputs[:1].expand(size, *inputs.shape[1:]).contiguous())
+            model.logits(
+                params, tuple(t[:1].expand(size, *t.shape[1:]).contiguous() for t in inputs)
+            )
         counts.append(saved[0])
     return max(1.0, float(counts[1] - counts[0]))
 
@@ -228,12 +244,12 @@ class _Chunker:
         self.model, self.options, self.vectors = model, options, vectors
         self.size: int | None = options.chunk_size
 
-    def split(self, inputs: Tensor) -> tuple[Tensor, ...]:
+    def split(self, inputs: Leaves) -> list[Leaves]:
         if self.size is None:
             per_sample = _activation_elements_per_sample(self.model, inputs)
             budget = self.options.chunk_elements / ((self.vectors + 1) * per_sample)
             self.size = max(1, int(budget))
-        return inputs.split(self.size)
+        return split_leaves(inputs, self.size)
 
 
 class _CachedInputs:
@@ -241,14 +257,14 @@ class _CachedInputs:
 
     def __init__(self, chunker: _Chunker) -> None:
         self.chunker = chunker
-        self.batches: list[Tensor] = []
+        self.batches: list[Leaves] = []
         self.num_samples = 0
 
-    def add(self, inputs: Tensor) -> None:
+    def add(self, inputs: Leaves) -> None:
         self.batches.append(inputs)
-        self.num_samples += inputs.shape[0]
+        self.num_samples += num_samples(inputs)
 
-    def _batches(self) -> Iterator[Tensor]:
+    def _batches(self) -> Iterator[Leaves]:
         yield from self.batches
 
     def chunks(self, with_rows: bool = False) -> Iterator:
@@ -256,8 +272,9 @@ class _CachedInputs:
         offset = 0
         for inputs in self._batches():
             for piece in self.chunker.split(inputs):
-                rows = slice(offset, offset + piece.shape[0])
-                offset += piece.shape[0]
+                size = num_samples(piece)
+                rows = slice(offset, offset + size)
+                offset += size
                 yield (piece, rows) if with_rows else piece
 
 
@@ -265,15 +282,17 @@ class _ReiteratedInputs(_CachedInputs):
     """Iterates ``train_batches`` again for every pass (``cache=False``), checking each pass
     yields the same samples in the same order (count and per-batch input sums)."""
 
-    def __init__(self, chunker, batches, max_samples, model, loss, fingerprint) -> None:
+    def __init__(self, chunker, batches, max_samples, model, unpack_batch, fingerprint) -> None:
         super().__init__(chunker)
-        self.source, self.max_samples, self.model, self.loss = batches, max_samples, model, loss
+        self.source, self.max_samples, self.model = batches, max_samples, model
+        self.unpack_batch = unpack_batch
         self.fingerprint = fingerprint
         self.num_samples = sum(size for size, _ in fingerprint)
 
-    def _batches(self) -> Iterator[Tensor]:
+    def _batches(self) -> Iterator[Leaves]:
         seen = []
-        for _, inputs, _ in _prepared(self.source, self.max_samples, self.model, self.loss):
+        source = _prepared(self.source, self.max_samples, self.model, self.unpack_batch)
+        for _, inputs, _ in source:
             seen.append(_fingerprint(inputs))
             yield inputs
         if not _same_fingerprints(seen, self.fingerprint):
@@ -285,8 +304,8 @@ class _ReiteratedInputs(_CachedInputs):
             )
 
 
-def _fingerprint(inputs: Tensor) -> tuple[int, float]:
-    return inputs.shape[0], float(inputs.detach().to(torch.float64).sum())
+def _fingerprint(inputs: Leaves) -> tuple[int, float]:
+    return num_samples(inputs), sum(float(t.detach().to(torch.float64).sum()) for t in inputs)
 
 
 def _same_fingerprints(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
@@ -311,12 +330,13 @@ def _split_statistics(
     options: MatrixFreeOptions,
     generator: torch.Generator,
     split: str,
-    on_batch: Callable[[Tensor], None] | None = None,
+    unpack_batch: UnpackBatch | None = None,
+    on_batch: Callable[[Leaves], None] | None = None,
     grad_sq_sum: Tensor | None = None,
 ) -> tuple[StatisticSums, int]:
     """Statistic sums of one split, and the number of outputs C (0 when empty)."""
     total, classes = StatisticSums(), 0
-    for index, inputs, targets in _prepared(batches, max_samples, model, loss):
+    for index, inputs, targets in _prepared(batches, max_samples, model, unpack_batch):
         if trace_estimator == "auto":
             trace_estimator = resolve_trace_estimator(
                 trace_estimator,
@@ -347,10 +367,10 @@ def _split_statistics(
     return total, classes
 
 
-def _num_outputs(model: FunctionalModel, inputs: Tensor) -> int:
+def _num_outputs(model: FunctionalModel, inputs: Leaves) -> int:
     """C, the number of outputs, from one sample."""
     with torch.no_grad():
-        return int(model.logits(model.params, inputs[:1]).shape[-1])
+        return int(model.logits(model.params, tuple(t[:1] for t in inputs)).shape[-1])
 
 
 def stream_matrix_free(
@@ -366,22 +386,30 @@ def stream_matrix_free(
     seed: int = 0,
     all_reduce: AllReduce | None = None,
     options: Mapping[str, object] | None = None,
+    unpack_batch: UnpackBatch | None = None,
+    repeatable_train_batches: Iterable | None = None,
 ) -> tuple[CurvatureEstimate, StatisticSums, StatisticSums]:
     """Curvature estimate and statistics of ``model`` from Fisher products (no BackPACK).
 
     Args:
-        model: a classifier returning logits (B, C), or a regressor with ``loss="mse"``.
-        train_batches: iterable of ``(inputs, targets)``; all are used up to ``max_samples``.
+        model: the model, or the model wrapped as a
+            :class:`~lightning_flatness.batches.LogitsModule` (as :func:`measure` passes it);
+            a plain module is wrapped with the default call and the first batch's input spec.
+        train_batches: iterable of training batches; all are used up to ``max_samples``.
         val_batches: held-out batches (statistics only), or None.
         structure: ``"lanczos"`` (SLQ of the exact F) or ``"hutchinson"`` (Hutchinson
             diagonal, Eq. 2, with the Eq. 8 / Eq. 9 bounds).
         lam: the weight decay λ > 0.
-        loss: ``"cross_entropy"`` or ``"mse"`` (F = JᵀJ, loss ½‖y − f‖²).
+        loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"`` (see
+            :mod:`lightning_flatness.likelihoods`).
         max_samples / max_val_samples: stop after this many training / validation samples.
         seed: seeds the private generators (probes, sampled traces).
         all_reduce: sums a tensor across processes in place and returns it (data parallelism):
             statistics and Hutchinson sums are reduced once, Lanczos products inside every step.
         options: see the table in the module docstring.
+        unpack_batch: ``batch -> (inputs, targets)`` (see :mod:`lightning_flatness.batches`).
+        repeatable_train_batches: what ``cache=False`` iterates again (default
+            ``train_batches``), for callers whose ``train_batches`` is a one-shot iterator.
 
     Returns:
         ``(curvature, train_sums, val_sums)``; the sums are already reduced across processes.
@@ -400,8 +428,12 @@ def stream_matrix_free(
         raise ValueError(
             f"structure must be one of {MATRIX_FREE_STRUCTURES} here, got {structure!r}."
         )
-    if loss not in LOSSES:
-        raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}.")
+    get_likelihood(loss)
+    if not isinstance(model, LogitsModule):
+        spec, first_pass = peek_spec(train_batches, unpack_batch)
+        repeatable_train_batches = repeatable_train_batches or train_batches
+        train_batches = first_pass
+        model = LogitsModule(model, spec or InputSpec("tensor"))
     settings = MatrixFreeOptions.from_dict(options)
     lam = check_lam(lam)
     with _left_as_found(model):
@@ -431,14 +463,14 @@ def stream_matrix_free(
                 functional.num_parameters, dtype=functional.dtype, device=functional.device
             )
 
-            def on_batch(inputs: Tensor) -> None:
+            def on_batch(inputs: Leaves) -> None:
                 for piece in chunker.split(inputs):
                     hutchinson.update(piece)
 
         fingerprints: list[tuple[int, float]] = []
         if lanczos and not settings.cache:
 
-            def on_batch(inputs: Tensor) -> None:
+            def on_batch(inputs: Leaves) -> None:
                 fingerprints.append(_fingerprint(inputs))
 
         common = {
@@ -446,6 +478,7 @@ def stream_matrix_free(
             "trace_estimator": settings.trace_estimator,
             "options": settings,
             "generator": local,
+            "unpack_batch": unpack_batch,
         }
         train, classes = _split_statistics(
             functional,
@@ -475,8 +508,9 @@ def stream_matrix_free(
             return hutchinson.estimate(num_samples, lam, grad_sq_sum), train, val
         source = cache
         if not settings.cache:
+            again = train_batches if repeatable_train_batches is None else repeatable_train_batches
             source = _ReiteratedInputs(
-                chunker, train_batches, max_samples, functional, loss, fingerprints
+                chunker, again, max_samples, functional, unpack_batch, fingerprints
             )
         estimator = LanczosFisher(
             functional,

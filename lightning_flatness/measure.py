@@ -14,7 +14,12 @@ The report combines (MATH.md, "Generalization gap"):
 - ``thomas_gap`` = Eq. (11): ``(1/n) · Tr(C)/Tr(F)`` (training data);
 - ``tic`` = ``(1/n) · Tr(C (F+λI)⁻¹)`` where the structure supports it (dense, gram: exact;
   diag/diag_mc/hutchinson: the diagonal formula; kfac, lanczos: NaN);
-- ``observed_gap`` = validation loss − training loss (plain loss, no regularizer).
+- ``observed_gap`` = ``val_nll − train_nll``: the negative log-likelihood of the model's own
+  likelihood on each split (plain: no label smoothing, no regularizer, whatever the user's
+  training loss adds; docs/math.md, "Label smoothing").
+
+Batches, model calls and outputs are read by :mod:`lightning_flatness.batches` (``unpack_batch=``,
+``logits_fn=``), losses by :mod:`lightning_flatness.likelihoods` (``loss=``).
 """
 
 from __future__ import annotations
@@ -33,13 +38,29 @@ from lightning_flatness._backpack import (
     extended_loss,
     measurement_copy,
 )
-from lightning_flatness._batches import prepared_batches
+from lightning_flatness.batches import (
+    BatchError,
+    InputSpec,
+    LogitsFn,
+    LogitsModule,
+    UnpackBatch,
+    num_samples,
+    peek_spec,
+    prepared_batches,
+)
 from lightning_flatness.curvature import STRUCTURES, make_estimator
 from lightning_flatness.curvature.base import CurvatureEstimate, CurvatureEstimator
+from lightning_flatness.likelihoods import get_likelihood
 from lightning_flatness.spectral import SpectralSummary, check_lam
 from lightning_flatness.statistics import SampleStatistics, StatisticSums
 
-__all__ = ["MATRIX_FREE_STRUCTURES", "FlatnessReport", "MeasurementError", "measure"]
+__all__ = [
+    "MATRIX_FREE_STRUCTURES",
+    "FlatnessReport",
+    "MeasurementError",
+    "check_batch",
+    "measure",
+]
 
 #: Structures computed from Fisher-vector products with torch.func (any differentiable model).
 MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson")
@@ -55,7 +76,9 @@ class MeasurementError(RuntimeError):
 class FlatnessReport:
     """Flatness measures and generalization-gap estimates of one measurement.
 
-    Every float is NaN where it is undefined for the inputs given (e.g. no validation data).
+    Every float is NaN where it is undefined for the inputs given (e.g. no validation data, or
+    the accuracy of a regressor). ``train_nll`` / ``val_nll`` are the plain negative
+    log-likelihoods of the model's own likelihood, not the user's training loss.
     ``eigenvalues`` (the structure's spectrum, float64) and ``blocks`` (per-parameter summaries
     of block-structured approximations, e.g. ``kfac``) are not part of :meth:`as_dict`.
     """
@@ -72,8 +95,8 @@ class FlatnessReport:
     predicted_gap_train: float
     thomas_gap: float
     tic: float
-    train_loss: float
-    val_loss: float
+    train_nll: float
+    val_nll: float
     observed_gap: float
     train_accuracy: float
     val_accuracy: float
@@ -146,13 +169,19 @@ def _stream(
     loss_name: str,
     max_samples: int | None,
     split: str,
+    unpack_batch: UnpackBatch | None,
+    spec: InputSpec,
 ) -> None:
     """One forward + BackPACK backward per batch, feeding ``statistics`` and ``estimator``."""
     device, dtype = _model_device_dtype(model.module)
     loss_fn = extended_loss(loss_name)
+    likelihood = get_likelihood(loss_name)
     extensions = statistics.extensions() + (estimator.extensions() if estimator else [])
-    for index, inputs, targets in prepared_batches(batches, max_samples, device, dtype, loss_name):
-        logits = model.module(inputs)
+    stream = prepared_batches(batches, max_samples, device, dtype, unpack_batch, spec)
+    for index, inputs, targets in stream:
+        logits = model.module(*inputs)
+        likelihood.check_outputs(logits)
+        targets = likelihood.prepare_targets(targets, logits)
         loss = loss_fn(logits, targets)
         if not torch.isfinite(loss):
             raise MeasurementError(
@@ -161,10 +190,9 @@ def _stream(
                 "learning rate, clip gradients) before measuring."
             )
         backward_with(model, loss, extensions, estimator.name if estimator else "statistics")
-        batch_size = inputs.shape[0]
         if estimator is not None:
-            estimator.update(model, batch_size)
-        statistics.update(model, logits, targets, loss.detach())
+            estimator.update(model, num_samples(inputs))
+        statistics.update(model, logits, targets)
     model.zero_grad()
 
 
@@ -192,13 +220,17 @@ def measure(
     seed: int = 0,
     all_reduce: AllReduce | None = None,
     matrix_free_options: dict | None = None,
+    unpack_batch: UnpackBatch | None = None,
+    logits_fn: LogitsFn | None = None,
 ) -> FlatnessReport:
     """Measure the flatness of ``model`` on ``train_batches`` and predict its generalization gap.
 
     Args:
-        model: a classifier returning logits (or a regressor with ``loss="mse"``).
-        train_batches: iterable of ``(inputs, targets)`` training batches; all are used (up to
-            ``max_samples``), since the soft rank is biased low on subsets.
+        model: a classifier (or a regressor with ``loss="mse"``); its logits are read with
+            ``logits_fn``.
+        train_batches: iterable of training batches, ``(inputs, targets, ...)`` or mappings
+            (see ``unpack_batch``); all are used (up to ``max_samples``), since the soft rank is
+            biased low on subsets. Inputs may be a tensor, a tuple or a dict of tensors.
         lam: the coupled L2 weight decay λ > 0 of the objective ``mean loss + ½λ‖θ‖²``.
         num_train_samples: n, the size of the training set (scales the predicted gap).
         structure: one of ``"dense"``, ``"gram"``, ``"kfac"``, ``"diag"``, ``"diag_mc"`` (BackPACK),
@@ -212,18 +244,29 @@ def measure(
             small (``C·P ≤ 2²⁵``), else sampled.
         kfac_mode: ``"exact"`` (KFLR) or ``"sampled"`` (KFAC with sampled labels).
         mc_samples: labels sampled per input for the Monte-Carlo structures.
-        loss: ``"cross_entropy"`` (classification) or ``"mse"`` (Gaussian regression, F = JᵀJ).
+        loss: ``"cross_entropy"`` (softmax classification), ``"bce"`` (independent sigmoid
+            outputs: multi-label, or binary with one logit; ``Λ = diag σ(1−σ)``) or ``"mse"``
+            (Gaussian regression, F = JᵀJ); see :mod:`lightning_flatness.likelihoods`.
         dense_max_parameters / gram_max_kernel_size: size guards of ``dense`` / ``gram``.
         seed: seeds the Monte-Carlo structures in a forked RNG (global RNG left untouched).
         all_reduce: sums a tensor across processes in place and returns it (data parallelism);
             every sum is reduced before any eigenvalue or ratio is taken.
         matrix_free_options: options of the matrix-free structures (probes, Lanczos steps, ...).
+        unpack_batch: ``batch -> (inputs, targets)``; default
+            :func:`~lightning_flatness.batches.default_unpack_batch` (sequences and mappings
+            with a ``labels``/``label``/``targets``/``target``/``y`` key).
+        logits_fn: ``(model, inputs) -> logits``; default
+            :func:`~lightning_flatness.batches.default_logits_fn` (calls the model, reads a
+            tensor, ``.logits``, ``["logits"]`` or the first element of a tuple).
 
     Returns:
         A :class:`FlatnessReport`.
 
     Raises:
         ValueError: bad arguments (the message names the value and the fix).
+        BatchError: a batch, call or output that cannot be read (names ``unpack_batch=`` or
+            ``logits_fn=``).
+        TargetError: targets that do not fit ``loss`` (names the loss that fits them).
         MeasurementError: no samples, or a non-finite loss.
         UnsupportedModelError: a layer BackPACK cannot handle (names the module type).
     """
@@ -239,15 +282,20 @@ def measure(
     for name, value in (("max_samples", max_samples), ("max_val_samples", max_val_samples)):
         if value is not None and int(value) < 1:
             raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
-    if loss not in ("cross_entropy", "mse"):
-        raise ValueError(f"loss must be 'cross_entropy' or 'mse', got {loss!r}.")
+    get_likelihood(loss)
     start = time.perf_counter()
+    spec, first_pass = peek_spec(train_batches, unpack_batch)
+    if spec is None and all_reduce is None:
+        raise MeasurementError(
+            "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
+        )
+    wrapped = LogitsModule(model, spec or InputSpec("tensor"), logits_fn)
     if structure in MATRIX_FREE_STRUCTURES:
         from lightning_flatness.matrix_free import stream_matrix_free
 
         curvature, train_sums, val_sums = stream_matrix_free(
-            model,
-            train_batches,
+            wrapped,
+            first_pass,
             val_batches,
             structure=structure,
             lam=lam,
@@ -260,6 +308,8 @@ def measure(
                 **({"trace_estimator": trace_estimator} if trace_estimator else {}),
                 **(matrix_free_options or {}),
             },
+            unpack_batch=unpack_batch,
+            repeatable_train_batches=train_batches,
         )
         if train_sums.count == 0:
             raise MeasurementError(
@@ -268,15 +318,15 @@ def measure(
     else:
         estimator = make_estimator(
             structure,
-            ggn_scale=1.0 if loss == "cross_entropy" else 0.5,
+            ggn_scale=0.5 if loss == "mse" else 1.0,
             kfac_mode=kfac_mode,
             mc_samples=mc_samples,
             dense_max_parameters=dense_max_parameters,
             gram_max_kernel_size=gram_max_kernel_size,
         )
         train_sums, val_sums = _stream_backpack(
-            model,
-            train_batches,
+            wrapped,
+            first_pass,
             val_batches,
             estimator,
             trace_estimator or "exact",
@@ -285,6 +335,7 @@ def measure(
             max_val_samples,
             seed,
             all_reduce,
+            unpack_batch,
         )
         curvature = estimator.estimate(int(train_sums.count), lam)
     return _report(
@@ -299,7 +350,7 @@ def measure(
 
 
 def _stream_backpack(
-    model: nn.Module,
+    model: LogitsModule,
     train_batches: Iterable,
     val_batches: Iterable | None,
     estimator: CurvatureEstimator,
@@ -309,6 +360,7 @@ def _stream_backpack(
     max_val_samples: int | None,
     seed: int,
     all_reduce: AllReduce | None,
+    unpack_batch: UnpackBatch | None,
 ) -> tuple[StatisticSums, StatisticSums]:
     """Stream both splits through one extended copy; reduce every sum across processes.
 
@@ -316,17 +368,18 @@ def _stream_backpack(
     collective: every process first learns whether all of them succeeded, then all raise or
     all reduce.
     """
-    classification = loss == "cross_entropy"
-    train_stats = SampleStatistics(trace_estimator, classification, estimator.extensions())
-    val_stats = SampleStatistics(trace_estimator, classification)
+    train_stats = SampleStatistics(trace_estimator, loss, estimator.extensions())
+    val_stats = SampleStatistics(trace_estimator, loss)
+    split = {"split": "training", "unpack_batch": unpack_batch, "spec": model.spec}
     failure: Exception | None = None
     try:
         with torch.random.fork_rng(devices=_rng_devices(model)):
             torch.manual_seed(seed)
             extended = measurement_copy(model)
-            _stream(extended, train_batches, train_stats, estimator, loss, max_samples, "training")
+            _stream(extended, train_batches, train_stats, estimator, loss, max_samples, **split)
             if val_batches is not None:
-                _stream(extended, val_batches, val_stats, None, loss, max_val_samples, "validation")
+                split["split"] = "validation"
+                _stream(extended, val_batches, val_stats, None, loss, max_val_samples, **split)
             del extended
         if train_stats.sums.count == 0:
             raise MeasurementError(
@@ -352,6 +405,51 @@ def _stream_backpack(
     return train_stats.sums, val_stats.sums
 
 
+def check_batch(
+    model: nn.Module,
+    batch: object,
+    *,
+    loss: str = "cross_entropy",
+    unpack_batch: UnpackBatch | None = None,
+    logits_fn: LogitsFn | None = None,
+) -> tuple[int, int]:
+    """Read one real batch the way :func:`measure` will, and fail now if it cannot.
+
+    Unpacks the batch, calls the model (eval mode, no gradient, forked RNG; every module's mode
+    restored), reads the logits and checks the targets against ``loss``. Nothing of the
+    model's state changes.
+
+    Returns:
+        ``(batch size, number of outputs)``.
+
+    Raises:
+        BatchError / TargetError: with a message naming the argument that fixes the problem.
+    """
+    likelihood = get_likelihood(loss)
+    device, dtype = _model_device_dtype(model)
+    spec, stream = peek_spec([batch], unpack_batch)
+    if spec is None:
+        raise MeasurementError("The batch to check is missing.")
+    _, inputs, targets = next(iter(prepared_batches(stream, None, device, dtype, unpack_batch)))
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        with torch.random.fork_rng(devices=_rng_devices(model)), torch.no_grad():
+            model.eval()
+            logits = LogitsModule(model, spec, logits_fn)(*inputs)
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    likelihood.check_outputs(logits)
+    if logits.shape[0] != num_samples(inputs):
+        raise BatchError(
+            f"The model returned outputs of shape {tuple(logits.shape)} for a batch of "
+            f"{num_samples(inputs)} inputs; the first dimension of the logits must be the "
+            "batch. Pass logits_fn=... that returns (batch, outputs) logits."
+        )
+    likelihood.prepare_targets(targets, logits)
+    return num_samples(inputs), int(logits.shape[1])
+
+
 def _rng_devices(model: nn.Module) -> list[int]:
     return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
@@ -374,7 +472,7 @@ def _report(
     ratio_val = _ratio(trace_cov_val, trace_fisher_val)
     predicted_train = ratio_train * summary.soft_rank / n
     predicted = ratio_val * summary.soft_rank / n if val.count else predicted_train
-    train_loss, val_loss = train.mean("loss"), val.mean("loss")
+    train_nll, val_nll = train.mean("loss"), val.mean("loss")
     return FlatnessReport(
         soft_rank=summary.soft_rank,
         soft_rank2=summary.soft_rank2,
@@ -388,9 +486,9 @@ def _report(
         predicted_gap_train=predicted_train,
         thomas_gap=ratio_train / n,
         tic=curvature.tic_trace / n,
-        train_loss=train_loss,
-        val_loss=val_loss,
-        observed_gap=val_loss - train_loss,
+        train_nll=train_nll,
+        val_nll=val_nll,
+        observed_gap=val_nll - train_nll,
         train_accuracy=train.mean("correct"),
         val_accuracy=val.mean("correct"),
         error_uncertainty_train=_ratio(train.mean("error"), train.mean("uncertainty")),

@@ -6,12 +6,17 @@ so they work for any differentiable model and never touch the model's state: par
 passed in explicitly and the model is evaluated in whatever mode it is in (call ``.eval()``
 first, as :func:`lightning_flatness.measure` does).
 
-Definitions (MATH.md, "The three matrices"; "Flatness After All?", Section 2.3), over the m
-samples given, with parameters flattened in ``model.named_parameters()`` order:
+Definitions (docs/math.md, "The three matrices", "Losses"; "Flatness After All?", Section 2.3),
+over the m samples given, with parameters flattened in ``model.named_parameters()`` order, for
+the likelihood ``loss`` (``"cross_entropy"``, ``"bce"`` or ``"mse"``):
 
-- ``V_i`` (C × P): row c is ``√p_ic ∇θ log p_ic`` — the square-root factor of the Fisher;
-- ``F = (1/m) Σ_i V_iᵀ V_i = (1/m) Σ_i J_iᵀ (diag p_i − p_i p_iᵀ) J_i``;
-- ``C = (1/m) Σ_i g_i g_iᵀ``, ``g_i = ∇θ (−log p_{i,y_i})`` (true labels, uncentered).
+- ``V_i`` (C × P): the square-root factor of the Fisher; for cross-entropy row c is
+  ``√p_ic ∇θ log p_ic``, for bce ``√(σ_ic(1 − σ_ic)) ∇θ z_ic``, for mse ``∇θ z_ic``;
+- ``F = (1/m) Σ_i V_iᵀ V_i = (1/m) Σ_i J_iᵀ Λ_i J_i``;
+- ``C = (1/m) Σ_i g_i g_iᵀ``, ``g_i = ∇θ (−log p(y_i | z_i))`` (true targets, uncentered).
+
+These are written independently of :mod:`lightning_flatness.likelihoods` (the closed forms of
+each loss are spelled out here), so that a mistake there shows up as a disagreement.
 """
 
 from __future__ import annotations
@@ -50,44 +55,70 @@ def per_sample_jacobians(model: nn.Module, inputs: Tensor) -> Tensor:
     return _flatten_rows(vmap(jacrev(outputs), in_dims=(None, 0))(params, inputs), leading=2)
 
 
-def per_sample_sqrt_fisher(model: nn.Module, inputs: Tensor) -> Tensor:
-    """Square-root Fisher factors ``V`` of shape (m, C, P): ``V[i, c] = √p_ic ∇θ log p_ic``."""
+def per_sample_sqrt_fisher(model: nn.Module, inputs: Tensor, loss: str = "cross_entropy") -> Tensor:
+    """Square-root Fisher factors ``V`` of shape (m, C, P) (module docstring)."""
     params = _trainable(model)
 
+    def logits_of(theta: dict[str, Tensor], x: Tensor) -> Tensor:
+        return functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
+
     def log_probs(theta: dict[str, Tensor], x: Tensor) -> Tensor:
-        logits = functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
-        return torch.log_softmax(logits, dim=-1)
+        return torch.log_softmax(logits_of(theta, x), dim=-1)
 
     def one_sample(x: Tensor) -> Tensor:
-        grads = jacrev(log_probs)(params, x)  # {name: (C, *shape)}
-        probs = log_probs(params, x).exp().detach()
-        return probs.sqrt().unsqueeze(-1) * _flatten_rows(grads, leading=1)
+        if loss == "cross_entropy":
+            grads = jacrev(log_probs)(params, x)  # {name: (C, *shape)}
+            weights = log_probs(params, x).exp().detach().sqrt()
+        elif loss in ("bce", "mse"):
+            grads = jacrev(logits_of)(params, x)
+            sigma = torch.sigmoid(logits_of(params, x)).detach()
+            weights = (sigma * (1 - sigma)).sqrt() if loss == "bce" else torch.ones_like(sigma)
+        else:
+            raise ValueError(f"unknown loss {loss!r}")
+        return weights.unsqueeze(-1) * _flatten_rows(grads, leading=1)
 
     return vmap(one_sample)(inputs)
 
 
-def per_sample_gradients(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
-    """Per-sample gradients (m, P) of the cross-entropy ``−log p_{y_i}`` at the true labels."""
+def _sample_loss(loss: str, logits: Tensor, target: Tensor) -> Tensor:
+    """``−log p(y | z)`` of one sample from its closed form."""
+    if loss == "cross_entropy":
+        return -torch.log_softmax(logits, dim=-1).gather(0, target.reshape(1)).squeeze(0)
+    if loss == "bce":  # −y log σ(z) − (1 − y) log(1 − σ(z)), summed over the outputs
+        log_sigma = torch.nn.functional.logsigmoid(logits)
+        log_one_minus = torch.nn.functional.logsigmoid(-logits)
+        return -(target * log_sigma + (1 - target) * log_one_minus).sum()
+    if loss == "mse":
+        return 0.5 * (target - logits).square().sum()
+    raise ValueError(f"unknown loss {loss!r}")
+
+
+def per_sample_gradients(
+    model: nn.Module, inputs: Tensor, targets: Tensor, loss: str = "cross_entropy"
+) -> Tensor:
+    """Per-sample gradients (m, P) of ``−log p(y_i | z_i)`` at the true targets."""
     params = _trainable(model)
 
-    def loss(theta: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-        logits = functional_call(model, theta, (x.unsqueeze(0),))
-        return torch.nn.functional.cross_entropy(logits, y.unsqueeze(0))
+    def sample_loss(theta: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
+        logits = functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
+        return _sample_loss(loss, logits, y)
 
-    grads = vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, inputs, targets)
+    grads = vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, inputs, targets)
     return _flatten_rows(grads, leading=1)
 
 
-def dense_fisher(model: nn.Module, inputs: Tensor) -> Tensor:
+def dense_fisher(model: nn.Module, inputs: Tensor, loss: str = "cross_entropy") -> Tensor:
     """The P × P Fisher ``F = (1/m) Σ_i V_iᵀ V_i`` over the m rows of ``inputs``."""
-    factors = per_sample_sqrt_fisher(model, inputs)
+    factors = per_sample_sqrt_fisher(model, inputs, loss)
     flat = factors.reshape(-1, factors.shape[-1])
     return flat.T @ flat / inputs.shape[0]
 
 
-def dense_gradient_covariance(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+def dense_gradient_covariance(
+    model: nn.Module, inputs: Tensor, targets: Tensor, loss: str = "cross_entropy"
+) -> Tensor:
     """The P × P uncentered gradient covariance ``C = (1/m) Σ_i g_i g_iᵀ``."""
-    grads = per_sample_gradients(model, inputs, targets)
+    grads = per_sample_gradients(model, inputs, targets, loss)
     return grads.T @ grads / inputs.shape[0]
 
 

@@ -98,8 +98,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
-from torch.func import functional_call, grad, jacrev, vmap
+from torch.func import grad, jacrev, vmap
 
+from lightning_flatness.batches import (
+    InputSpec,
+    Leaves,
+    LogitsFn,
+    LogitsModule,
+    num_samples,
+)
+from lightning_flatness.likelihoods import Likelihood, TargetError, get_likelihood
 from lightning_flatness.spectral import check_lam
 
 __all__ = [
@@ -141,21 +149,23 @@ def _check_choice(name: str, value: object, choices: Sequence[str]) -> str:
     return value
 
 
-def _check_inputs(inputs: object) -> Tensor:
-    if not isinstance(inputs, Tensor):
-        raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}.")
-    if not inputs.is_floating_point():
+def _check_inputs(inputs: object) -> tuple[InputSpec, Leaves]:
+    """The spec and leaves of a batch's inputs (a tensor, a tuple or a dict of tensors).
+
+    Integer inputs (token ids) are fine: the penalty differentiates the parameters only.
+    """
+    if not isinstance(inputs, (Tensor, tuple, list, dict)):
         raise TypeError(
-            f"inputs must be a floating-point tensor (the model's input batch), got dtype "
-            f"{inputs.dtype}. Cast image batches with .float(); integer token ids need a model "
-            "that embeds them first."
+            f"inputs must be a tensor, a tuple or a dict of tensors, got {type(inputs).__name__}."
         )
-    if inputs.ndim == 0 or inputs.shape[0] == 0:
+    spec = InputSpec.of(inputs)
+    leaves = spec.flatten(inputs)
+    if any(t.ndim == 0 for t in leaves) or num_samples(leaves) == 0:
         raise ValueError(
             f"The penalty needs a non-empty batch (batch dimension first), got inputs of shape "
-            f"{tuple(inputs.shape)}."
+            f"{[tuple(t.shape) for t in leaves]}."
         )
-    return inputs
+    return spec, leaves
 
 
 def _check_num_train_samples(num_train_samples: object, batch_size: int) -> int:
@@ -205,15 +215,17 @@ def _check_model(model: object) -> nn.Module:
     return model
 
 
-def _check_logits(logits: object, batch_size: int) -> Tensor:
+def _check_logits(logits: object, batch_size: int, likelihood: Likelihood) -> Tensor:
     if not isinstance(logits, Tensor) or logits.ndim != 2 or logits.shape[0] != batch_size:
         shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
         raise ValueError(
-            f"The model must return logits of shape (batch, classes); for a batch of "
+            f"The model must return logits of shape (batch, outputs); for a batch of "
             f"{batch_size} it returned {shape}."
         )
-    if logits.shape[1] < 2:
-        raise ValueError(f"A classifier needs at least 2 classes, got {logits.shape[1]}.")
+    try:
+        likelihood.check_outputs(logits)
+    except TargetError as error:
+        raise ValueError(str(error)) from None
     return logits
 
 
@@ -303,35 +315,40 @@ def _constants(model: nn.Module, selected: dict[str, nn.Parameter]) -> dict[str,
 # ------------------------------------------------------------------------------------ labels
 
 
-def _draw_labels(probs: Tensor, generator: torch.Generator) -> Tensor:
-    """``ĉ_i = min{c : Σ_(k≤c) p_ik ≥ u_i}`` for uniforms ``u_i`` from ``generator``."""
-    probs = probs.detach().to(torch.float64)
-    uniforms = torch.rand(
-        probs.shape[0], generator=generator, dtype=torch.float64, device=generator.device
-    ).to(probs.device)
-    labels = (probs.cumsum(dim=-1) < uniforms.unsqueeze(-1)).sum(dim=-1)
-    return labels.clamp_max(probs.shape[-1] - 1)
+def sample_labels(
+    model: nn.Module,
+    inputs: object,
+    generator: torch.Generator,
+    *,
+    loss: str = "cross_entropy",
+    logits_fn: LogitsFn | None = None,
+) -> Tensor:
+    """Draw one target per input from the model's own predictive distribution.
 
-
-def sample_labels(model: nn.Module, inputs: Tensor, generator: torch.Generator) -> Tensor:
-    """Draw one label per input from the model's own predictive distribution ``p_i``.
-
-    Inversion of the CDF of the detached ``p_i`` (float64) at a uniform from ``generator``: the
-    global RNG is untouched, and for a generator in a fixed state the labels stay fixed under
-    small changes of θ (as finite-difference checks need). The penalty draws its labels the same
-    way, so a generator in the same state gives the same labels.
+    The detached outputs (float64) are compared with uniforms from ``generator`` (inverse CDF
+    for cross-entropy: ``ĉ_i = min{c : Σ_(k≤c) p_ik ≥ u_i}``; one uniform per output for bce;
+    Gaussian noise for mse): the global RNG is untouched, and for a generator in a fixed state
+    the labels stay fixed under small changes of θ (as finite-difference checks need). The
+    penalty draws its labels the same way, so a generator in the same state gives the same
+    labels.
 
     Args:
-        model: the classifier (evaluated once, without gradient).
-        inputs: a batch of B inputs.
-        generator: the private generator; advanced by B uniforms.
+        model: the model (evaluated once, without gradient).
+        inputs: a batch of B inputs (a tensor, a tuple or a dict of tensors).
+        generator: the private generator.
+        loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"``.
+        logits_fn: ``(model, inputs) -> logits`` (default: call the model, read its logits).
 
     Returns:
-        The labels, an int64 tensor of shape (B,) on the inputs' device.
+        The draws: int64 labels (B,) for cross-entropy, 0/1 labels (B, C) for bce, the noise
+        ``ε = ỹ − z`` (B, C) for mse (see :meth:`Likelihood.draw`).
     """
+    likelihood = get_likelihood(loss)
+    spec, leaves = _check_inputs(inputs)
+    wrapped = LogitsModule(model, spec, logits_fn)
     with torch.no_grad():
-        logits = _check_logits(model(_check_inputs(inputs)), inputs.shape[0])
-    return _draw_labels(torch.softmax(logits.to(torch.float64), dim=-1), generator)
+        logits = _check_logits(wrapped(*leaves), num_samples(leaves), likelihood)
+    return likelihood.draw(logits, generator)
 
 
 def _resolve_labels(
@@ -346,17 +363,21 @@ def _resolve_labels(
                 "global RNG stream is not consumed; SoftRankPenalty(seed=...) makes one."
             )
         return labels
-    if isinstance(labels, Tensor) and not labels.is_floating_point() and not labels.is_complex():
-        fixed = labels.reshape(-1).to(torch.int64)
-        if fixed.shape[0] != batch_size:
-            raise ValueError(f"Got {fixed.shape[0]} labels for a batch of {batch_size} inputs.")
+    if isinstance(labels, Tensor) and not labels.is_complex():
+        fixed = labels.reshape(-1) if labels.ndim == 2 and labels.shape[1] == 1 else labels
+        if fixed.ndim == 0 or fixed.shape[0] != batch_size:
+            raise ValueError(
+                f"Got labels of shape {tuple(labels.shape)} for a batch of {batch_size} inputs."
+            )
         return fixed
-    raise ValueError(f"labels must be one of {LABELS} or an integer tensor, got {labels!r}.")
+    raise ValueError(f"labels must be one of {LABELS} or a tensor of targets, got {labels!r}.")
 
 
-def _one_hot_log_prob(logp: Tensor, label: Tensor) -> Tensor:
-    onehot = (torch.arange(logp.shape[-1], device=logp.device) == label).to(logp.dtype)
-    return (logp * onehot).sum(dim=-1)
+def _fixed_targets(likelihood: Likelihood, labels: Tensor, logits: Tensor) -> Tensor:
+    try:
+        return likelihood.prepare_targets(labels.to(logits.device), logits.detach())
+    except TargetError as error:
+        raise ValueError(f"labels: {error}") from None
 
 
 # ------------------------------------------------------------------------- torch.func backend
@@ -364,71 +385,100 @@ def _one_hot_log_prob(logp: Tensor, label: Tensor) -> Tensor:
 
 def fisher_rows(
     model: nn.Module,
-    inputs: Tensor,
+    inputs: object,
     *,
     labels: LabelSpec = "sampled",
     params: ParamSpec = "all",
     generator: torch.Generator | None = None,
+    loss: str = "cross_entropy",
+    logits_fn: LogitsFn | None = None,
 ) -> Tensor:
     """The rows of ``V_b`` as per-sample gradients that keep their graph (``torch.func``).
 
     Args:
-        model: the classifier, returning logits of shape (batch, classes).
-        inputs: a batch of B inputs (batch dimension first).
-        labels: ``"exact"`` for the B·C rows ``√p_ic ∇θ log p_ic`` (sample-major: row
-            ``i·C + c``), ``"sampled"`` for the B rows ``∇θ log p_{iĉ_i}`` with ``ĉ_i`` drawn as
-            in :func:`sample_labels`, or an integer tensor of B labels to use instead.
+        model: the model; its logits (batch, outputs) are read with ``logits_fn``.
+        inputs: a batch of B inputs (batch dimension first): a tensor, tuple or dict of tensors.
+        labels: ``"exact"`` for the B·C rows of ``V_i = A_i J_i`` (sample-major: row
+            ``i·C + c``; for cross-entropy ``√p_ic ∇θ log p_ic``), ``"sampled"`` for the B rows
+            ``∇θ log p(ỹ_i | z_i)`` with ``ỹ_i`` drawn as in :func:`sample_labels`, or a tensor
+            of B targets to use instead.
         params: the parameters to differentiate (see :func:`select_parameters`).
         generator: the private generator for ``labels="sampled"``.
+        loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"`` (the likelihood whose Fisher it is).
+        logits_fn: ``(model, inputs) -> logits`` (default: call the model, read its logits).
 
     Returns:
         The rows, (B·C, P_sel) or (B, P_sel), parameters flattened in ``named_parameters()``
         order; differentiable with respect to the selected parameters.
     """
-    inputs = _check_inputs(inputs)
+    spec, leaves = _check_inputs(inputs)
     model = _check_model(model)
-    mode = _resolve_labels(labels, generator, inputs.shape[0])
-    return _func_rows(model, inputs, mode, select_parameters(model, params), generator)
+    mode = _resolve_labels(labels, generator, num_samples(leaves))
+    wrapped = LogitsModule(model, spec, logits_fn)
+    selected = select_parameters(model, params)
+    return _func_rows(wrapped, leaves, mode, selected, generator, get_likelihood(loss))
+
+
+def _targets_for(
+    wrapped: LogitsModule,
+    leaves: Leaves,
+    mode: Tensor | str,
+    generator: torch.Generator | None,
+    likelihood: Likelihood,
+) -> Tensor:
+    """Sampled draws (one forward without gradient) or the fixed targets, checked."""
+    with torch.no_grad():
+        logits = _check_logits(wrapped(*leaves), num_samples(leaves), likelihood)
+    if isinstance(mode, str):  # "sampled"
+        assert generator is not None
+        return likelihood.draw(logits, generator)
+    return _fixed_targets(likelihood, mode, logits)
+
+
+def _score(likelihood: Likelihood, mode: Tensor | str, logits: Tensor, chosen: Tensor) -> Tensor:
+    """Per-sample objective whose gradient is a row of ``V_b``: the score at a draw, or the
+    log-likelihood of fixed targets."""
+    if isinstance(mode, str):
+        return likelihood.sampled_score(logits, chosen)
+    return -likelihood.nll(logits, chosen)
 
 
 def _func_rows(
-    model: nn.Module,
-    inputs: Tensor,
+    wrapped: LogitsModule,
+    leaves: Leaves,
     mode: Tensor | str,
     selected: dict[str, nn.Parameter],
     generator: torch.Generator | None,
+    likelihood: Likelihood,
 ) -> Tensor:
-    constants = _constants(model, selected)
+    constants = _constants(wrapped.model, selected)
+    batch_size = num_samples(leaves)
 
-    def log_probs(theta: dict[str, Tensor], x: Tensor) -> Tensor:
-        logits = _check_logits(functional_call(model, {**theta, **constants}, (x.unsqueeze(0),)), 1)
-        return torch.log_softmax(logits, dim=-1).squeeze(0)
+    def logits_of(theta: dict[str, Tensor], x: Leaves) -> Tensor:
+        batch = tuple(t.unsqueeze(0) for t in x)
+        return _check_logits(wrapped.call({**theta, **constants}, batch), 1, likelihood)
 
     if isinstance(mode, str) and mode == "exact":
 
-        def with_aux(theta: dict[str, Tensor], x: Tensor) -> tuple[Tensor, Tensor]:
-            logp = log_probs(theta, x)
-            return logp, logp
+        def with_aux(theta: dict[str, Tensor], x: Leaves) -> tuple[Tensor, Tensor]:
+            source, weight = likelihood.sqrt_rows(logits_of(theta, x).squeeze(0))
+            return source, weight
 
-        def weighted_jacobian(theta: dict[str, Tensor], x: Tensor) -> Tensor:
-            jac, logp = jacrev(with_aux, has_aux=True)(theta, x)
+        def weighted_jacobian(theta: dict[str, Tensor], x: Leaves) -> Tensor:
+            jac, weight = jacrev(with_aux, has_aux=True)(theta, x)
             flat = torch.cat([j.reshape(j.shape[0], -1) for j in jac.values()], dim=-1)
-            return torch.exp(0.5 * logp).unsqueeze(-1) * flat  # √p_c ∇θ log p_c
+            return weight.unsqueeze(-1) * flat  # row c of V_i = A_i J_i: w_c ∇θ s_c
 
-        rows = vmap(weighted_jacobian, in_dims=(None, 0))(selected, inputs)
+        rows = vmap(weighted_jacobian, in_dims=(None, 0))(selected, leaves)
         return rows.reshape(-1, rows.shape[-1])
 
-    if isinstance(mode, str):  # "sampled"
-        assert generator is not None
-        chosen = sample_labels(model, inputs, generator)
-    else:
-        chosen = mode.to(inputs.device)
+    chosen = _targets_for(wrapped, leaves, mode, generator, likelihood)
 
-    def log_prob_at(theta: dict[str, Tensor], x: Tensor, label: Tensor) -> Tensor:
-        return _one_hot_log_prob(log_probs(theta, x), label)
+    def log_prob_at(theta: dict[str, Tensor], x: Leaves, target: Tensor) -> Tensor:
+        return _score(likelihood, mode, logits_of(theta, x), target.unsqueeze(0)).squeeze(0)
 
-    grads = vmap(grad(log_prob_at), in_dims=(None, 0, 0))(selected, inputs, chosen)
-    return torch.cat([g.reshape(inputs.shape[0], -1) for g in grads.values()], dim=-1)
+    grads = vmap(grad(log_prob_at), in_dims=(None, 0, 0))(selected, leaves, chosen)
+    return torch.cat([g.reshape(batch_size, -1) for g in grads.values()], dim=-1)
 
 
 # ------------------------------------------------------------------------ layerwise backend
@@ -497,7 +547,11 @@ def _layerwise_layers(model: nn.Module, selected: dict[str, nn.Parameter]) -> li
 
 
 def _hooked_forward(
-    model: nn.Module, inputs: Tensor, layers: list[_Layer], selected: dict[str, nn.Parameter]
+    wrapped: LogitsModule,
+    inputs: Leaves,
+    layers: list[_Layer],
+    selected: dict[str, nn.Parameter],
+    likelihood: Likelihood,
 ) -> Tensor:
     """Forward pass recording each layer's input ``a`` and output ``z`` at every call."""
 
@@ -517,15 +571,13 @@ def _hooked_forward(
         layer.inputs, layer.outputs = [], []
     handles = [layer.module.register_forward_hook(make_hook(layer)) for layer in layers]
     try:
-        constants = _constants(model, selected)
-        if constants:
-            logits = functional_call(model, {**selected, **constants}, (inputs,))
-        else:
-            logits = model(inputs)
+        constants = _constants(wrapped.model, selected)
+        call = wrapped.call({**selected, **constants}, inputs) if constants else None
+        logits = wrapped(*inputs) if call is None else call
     finally:
         for handle in handles:
             handle.remove()
-    batch_size = inputs.shape[0]
+    batch_size = num_samples(inputs)
     for layer in layers:
         assert layer.inputs is not None and layer.outputs is not None
         for a, z in zip(layer.inputs, layer.outputs, strict=True):
@@ -535,7 +587,7 @@ def _hooked_forward(
                     f"module {layer.name!r} was called on a tensor of shape {tuple(a.shape)} "
                     f"whose first dimension is not the batch ({batch_size})."
                 )
-    return _check_logits(logits, batch_size)
+    return _check_logits(logits, batch_size, likelihood)
 
 
 def _layer_matrices(layer: _Layer, deltas: list[Tensor], batch_size: int) -> tuple[Tensor, Tensor]:
@@ -563,7 +615,11 @@ def _layer_matrices(layer: _Layer, deltas: list[Tensor], batch_size: int) -> tup
 
 
 def _check_layerwise(
-    model: nn.Module, inputs: Tensor, layers: list[_Layer], selected: dict[str, nn.Parameter]
+    wrapped: LogitsModule,
+    inputs: Leaves,
+    layers: list[_Layer],
+    selected: dict[str, nn.Parameter],
+    likelihood: Likelihood,
 ) -> None:
     """Check once per model and selection that the hooks see every use of the parameters.
 
@@ -572,11 +628,11 @@ def _check_layerwise(
     module's forward (e.g. ``F.linear(x, self.fc.weight)``) breaks the equality. The verdict
     (or the reason the layers cannot be hooked) is cached per model and selection.
     """
-    cache = _CHECKED.setdefault(model, {})
-    key = tuple(selected)
+    cache = _CHECKED.setdefault(wrapped.model, {})
+    key = (*selected, wrapped.spec, wrapped.logits_fn)
     if key not in cache:
         try:
-            cache[key] = _first_use_check(model, inputs, layers, selected)
+            cache[key] = _first_use_check(wrapped, inputs, layers, selected, likelihood)
         except _LayerwiseUnsupported as error:
             cache[key] = error
         finally:
@@ -588,10 +644,14 @@ def _check_layerwise(
 
 
 def _first_use_check(
-    model: nn.Module, inputs: Tensor, layers: list[_Layer], selected: dict[str, nn.Parameter]
+    wrapped: LogitsModule,
+    inputs: Leaves,
+    layers: list[_Layer],
+    selected: dict[str, nn.Parameter],
+    likelihood: Likelihood,
 ) -> _LayerwiseUnsupported | None:
     with torch.enable_grad():
-        logits = _hooked_forward(model, inputs, layers, selected)
+        logits = _hooked_forward(wrapped, inputs, layers, selected, likelihood)
         used = [layer for layer in layers if layer.outputs]
         outputs = [z for layer in used for z in layer.outputs or []]
         names = list(selected)
@@ -605,7 +665,7 @@ def _first_use_check(
     for layer in used:
         layer.inputs = [a.detach() for a in layer.inputs or []]
         count = len(layer.outputs or [])
-        a, d = _layer_matrices(layer, grads[start : start + count], inputs.shape[0])
+        a, d = _layer_matrices(layer, grads[start : start + count], num_samples(inputs))
         start += count
         weight, bias = layer.module.weight, layer.module.bias
         if layer.weight:
@@ -639,31 +699,33 @@ def _grad_or_zeros(
 
 
 def _layerwise_gram(
-    model: nn.Module,
-    inputs: Tensor,
+    wrapped: LogitsModule,
+    inputs: Leaves,
     mode: Tensor | str,
     selected: dict[str, nn.Parameter],
     generator: torch.Generator | None,
     side: Literal["smaller", "kernel"],
+    likelihood: Likelihood,
 ) -> Tensor:
     """The Gram matrix of ``V_b`` from one batched forward and backward (module docstring)."""
-    layers = _layerwise_layers(model, selected)
-    _check_layerwise(model, inputs, layers, selected)
-    batch_size = inputs.shape[0]
+    layers = _layerwise_layers(wrapped.model, selected)
+    _check_layerwise(wrapped, inputs, layers, selected, likelihood)
+    batch_size = num_samples(inputs)
     create_graph = torch.is_grad_enabled()
     with torch.enable_grad():
-        logp = torch.log_softmax(_hooked_forward(model, inputs, layers, selected), dim=-1)
+        logits = _hooked_forward(wrapped, inputs, layers, selected, likelihood)
         used = [layer for layer in layers if layer.outputs]
         outputs = [z for layer in used for z in layer.outputs or []]
         if isinstance(mode, str) and mode == "exact":
-            num_classes = logp.shape[1]
-            basis = torch.eye(num_classes, dtype=logp.dtype, device=logp.device)
+            source, weights = likelihood.sqrt_rows(logits)
+            num_classes = source.shape[1]
+            basis = torch.eye(num_classes, dtype=source.dtype, device=source.device)
             basis = basis.unsqueeze(1).expand(num_classes, batch_size, num_classes)
             grads = _grad_or_zeros(
-                logp, outputs, create_graph, grad_outputs=basis, is_grads_batched=True
+                source, outputs, create_graph, grad_outputs=basis, is_grads_batched=True
             )
-            # (C, B, ...) → sample-major (B·C, ...), row (i, c) weighted by √p_ic (not detached).
-            weights = torch.exp(0.5 * logp).reshape(-1)
+            # (C, B, ...) → sample-major (B·C, ...), row (i, c) weighted by w_ic (not detached).
+            weights = weights.reshape(-1)
             deltas = [
                 g.transpose(0, 1).reshape(-1, *g.shape[2:])
                 * weights.reshape(-1, *([1] * (g.ndim - 2)))
@@ -671,12 +733,12 @@ def _layerwise_gram(
             ]
             repeat = num_classes
         else:
-            if isinstance(mode, str):  # "sampled": labels from this forward's probabilities
+            if isinstance(mode, str):  # "sampled": draws from this forward's outputs
                 assert generator is not None
-                chosen = _draw_labels(logp.exp(), generator)
+                chosen = likelihood.draw(logits, generator)
             else:
-                chosen = mode.to(logp.device)
-            objective = _one_hot_log_prob(logp, chosen.unsqueeze(-1)).sum()
+                chosen = _fixed_targets(likelihood, mode, logits)
+            objective = _score(likelihood, mode, logits, chosen).sum()
             deltas = _grad_or_zeros(objective, outputs, create_graph)
             repeat = 1
         return _assemble_gram(used, deltas, batch_size, repeat, side)
@@ -839,22 +901,26 @@ def gram_trace_function(
 
 def _batch_gram(
     model: nn.Module,
-    inputs: Tensor,
+    inputs: object,
     *,
     labels: object,
     params: ParamSpec,
     generator: torch.Generator | None,
     backend: str,
     side: Literal["smaller", "kernel"],
+    loss: str,
+    logits_fn: LogitsFn | None,
 ) -> Tensor:
-    inputs = _check_inputs(inputs)
+    spec, leaves = _check_inputs(inputs)
     model = _check_model(model)
     _check_choice("backend", backend, BACKENDS)
-    mode = _resolve_labels(labels, generator, inputs.shape[0])
+    likelihood = get_likelihood(loss)
+    mode = _resolve_labels(labels, generator, num_samples(leaves))
     selected = select_parameters(model, params)
+    wrapped = LogitsModule(model, spec, logits_fn)
     if backend != "func":
         try:
-            return _layerwise_gram(model, inputs, mode, selected, generator, side)
+            return _layerwise_gram(wrapped, leaves, mode, selected, generator, side, likelihood)
         except _LayerwiseUnsupported as error:
             if backend == "layerwise":
                 raise ValueError(
@@ -867,7 +933,7 @@ def _batch_gram(
                     RuntimeWarning,
                     stacklevel=3,
                 )
-    rows = _func_rows(model, inputs, mode, selected, generator)
+    rows = _func_rows(wrapped, leaves, mode, selected, generator, likelihood)
     if side == "smaller" and rows.shape[1] <= rows.shape[0]:
         return _gram(rows.T)
     return _gram(rows)
@@ -875,12 +941,14 @@ def _batch_gram(
 
 def fisher_gram(
     model: nn.Module,
-    inputs: Tensor,
+    inputs: object,
     *,
     labels: LabelSpec = "sampled",
     params: ParamSpec = "all",
     generator: torch.Generator | None = None,
     backend: Backend = "auto",
+    loss: str = "cross_entropy",
+    logits_fn: LogitsFn | None = None,
 ) -> Tensor:
     """The unscaled kernel ``V_b V_bᵀ`` (``K_b`` times n), differentiable in the parameters.
 
@@ -891,6 +959,8 @@ def fisher_gram(
         params: ``"all"``, ``"last_layer"`` or module names (see :func:`select_parameters`).
         generator: the private generator for ``labels="sampled"``.
         backend: ``"auto"``, ``"func"`` or ``"layerwise"`` (module docstring).
+        loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"``.
+        logits_fn: ``(model, inputs) -> logits`` (default: call the model, read its logits).
 
     Returns:
         The M × M kernel in the model's dtype, M = B·C or B.
@@ -903,12 +973,14 @@ def fisher_gram(
         generator=generator,
         backend=backend,
         side="kernel",
+        loss=loss,
+        logits_fn=logits_fn,
     )
 
 
 def soft_rank_penalty(
     model: nn.Module,
-    inputs: Tensor,
+    inputs: object,
     *,
     lam: float,
     num_train_samples: int,
@@ -917,6 +989,8 @@ def soft_rank_penalty(
     params: ParamSpec = "all",
     generator: torch.Generator | None = None,
     backend: Backend = "auto",
+    loss: str = "cross_entropy",
+    logits_fn: LogitsFn | None = None,
 ) -> Tensor:
     """The one-batch estimate ``h(F_b)/B`` of the Theorem 6.5 bound ``(1/n) Σ_b h(F_b)``.
 
@@ -940,6 +1014,9 @@ def soft_rank_penalty(
         generator: private generator for ``labels="sampled"`` (required then; the global RNG
             is never used).
         backend: ``"auto"``, ``"func"`` or ``"layerwise"`` (module docstring).
+        loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"``: the likelihood whose Fisher is
+            penalised (rows of ``V_i = A_i J_i``, see :mod:`lightning_flatness.likelihoods`).
+        logits_fn: ``(model, inputs) -> logits`` (default: call the model, read its logits).
 
     Returns:
         A scalar in the model's dtype, differentiable in the selected parameters.
@@ -947,13 +1024,13 @@ def soft_rank_penalty(
     Raises:
         ValueError: for λ ≤ 0, n < B, an empty batch, unknown options or module names,
             BatchNorm/Dropout in training mode.
-        TypeError: for non-floating inputs.
+        TypeError: for inputs that are not a tensor, a tuple or a dict of tensors.
     """
     lam = check_lam(lam)
     _check_choice("function", function, FUNCTIONS)
     _check_choice("labels", labels, LABELS)
-    inputs = _check_inputs(inputs)
-    batch_size = inputs.shape[0]
+    _, leaves = _check_inputs(inputs)
+    batch_size = num_samples(leaves)
     num_train_samples = _check_num_train_samples(num_train_samples, batch_size)
     gram = _batch_gram(
         model,
@@ -963,6 +1040,8 @@ def soft_rank_penalty(
         generator=generator,
         backend=backend,
         side="smaller",
+        loss=loss,
+        logits_fn=logits_fn,
     )
     value = gram_trace_function(gram, lam=lam, scale=1.0 / num_train_samples, function=function)
     return (value / batch_size).to(gram.dtype)
@@ -983,6 +1062,8 @@ class SoftRankPenalty:
         labels: ``"sampled"`` (B × B kernel) or ``"exact"`` (BC × BC kernel).
         params: ``"all"``, ``"last_layer"`` or module names.
         backend: ``"auto"``, ``"func"`` or ``"layerwise"``.
+        loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"``.
+        logits_fn: ``(model, inputs) -> logits`` (default: call the model, read its logits).
         generator: generator for the sampled labels; default: a new CPU generator seeded with
             ``seed``. Never the global one, so enabling the penalty leaves the training RNG
             stream (shuffling, dropout, initialisation) unchanged.
@@ -998,10 +1079,14 @@ class SoftRankPenalty:
         labels: LabelMode = "sampled",
         params: ParamSpec = "all",
         backend: Backend = "auto",
+        loss: str = "cross_entropy",
+        logits_fn: LogitsFn | None = None,
         generator: torch.Generator | None = None,
         seed: int = 0,
     ) -> None:
         self.lam = check_lam(lam)
+        self.loss = get_likelihood(loss).name
+        self.logits_fn = logits_fn
         if (
             isinstance(num_train_samples, bool)
             or not isinstance(num_train_samples, int)
@@ -1036,7 +1121,7 @@ class SoftRankPenalty:
         """Restore the generator state saved by :meth:`state_dict`."""
         self.generator.set_state(state["generator"])
 
-    def __call__(self, model: nn.Module, inputs: Tensor) -> Tensor:
+    def __call__(self, model: nn.Module, inputs: object) -> Tensor:
         """``h(F_b)/B`` for the minibatch ``inputs`` (see :func:`soft_rank_penalty`)."""
         return soft_rank_penalty(
             model,
@@ -1048,11 +1133,13 @@ class SoftRankPenalty:
             params=self.params,
             generator=self.generator if self.labels == "sampled" else None,
             backend=self.backend,  # type: ignore[arg-type]
+            loss=self.loss,
+            logits_fn=self.logits_fn,
         )
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(lam={self.lam!r}, num_train_samples="
             f"{self.num_train_samples}, function={self.function!r}, labels={self.labels!r}, "
-            f"params={self.params!r}, backend={self.backend!r})"
+            f"params={self.params!r}, backend={self.backend!r}, loss={self.loss!r})"
         )

@@ -3,14 +3,17 @@
 Over the samples of one split (train or validation) :class:`SampleStatistics` accumulates, from
 the same BackPACK backward pass that feeds the curvature structure:
 
-- the loss ``Σ_i l_i`` (cross-entropy ``−log p_{i,y_i}``, or ``½‖y_i − f_i‖²`` for regression);
+- the negative log-likelihood ``Σ_i −log p(y_i | z_i)`` of the model's own likelihood
+  (:mod:`lightning_flatness.likelihoods`: cross-entropy, independent Bernoulli, or
+  ``½‖y_i − f_i‖²`` for regression), unsmoothed and unregularized;
 - ``Σ_i ‖g_i‖²`` → ``Tr(C)`` (MATH.md, "The three matrices": C is uncentered, true labels);
 - ``Σ_i Tr(V_iᵀV_i)`` → ``Tr(F)`` (exact, or an unbiased one-sample Monte-Carlo estimate);
-- the error ``Σ_i ‖onehot(y_i) − p_i‖²`` and uncertainty ``Σ_i (1 − ‖p_i‖²)`` whose ratio is
-  the error/uncertainty ratio α* (MATH.md, "Generalization gap");
-- the relative flatness of the last linear layer (relative_flatness.txt; MATH.md, "Relative
-  flatness"): ``κ = (1/m) Σ_i ‖φ_i‖² · Tr(W Wᵀ (diag p_i − p_i p_iᵀ))``, φ_i its input;
-- the number of samples and of correct predictions.
+- the error (e.g. ``Σ_i ‖onehot(y_i) − p_i‖²``) and the uncertainty (its expectation under the
+  model, e.g. ``Σ_i (1 − ‖p_i‖²)``) whose ratio is the error/uncertainty ratio α*
+  (docs/math.md, "Generalization gap"), and the correct predictions; NaN for regression;
+- the relative flatness of the last linear layer (docs/math.md, "Relative flatness"):
+  ``κ = (1/m) Σ_i ‖φ_i‖² · Tr(W Wᵀ Λ_i)``, φ_i its input and ``Λ_i`` the output Fisher;
+- the number of samples.
 
 Only sums are kept, so the numbers do not depend on the batch size, and under data parallelism
 the sums are reduced across processes before any ratio is taken.
@@ -31,9 +34,10 @@ from backpack.extensions import (
     SqrtGGNExact,
     SumGradSquared,
 )
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_flatness._backpack import ExtendedModel
+from lightning_flatness.likelihoods import get_likelihood
 
 __all__ = ["SampleStatistics", "StatisticSums"]
 
@@ -63,6 +67,10 @@ class StatisticSums:
         return getattr(self, name) / self.count if self.count else math.nan
 
 
+def _target_dtype(targets: Tensor) -> torch.dtype:
+    return torch.float64 if targets.is_floating_point() else targets.dtype
+
+
 class SampleStatistics:
     """Accumulates :class:`StatisticSums` from BackPACK's per-sample quantities.
 
@@ -73,14 +81,14 @@ class SampleStatistics:
     Args:
         trace_estimator: ``"exact"`` (``DiagGGNExact``) or ``"sampled"`` (``DiagGGNMC`` with one
             label drawn from the model per input: unbiased, one backward vector instead of C).
-        classification: cross-entropy (True) or Gaussian regression with ``½‖y − f‖²`` (False).
+        loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"`` (the likelihood of the outputs).
         structure_extensions: the BackPACK extensions the curvature structure runs anyway.
     """
 
     def __init__(
         self,
         trace_estimator: str = "exact",
-        classification: bool = True,
+        loss: str = "cross_entropy",
         structure_extensions: Sequence[object] = (),
     ) -> None:
         if trace_estimator not in ("exact", "sampled"):
@@ -88,11 +96,11 @@ class SampleStatistics:
                 f"trace_estimator must be 'exact' or 'sampled', got {trace_estimator!r}."
             )
         self.trace_estimator = trace_estimator
-        self.classification = classification
+        self.likelihood = get_likelihood(loss)
         self.sums = StatisticSums()
         # MSELoss(sum) is ‖y − f‖²: its gradients are 2× and its GGN 2× those of ½‖y − f‖².
-        self.grad_scale = 1.0 if classification else 0.5
-        self.ggn_scale = 1.0 if classification else 0.5
+        self.grad_scale = 0.5 if loss == "mse" else 1.0
+        self.ggn_scale = 0.5 if loss == "mse" else 1.0
         self._own_extensions: list[object] = []
         self.trace_savefield = self._pick_trace_source(structure_extensions)
         self.grad_norm_savefield = self._pick_gradient_source(structure_extensions)
@@ -124,10 +132,9 @@ class SampleStatistics:
         """The extensions to add to the structure's for this pass."""
         return list(self._own_extensions)
 
-    def update(
-        self, model: ExtendedModel, logits: Tensor, targets: Tensor, loss_sum: Tensor
-    ) -> None:
-        """Add one batch (after the BackPACK backward pass of its summed loss)."""
+    def update(self, model: ExtendedModel, logits: Tensor, targets: Tensor) -> None:
+        """Add one batch (after the BackPACK backward pass of its summed loss); ``targets`` as
+        prepared by the likelihood."""
         sums = self.sums
         batch = logits.shape[0]
         sums.count += batch
@@ -144,17 +151,12 @@ class SampleStatistics:
             trace = sum(q.to(torch.float64).sum() for q in quantities)
         sums.fisher_trace += float(trace) * self.ggn_scale
         logits = logits.detach().to(torch.float64)
-        if self.classification:
-            sums.loss += float(loss_sum)
-            probs = torch.softmax(logits, dim=-1)
-            onehot = nn.functional.one_hot(targets, logits.shape[-1]).to(torch.float64)
-            sums.error += float((onehot - probs).square().sum())
-            sums.uncertainty += float((1.0 - probs.square().sum(-1)).sum())
-            sums.correct += float((logits.argmax(-1) == targets).sum())
-            core = torch.diag_embed(probs) - probs.unsqueeze(-1) * probs.unsqueeze(-2)
-        else:
-            sums.loss += 0.5 * float(loss_sum)
-            core = torch.eye(logits.shape[-1], dtype=torch.float64).expand(batch, -1, -1)
+        sums.loss += float(self.likelihood.nll(logits, targets.to(_target_dtype(targets))).sum())
+        scores = self.likelihood.scores(logits, targets)
+        sums.error += scores.error
+        sums.uncertainty += scores.uncertainty
+        sums.correct += scores.correct
+        core = self.likelihood.fisher_matrices(logits)
         sums.relative_flatness += self._relative_flatness_sum(model, logits.shape[-1], core)
 
     @staticmethod

@@ -114,7 +114,7 @@ def test_logged_values_equal_a_direct_measurement(tmp_path):
     targets = torch.stack([torch.as_tensor(train_set[i][1]) for i in indices])
     report = measure(model, [(inputs, targets)], lam=1e-3, num_train_samples=256, structure="diag")
     assert monitor.history[-1]["soft_rank"] == pytest.approx(report.soft_rank, rel=1e-5)
-    assert monitor.history[-1]["train_loss"] == pytest.approx(report.train_loss, rel=1e-5)
+    assert monitor.history[-1]["train_nll"] == pytest.approx(report.train_nll, rel=1e-5)
 
 
 @pytest.mark.parametrize("architecture", ["mlp", "cnn"])

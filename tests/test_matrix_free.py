@@ -22,13 +22,13 @@ LAM = 1e-3
 N_TRAIN = 1000
 NUM_SAMPLES = 64
 STATISTICS = (
-    "train_loss",
+    "train_nll",
     "trace_cov",
     "trace_fisher",
     "error_uncertainty_train",
     "relative_flatness",
     "train_accuracy",
-    "val_loss",
+    "val_nll",
     "trace_cov_val",
     "trace_fisher_val",
     "error_uncertainty_val",
@@ -297,7 +297,7 @@ def test_regression_lanczos_matches_jacobian_gram(data):
     assert abs(report.soft_rank - truth) <= 3 * report.blocks["stderr"].soft_rank + 5e-3 * truth
     assert report.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-9)
     residual = (model(inputs) - targets).detach()
-    assert report.train_loss == pytest.approx(float(0.5 * residual.square().sum(1).mean()))
+    assert report.train_nll == pytest.approx(float(0.5 * residual.square().sum(1).mean()))
     grads = torch.einsum("ncp,nc->np", flat, residual)
     assert report.trace_cov == pytest.approx(float(grads.square().sum(1).mean()), rel=1e-9)
 

@@ -81,7 +81,7 @@ def test_exact_structures_match_reference(cases, architecture, structure, batch_
     assert report.trace_fisher == pytest.approx(ref["trace_fisher"], rel=1e-9)
     assert report.trace_cov == pytest.approx(ref["trace_cov"], rel=1e-9)
     assert report.tic == pytest.approx(ref["tic"], rel=1e-6)
-    assert report.train_loss == pytest.approx(ref["loss"], rel=1e-10)
+    assert report.train_nll == pytest.approx(ref["loss"], rel=1e-10)
     assert report.train_accuracy == pytest.approx(ref["accuracy"])
     assert report.error_uncertainty_train == pytest.approx(ref["error_uncertainty"], rel=1e-10)
     ratio = ref["trace_cov"] / ref["trace_fisher"]
@@ -91,7 +91,7 @@ def test_exact_structures_match_reference(cases, architecture, structure, batch_
         ratio * ref["summary"].soft_rank / N_TRAIN, rel=1e-7
     )
     # No validation data: validation fields are undefined, the prediction uses training data.
-    assert math.isnan(report.val_loss) and math.isnan(report.trace_ratio_val)
+    assert math.isnan(report.val_nll) and math.isnan(report.trace_ratio_val)
     assert report.predicted_gap == report.predicted_gap_train
 
 
@@ -230,7 +230,7 @@ def test_validation_fields_and_predicted_gap(cases):
     )
     val_ratio = val_ref["trace_cov"] / val_ref["trace_fisher"]
     assert report.num_val_samples == 40
-    assert report.val_loss == pytest.approx(val_ref["loss"], rel=1e-10)
+    assert report.val_nll == pytest.approx(val_ref["loss"], rel=1e-10)
     assert report.val_accuracy == pytest.approx(val_ref["accuracy"])
     assert report.trace_ratio_val == pytest.approx(val_ratio, rel=1e-9)
     assert report.error_uncertainty_val == pytest.approx(val_ref["error_uncertainty"], rel=1e-10)
@@ -339,7 +339,7 @@ def test_regression_fisher_is_jacobian_gram(cases):
     assert report.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-9)
     grads = torch.einsum("ncp,nc->np", flat, residual.detach())
     assert report.trace_cov == pytest.approx(float(grads.square().sum(1).mean()), rel=1e-9)
-    assert report.train_loss == pytest.approx(float(0.5 * residual.square().sum(1).mean()))
+    assert report.train_nll == pytest.approx(float(0.5 * residual.square().sum(1).mean()))
     assert math.isnan(report.error_uncertainty_train)
 
 
@@ -350,7 +350,7 @@ def test_as_dict_has_every_documented_field(cases):
     required = {
         *("soft_rank", "soft_rank2", "logdet", "trace_fisher", "max_eig", "trace_cov"),
         *("trace_ratio_train", "trace_ratio_val", "predicted_gap", "predicted_gap_train"),
-        *("thomas_gap", "tic", "train_loss", "val_loss", "observed_gap", "relative_flatness"),
+        *("thomas_gap", "tic", "train_nll", "val_nll", "observed_gap", "relative_flatness"),
         *("error_uncertainty_train", "error_uncertainty_val", "num_samples", "lam", "structure"),
     }
     assert required <= set(values)

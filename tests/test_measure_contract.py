@@ -90,7 +90,7 @@ def test_measures_in_eval_mode():
     model.eval()
     with torch.no_grad():
         expected = nn.functional.cross_entropy(model(inputs), targets)
-    assert report.train_loss == pytest.approx(float(expected), rel=1e-10)
+    assert report.train_nll == pytest.approx(float(expected), rel=1e-10)
 
 
 def test_training_after_measure_is_bit_identical():

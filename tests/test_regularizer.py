@@ -166,7 +166,10 @@ def directional_check(
     selected = select_parameters(model, params)
     model.zero_grad(set_to_none=True)
     value().backward()
-    gradients = {name: p.grad.clone() for name, p in selected.items()}
+    gradients = {  # None: the value does not depend on p (e.g. an output bias under mse)
+        name: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        for name, p in selected.items()
+    }
     generator = torch.Generator().manual_seed(seed)
     eps = 1e-5
     for _ in range(3):
@@ -604,8 +607,8 @@ def test_bad_arguments_raise_clear_errors(kwargs, error, match):
 def test_bad_inputs_raise_clear_errors():
     model, inputs = make("mlp")
     kwargs = {"lam": 1e-2, "num_train_samples": 20, "labels": "exact"}
-    with pytest.raises(TypeError, match="floating-point"):
-        soft_rank_penalty(model, inputs.long(), **kwargs)
+    with pytest.raises(TypeError, match="a tensor, a tuple or a dict of tensors"):
+        soft_rank_penalty(model, inputs.numpy(), **kwargs)
     with pytest.raises(ValueError, match="non-empty batch"):
         soft_rank_penalty(model, inputs[:0], **kwargs)
     with pytest.raises(ValueError, match="logits of shape"):
@@ -623,3 +626,118 @@ def test_bad_inputs_raise_clear_errors():
 def test_penalty_repr_names_the_options():
     text = repr(SoftRankPenalty(lam=0.5, num_train_samples=10, params=["a", "b"]))
     assert "lam=0.5" in text and "params=('a', 'b')" in text and "backend='auto'" in text
+
+
+# ------------------------------------------------------- other likelihoods, structured inputs
+
+
+def _dense_h_for(model, inputs, n, lam, loss) -> float:
+    from lightning_flatness.reference import per_sample_sqrt_fisher as rows_of
+
+    flat = rows_of(model, inputs, loss).reshape(-1, sum(p.numel() for p in model.parameters()))
+    return h_of(torch.linalg.eigvalsh(flat.T @ flat / n), lam, "soft_rank")
+
+
+@pytest.mark.parametrize("backend", ["func", "layerwise"])
+@pytest.mark.parametrize("loss", ["bce", "mse"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_other_likelihoods_kernel_route_equals_dense_eigenvalues(name, loss, backend):
+    model, inputs = make(name)
+    penalty = soft_rank_penalty(
+        model,
+        inputs,
+        lam=1e-3,
+        num_train_samples=40,
+        labels="exact",
+        backend=backend,
+        loss=loss,
+    )
+    expected = _dense_h_for(model, inputs, 40, 1e-3, loss) / inputs.shape[0]
+    assert float(penalty) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("backend", ["func", "layerwise"])
+@pytest.mark.parametrize("labels", ["exact", "sampled"])
+@pytest.mark.parametrize("loss", ["bce", "mse"])
+def test_other_likelihoods_gradient_matches_finite_differences(loss, labels, backend):
+    model, inputs = make("mlp")
+
+    def value() -> Tensor:
+        return soft_rank_penalty(
+            model,
+            inputs,
+            lam=1e-2,
+            num_train_samples=20,
+            labels=labels,
+            generator=torch.Generator().manual_seed(3),
+            backend=backend,
+            loss=loss,
+        )
+
+    directional_check(model, value)
+
+
+@pytest.mark.parametrize("loss", ["bce", "mse"])
+def test_other_likelihoods_sampled_kernel_is_unbiased(loss):
+    """E[∇log p(ỹ) ∇log p(ỹ)ᵀ] = V_iᵀV_i: the mean sampled trace converges to the exact one."""
+    model, inputs = make("mlp", batch=3)
+    exact = float(torch.trace(fisher_gram(model, inputs, labels="exact", loss=loss)))
+    generator = torch.Generator().manual_seed(0)
+    draws = [
+        float(torch.trace(fisher_gram(model, inputs, generator=generator, loss=loss)))
+        for _ in range(3000)
+    ]
+    mean = sum(draws) / len(draws)
+    stderr = (sum((d - mean) ** 2 for d in draws) / (len(draws) - 1) / len(draws)) ** 0.5
+    assert abs(mean - exact) < 4 * stderr
+
+
+class DictModel(nn.Module):
+    """``forward(image, scale)`` returning ``{"logits": ..., "features": ...}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = build_model("mlp", hidden=6)
+
+    def forward(self, image: Tensor, scale: Tensor) -> dict[str, Tensor]:
+        logits = self.body(image) * scale.unsqueeze(-1)
+        return {"logits": logits, "features": image.flatten(1)}
+
+
+@pytest.mark.parametrize("backend", ["func", "layerwise"])
+def test_dict_inputs_and_dict_outputs_give_the_plain_models_penalty(backend):
+    torch.manual_seed(0)
+    model = DictModel().to(DTYPE)
+    inputs = torch.randn(6, 1, 7, 7, dtype=DTYPE)
+    ones = torch.ones(6, dtype=DTYPE)
+    kwargs = {"lam": 1e-3, "num_train_samples": 40, "labels": "exact", "backend": backend}
+    structured = soft_rank_penalty(model, {"image": inputs, "scale": ones}, **kwargs)
+    plain = soft_rank_penalty(model.body, inputs, **kwargs)
+    assert float(structured) == pytest.approx(float(plain), rel=1e-10)
+    penalty = SoftRankPenalty(lam=1e-3, num_train_samples=40, labels="exact")
+    assert float(penalty(model, {"image": inputs, "scale": ones})) == pytest.approx(
+        float(plain), rel=1e-10
+    )
+
+
+class TokenClassifier(nn.Module):
+    """Integer token ids, embedded: the penalty differentiates the parameters, not the inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.head(self.embed(input_ids).mean(1))
+
+
+def test_integer_token_inputs_are_differentiated_through_the_parameters():
+    torch.manual_seed(0)
+    model = TokenClassifier().to(DTYPE)
+    tokens = torch.randint(0, 11, (6, 4))
+
+    def value() -> Tensor:
+        return soft_rank_penalty(model, tokens, lam=1e-2, num_train_samples=20, labels="exact")
+
+    directional_check(model, value)

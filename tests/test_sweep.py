@@ -144,7 +144,7 @@ def test_sweep_end_to_end_resume_failures_and_determinism(tmp_path):
         assert set(record["measures"]) == {"exact", "kfac", "diag"}
         # P = 49·8 + 8 + 8·10 + 10 = 490: the Gram kernel (n·C = 300) for n = 30, dense for 50.
         assert record["exact_structure"] == ("dense" if record["n"] == 50 else "gram")
-        assert record["gap"] == pytest.approx(record["val_loss"] - record["train_loss"])
+        assert record["gap"] == pytest.approx(record["val_nll"] - record["train_nll"])
         assert record["measures"]["exact"]["num_samples"] == record["n"]  # whole training set
         assert record["global_step"] == 3
 

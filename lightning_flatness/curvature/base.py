@@ -52,6 +52,8 @@ class CurvatureEstimator(ABC):
     def __init__(self, ggn_scale: float = 1.0) -> None:
         # BackPACK's GGN of the summed loss; 0.5 turns ‖y − f‖² (MSELoss) into ½‖y − f‖².
         self.ggn_scale = ggn_scale
+        # The loss itself carries the same factor, so its gradient products carry its square.
+        self.cov_scale = ggn_scale**2
 
     @abstractmethod
     def extensions(self) -> list[object]:

@@ -74,5 +74,5 @@ class DenseFisher(CurvatureEstimator):
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         fisher = self.ggn_scale * self.fisher_sum / num_samples
         eigenvalues = psd_eigenvalues(fisher)
-        tic = regularized_tic_trace(fisher, self.cov_sum / num_samples, lam)
+        tic = regularized_tic_trace(fisher, self.cov_scale * self.cov_sum / num_samples, lam)
         return CurvatureEstimate(spectral_summary(eigenvalues, lam), eigenvalues, tic_trace=tic)

@@ -52,5 +52,5 @@ class DiagonalFisher(CurvatureEstimator):
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         diag = (self.ggn_scale * self.diag_sum / num_samples).clamp_min(0.0)
-        tic = float((self.grad_sq_sum / num_samples / (diag + lam)).sum())
+        tic = float((self.cov_scale * self.grad_sq_sum / num_samples / (diag + lam)).sum())
         return CurvatureEstimate(spectral_summary(diag, lam), diag, tic_trace=tic)

@@ -68,7 +68,7 @@ class GramFisher(CurvatureEstimator):
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         scaled = torch.cat(self.rows) * (self.ggn_scale / num_samples) ** 0.5
-        grads = torch.cat(self.grads) / num_samples**0.5
+        grads = torch.cat(self.grads) * (self.cov_scale / num_samples) ** 0.5
         num_rows, num_params = scaled.shape
         if num_params <= num_rows:
             fisher = scaled.T @ scaled

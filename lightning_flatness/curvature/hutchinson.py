@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 from lightning_flatness.curvature.base import CurvatureEstimate
-from lightning_flatness.functional_stats import FunctionalModel, OutputCore, probe_vectors
+from lightning_flatness.functional_stats import FunctionalModel, probe_vectors
+from lightning_flatness.likelihoods import OutputCore
 from lightning_flatness.spectral import SpectralSummary, check_lam, spectral_summary
 
 __all__ = ["VARIANTS", "HutchinsonFisher", "jackknife_summary"]

@@ -1,0 +1,408 @@
+"""The three output likelihoods the package measures, each stated once.
+
+A loss is the negative log-likelihood of an output distribution ``p(y | z)`` on the logits
+``z ∈ ℝ^C`` of one sample. Everything the package computes from a loss goes through one of
+these classes (docs/math.md, "Losses"):
+
+==================  ==================================  =================================
+``loss=``           ``−log p(y | z)``                   output Fisher ``Λ = E_ỹ[∇_z ∇_zᵀ]``
+==================  ==================================  =================================
+``cross_entropy``   ``−log softmax(z)_y``               ``diag p − p pᵀ``, ``p = softmax(z)``
+``bce``             ``Σ_c −y_c log σ_c −(1−y_c) log     ``diag(σ(1 − σ))``, ``σ = sigmoid(z)``
+                    (1−σ_c)`` (independent outputs)
+``mse``             ``½‖y − z‖²`` (unit Gaussian)       ``I``
+==================  ==================================  =================================
+
+The Fisher is always that of the model's *own* likelihood, ``F = (1/m) Σ_i J_iᵀ Λ_i J_i``; the
+targets enter only the loss, its gradients (``Tr(C)``) and the accuracy-like statistics. A
+model trained with label smoothing is therefore measured by its plain likelihood: ``F`` and the
+reported negative log-likelihood ignore the smoothing (docs/math.md, "Label smoothing").
+
+Accuracy-like statistics, per sample (summed over samples by the callers):
+
+- ``cross_entropy``: ``correct = [argmax z = y]``; error ``‖onehot(y) − p‖²``; uncertainty
+  ``1 − ‖p‖²`` (the expected error when ``y`` is drawn from ``p``).
+- ``bce``: ``correct`` = the fraction of the C outputs whose thresholded prediction
+  ``[z_c > 0]`` equals ``[y_c ≥ ½]`` (per-label accuracy; for one output the binary accuracy);
+  error ``‖y − σ‖²``; uncertainty ``Σ_c σ_c(1 − σ_c)`` (again the expected error under ``p``).
+- ``mse``: NaN for all three (there is no accuracy of a regressor).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "LOSSES",
+    "BernoulliLikelihood",
+    "CategoricalLikelihood",
+    "GaussianLikelihood",
+    "Likelihood",
+    "OutputCore",
+    "TargetError",
+    "get_likelihood",
+]
+
+LOSSES = ("cross_entropy", "bce", "mse")
+
+
+class TargetError(ValueError):
+    """The targets do not fit the loss (the message names the loss that would fit)."""
+
+
+@dataclass
+class SampleScores:
+    """Sums over a batch of the accuracy-like statistics (NaN where they mean nothing)."""
+
+    error: float
+    uncertainty: float
+    correct: float
+
+
+@dataclass
+class OutputCore:
+    """The output Fisher ``Λ_i`` of each sample of a batch and a square root ``A_i``, ``AᵀA = Λ``.
+
+    ``kind`` is the likelihood's name; ``weights`` are ``p`` (cross-entropy), ``σ(1 − σ)``
+    (bce) or None (mse). Cross-entropy: ``A = diag √p − √p pᵀ``, so ``A √p = 0`` and row c of
+    ``A J`` is ``√p_c ∇θ log p_c``; bce: ``A = diag √(σ(1−σ))``; mse: ``A = I``.
+
+    All methods act on the last axis (C) of tensors shaped (..., B, C).
+    """
+
+    kind: str
+    weights: Tensor | None
+
+    @classmethod
+    def from_logits(cls, logits: Tensor, loss: str) -> OutputCore:
+        return get_likelihood(loss).output_core(logits)
+
+    def fisher(self, v: Tensor) -> Tensor:
+        """``Λ v``."""
+        if self.weights is None:
+            return v
+        w = self.weights
+        if self.kind == "bce":
+            return w * v
+        return w * v - w * (w * v).sum(-1, keepdim=True)
+
+    def sqrt(self, w: Tensor) -> Tensor:
+        """``A w``: output tangents ``J v`` → rows of ``V v``."""
+        if self.weights is None:
+            return w
+        if self.kind == "bce":
+            return self.weights.sqrt() * w
+        p = self.weights
+        root = p.sqrt()
+        return root * w - root * (p * w).sum(-1, keepdim=True)
+
+    def sqrt_transpose(self, u: Tensor) -> Tensor:
+        """``Aᵀ u``: the cotangent on the logits of ``Σ_c u_c (row c of V)``."""
+        if self.weights is None:
+            return u
+        if self.kind == "bce":
+            return self.weights.sqrt() * u
+        p = self.weights
+        root = p.sqrt()
+        return root * u - p * (root * u).sum(-1, keepdim=True)
+
+    def project(self, u: Tensor) -> Tensor:
+        """Remove each sample's component in the null space of ``Aᵀ`` (``√p_i`` for
+        cross-entropy; nothing for the other two, whose ``A`` is invertible)."""
+        if self.weights is None or self.kind == "bce":
+            return u
+        root = self.weights.sqrt()
+        return u - root * (root * u).sum(-1, keepdim=True)
+
+    def diagonal(self, logits: Tensor) -> Tensor:
+        """``ζ`` (B, C) of the diagonal-core upper bound ``Σ_c ζ_c ∇z_c ∇z_cᵀ ⪰ F`` (Eq. 8 of
+        the Hutchinson-Fisher paper): ``p`` for cross-entropy; for bce and mse ``Λ`` is
+        diagonal already, so ``ζ = diag Λ`` and the bound is exact."""
+        if self.weights is None:
+            return torch.ones_like(logits)
+        return self.weights
+
+    def top_eigenpair(
+        self, generator: torch.Generator, iterations: int, shape: tuple[int, int]
+    ) -> tuple[Tensor, Tensor]:
+        """Largest eigenvalue ``λ_C`` (B,) and unit eigenvector ``v_C`` (B, C) of each ``Λ_i``.
+
+        Cross-entropy: power iteration from a random unit vector,
+        ``v ← (p∘v − (pᵀv) p)/‖·‖``, then ``λ_C = pᵀ(v∘v) − (pᵀv)²``. bce: the largest
+        ``σ_c(1 − σ_c)`` and its unit vector. mse (``Λ = I``): ``λ_C = 1`` and the random
+        start. The random start is drawn in every case, so the generator advances the same way.
+        """
+        v = torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float64)
+        v = v / v.norm(dim=-1, keepdim=True)
+        if self.weights is None:
+            return v.new_ones(shape[0]), v
+        w = self.weights
+        if self.kind == "bce":
+            value, index = w.max(dim=-1)
+            return value, F.one_hot(index, w.shape[-1]).to(w.dtype)
+        v = v.to(device=w.device, dtype=w.dtype)
+        for _ in range(iterations):
+            v = self.fisher(v)
+            v = v / v.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+        value = (w * v.square()).sum(-1) - (w * v).sum(-1).square()
+        return value.clamp_min(0.0), v
+
+
+class Likelihood(ABC):
+    """One output likelihood: loss, output Fisher, targets and accuracy-like statistics."""
+
+    name: str = ""
+    #: the smallest number of outputs the likelihood accepts
+    min_outputs: int = 1
+
+    def check_outputs(self, logits: Tensor) -> None:
+        """Refuse outputs that are not ``(batch, C)`` with at least :attr:`min_outputs`."""
+        if not isinstance(logits, Tensor) or logits.dim() != 2:
+            shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise TargetError(
+                f"The model's output must be logits of shape (batch, outputs); got {shape}. "
+                "Pass logits_fn=... to read them from what the model returns."
+            )
+        if logits.shape[1] < self.min_outputs:
+            raise TargetError(
+                f"loss={self.name!r} needs at least {self.min_outputs} outputs, the model "
+                f"returns {logits.shape[1]}. A single-logit binary classifier uses loss='bce'."
+            )
+
+    @abstractmethod
+    def prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
+        """The targets in the form the loss uses (dtype, shape), after checking they fit.
+
+        Raises:
+            TargetError: naming the targets' dtype/shape and the loss that would fit them.
+        """
+
+    @abstractmethod
+    def nll(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Per-sample negative log-likelihood ``−log p(y_i | z_i)``, shape (B,), differentiable."""
+
+    @abstractmethod
+    def output_core(self, logits: Tensor) -> OutputCore:
+        """The output Fisher of each sample (see :class:`OutputCore`)."""
+
+    @abstractmethod
+    def fisher_matrices(self, logits: Tensor) -> Tensor:
+        """``Λ_i`` as dense (B, C, C) matrices (for small C: exact traces, relative flatness)."""
+
+    @abstractmethod
+    def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
+        """Error, uncertainty and correct-prediction sums of a batch (module docstring)."""
+
+    @abstractmethod
+    def draw(self, logits: Tensor, generator: torch.Generator) -> Tensor:
+        """One draw per sample from the model's ``p(· | z_i)``, with ``generator`` only (the
+        global RNG is never used): a class index (inverse CDF), 0/1 labels (comparison with
+        uniforms) or, for the Gaussian, the noise ``ε = ỹ − z``. Draws stay fixed under small
+        changes of θ for a generator in a fixed state."""
+
+    def sampled_score(self, logits: Tensor, draw: Tensor) -> Tensor:
+        """Per-sample ``s_i(θ)`` whose gradient is the score ``∇θ log p(ỹ_i | z_i)`` at the
+        draw, so that ``E[∇s ∇sᵀ] = J_iᵀ Λ_i J_i`` and ``∇θ`` of any function of the rows is
+        the gradient for fixed draws."""
+        return -self.nll(logits, draw)
+
+    @abstractmethod
+    def sqrt_rows(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """``(s, w)`` (each B, C) such that row c of ``V_i = A_i J_i`` is ``w_ic ∇θ s_ic``.
+
+        Cross-entropy: ``s = log p``, ``w = √p``; bce: ``s = z``, ``w = √(σ(1−σ))``; mse:
+        ``s = z``, ``w = 1``. Both keep their graph (the regularizer differentiates ``w``).
+        """
+
+
+def _describe(targets: Tensor) -> str:
+    return f"targets of dtype {targets.dtype} and shape {tuple(targets.shape)}"
+
+
+def _as_output_shape(targets: Tensor, logits: Tensor, name: str) -> Tensor:
+    """``(B,)`` targets of a one-output model become ``(B, 1)``; otherwise shapes must match."""
+    if targets.dim() == 1 and logits.shape[1] == 1:
+        targets = targets.unsqueeze(1)
+    if targets.shape != logits.shape:
+        raise TargetError(
+            f"loss={name!r} needs targets shaped like the outputs {tuple(logits.shape)}; got "
+            f"{_describe(targets)}."
+            + (
+                " Integer class labels go with loss='cross_entropy'."
+                if not targets.is_floating_point() and targets.dim() == 1
+                else ""
+            )
+        )
+    return targets
+
+
+class CategoricalLikelihood(Likelihood):
+    """Softmax cross-entropy: ``−log p_y``, ``Λ = diag p − p pᵀ``."""
+
+    name = "cross_entropy"
+    min_outputs = 2
+
+    def prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
+        if targets.is_floating_point() or targets.dtype == torch.bool:
+            multi_hot = targets.dim() == 2 and targets.shape == logits.shape
+            hint = (
+                "multi-hot targets shaped like the outputs mean independent labels: pass "
+                "loss='bce' (multi-label classification)"
+                if multi_hot
+                else "pass loss='mse' for regression targets or loss='bce' for binary/"
+                "multi-label 0/1 targets, or cast class indices to torch.long"
+            )
+            raise TargetError(
+                f"loss='cross_entropy' needs integer class indices of shape (batch,); got "
+                f"{_describe(targets)}: {hint}."
+            )
+        targets = targets.reshape(-1) if targets.dim() == 2 and targets.shape[1] == 1 else targets
+        if targets.dim() != 1 or targets.shape[0] != logits.shape[0]:
+            raise TargetError(
+                f"loss='cross_entropy' needs one class index per sample, shape "
+                f"({logits.shape[0]},); got {_describe(targets)}."
+            )
+        if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= logits.shape[1]):
+            raise TargetError(
+                f"Class indices must lie in [0, {logits.shape[1]}) for a model with "
+                f"{logits.shape[1]} outputs; got values in [{int(targets.min())}, "
+                f"{int(targets.max())}] (ignore_index and padding labels are not supported)."
+            )
+        return targets.to(torch.int64)
+
+    def nll(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return F.cross_entropy(logits, targets, reduction="none")
+
+    def output_core(self, logits: Tensor) -> OutputCore:
+        return OutputCore(self.name, torch.softmax(logits.detach(), dim=-1))
+
+    def fisher_matrices(self, logits: Tensor) -> Tensor:
+        p = torch.softmax(logits.detach(), dim=-1)
+        return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
+
+    def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
+        p = torch.softmax(logits.detach().to(torch.float64), dim=-1)
+        onehot = F.one_hot(targets, logits.shape[-1]).to(torch.float64)
+        return SampleScores(
+            error=float((onehot - p).square().sum()),
+            uncertainty=float((1.0 - p.square().sum(-1)).sum()),
+            correct=float((logits.argmax(-1) == targets).sum()),
+        )
+
+    def draw(self, logits: Tensor, generator: torch.Generator) -> Tensor:
+        p = torch.softmax(logits.detach().to(torch.float64), dim=-1)
+        uniforms = torch.rand(
+            p.shape[0], generator=generator, dtype=torch.float64, device=generator.device
+        ).to(p.device)
+        labels = (p.cumsum(dim=-1) < uniforms.unsqueeze(-1)).sum(dim=-1)
+        return labels.clamp_max(p.shape[-1] - 1)
+
+    def sqrt_rows(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        log_p = torch.log_softmax(logits, dim=-1)
+        return log_p, torch.exp(0.5 * log_p)  # exp(½ log p): no NaN gradient where p → 0
+
+
+class BernoulliLikelihood(Likelihood):
+    """Independent sigmoid outputs (multi-label, or binary with one logit): ``Λ = diag σ(1−σ)``."""
+
+    name = "bce"
+
+    def prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
+        targets = _as_output_shape(targets, logits, self.name).to(logits.dtype)
+        if targets.numel() and (float(targets.min()) < 0 or float(targets.max()) > 1):
+            raise TargetError(
+                f"loss='bce' needs targets in [0, 1]; got values in [{float(targets.min())}, "
+                f"{float(targets.max())}]. Pass loss='mse' for regression targets."
+            )
+        return targets
+
+    def nll(self, logits: Tensor, targets: Tensor) -> Tensor:
+        losses = F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
+        return losses.sum(-1)
+
+    def output_core(self, logits: Tensor) -> OutputCore:
+        sigma = torch.sigmoid(logits.detach())
+        return OutputCore(self.name, sigma * (1.0 - sigma))
+
+    def fisher_matrices(self, logits: Tensor) -> Tensor:
+        sigma = torch.sigmoid(logits.detach())
+        return torch.diag_embed(sigma * (1.0 - sigma))
+
+    def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
+        sigma = torch.sigmoid(logits.detach().to(torch.float64))
+        y = targets.to(torch.float64)
+        hits = ((logits.detach() > 0) == (y >= 0.5)).to(torch.float64).mean(-1)
+        return SampleScores(
+            error=float((y - sigma).square().sum()),
+            uncertainty=float((sigma * (1.0 - sigma)).sum()),
+            correct=float(hits.sum()),
+        )
+
+    def draw(self, logits: Tensor, generator: torch.Generator) -> Tensor:
+        sigma = torch.sigmoid(logits.detach().to(torch.float64))
+        uniforms = torch.rand(
+            sigma.shape, generator=generator, dtype=torch.float64, device=generator.device
+        ).to(sigma.device)
+        return (uniforms < sigma).to(logits.dtype)
+
+    def sqrt_rows(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        # σ(1−σ) = exp(log σ(z) + log σ(−z)), stable for large |z|
+        weight = torch.exp(0.5 * (F.logsigmoid(logits) + F.logsigmoid(-logits)))
+        return logits, weight
+
+
+class GaussianLikelihood(Likelihood):
+    """Unit-variance Gaussian regression: ``½‖y − z‖²``, ``Λ = I``."""
+
+    name = "mse"
+
+    def prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
+        return _as_output_shape(targets, logits, self.name).to(logits.dtype)
+
+    def nll(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return 0.5 * (logits - targets).square().sum(-1)
+
+    def output_core(self, logits: Tensor) -> OutputCore:
+        return OutputCore(self.name, None)
+
+    def fisher_matrices(self, logits: Tensor) -> Tensor:
+        eye = torch.eye(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+        return eye.expand(logits.shape[0], -1, -1)
+
+    def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
+        return SampleScores(math.nan, math.nan, math.nan)
+
+    def draw(self, logits: Tensor, generator: torch.Generator) -> Tensor:
+        noise = torch.randn(
+            logits.shape, generator=generator, dtype=torch.float64, device=generator.device
+        )
+        return noise.to(device=logits.device, dtype=logits.dtype)
+
+    def sampled_score(self, logits: Tensor, draw: Tensor) -> Tensor:
+        # log N(z + ε | z, I) has score Jᵀε; with ε fixed (not ỹ), ε·z is that function of θ.
+        return (draw * logits).sum(-1)
+
+    def sqrt_rows(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        return logits, torch.ones_like(logits)
+
+
+_LIKELIHOODS: dict[str, Likelihood] = {
+    cls.name: cls() for cls in (CategoricalLikelihood, BernoulliLikelihood, GaussianLikelihood)
+}
+
+
+def get_likelihood(loss: str) -> Likelihood:
+    """The likelihood of ``loss`` (one of :data:`LOSSES`)."""
+    try:
+        return _LIKELIHOODS[loss]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"loss must be one of {LOSSES} (softmax classification, independent sigmoid "
+            f"outputs for multi-label or single-logit binary, Gaussian regression), got {loss!r}."
+        ) from None
