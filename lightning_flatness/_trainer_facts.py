@@ -14,10 +14,12 @@ from torch.utils.data import DataLoader, IterableDataset, Subset
 
 __all__ = [
     "LambdaResolutionError",
+    "all_dataloaders",
     "first_dataloader",
     "fixed_subset_batches",
     "resolve_lam",
     "resolve_num_train_samples",
+    "select_dataloader",
 ]
 
 #: Optimizers whose ``weight_decay`` adds ``λθ`` to the gradient (coupled L2), i.e. minimise
@@ -82,6 +84,36 @@ def first_dataloader(loaders: object) -> DataLoader | None:
     if isinstance(loaders, (list, tuple)):
         return first_dataloader(loaders[0]) if loaders else None
     return None
+
+
+def all_dataloaders(loaders: object) -> list[DataLoader]:
+    """Every DataLoader in what ``trainer.val_dataloaders`` returns, in order."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, DataLoader):
+        return [loaders]
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    if isinstance(loaders, (list, tuple)):
+        return [loader for item in loaders for loader in all_dataloaders(item)]
+    return []
+
+
+def select_dataloader(loaders: object, index: int) -> DataLoader | None:
+    """The ``index``-th DataLoader of ``loaders`` (None when there are none).
+
+    Raises:
+        ValueError: ``index`` beyond the loaders there are; names ``val_dataloader_idx``.
+    """
+    found = all_dataloaders(loaders)
+    if not found:
+        return None
+    if index >= len(found):
+        raise ValueError(
+            f"val_dataloader_idx={index}, but the trainer has {len(found)} validation "
+            f"dataloader(s); pass FlatnessMonitor(val_dataloader_idx=0 … {len(found) - 1})."
+        )
+    return found[index]
 
 
 def _sized(loader: DataLoader) -> bool:

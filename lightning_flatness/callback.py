@@ -9,11 +9,18 @@ draws the Fisher spectrum and a predicted-vs-observed gap figure.
 
 A monitor that only measures does not change training: it works on a private copy of the model,
 draws its samples with its own generator through its own dataloader, and forks the RNG.
-A failed measurement logs a warning and records NaN; training goes on.
+
+Two kinds of failure are kept apart. A configuration the monitor cannot handle (a batch it
+cannot unpack, an output it cannot read, targets that do not fit ``loss``, a module without
+``forward``) is found when training starts, on one real batch, and raises one error naming the
+argument that fixes it (``strict=False``: one warning, and the monitor switches itself off). A
+numerical failure during training (a NaN loss at some epoch) logs a warning and records NaN for
+that epoch; training goes on.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Iterable
@@ -27,14 +34,23 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_flatness._backpack import UnsupportedModelError
 from lightning_flatness._trainer_facts import (
+    all_dataloaders,
     first_dataloader,
     fixed_subset_batches,
     resolve_lam,
     resolve_num_train_samples,
+    select_dataloader,
 )
+from lightning_flatness.batches import LogitsFn, UnpackBatch, default_unpack_batch
 from lightning_flatness.curvature import STRUCTURES
 from lightning_flatness.figures import gap_figure, log10_spectrum, summary_table
-from lightning_flatness.measure import MATRIX_FREE_STRUCTURES, FlatnessReport, measure
+from lightning_flatness.likelihoods import LOSSES
+from lightning_flatness.measure import (
+    MATRIX_FREE_STRUCTURES,
+    FlatnessReport,
+    check_batch,
+    measure,
+)
 from lightning_flatness.regularizer import SoftRankPenalty
 
 __all__ = ["FlatnessMonitor"]
@@ -43,6 +59,44 @@ __all__ = ["FlatnessMonitor"]
 #: MNIST within 5% of its full-training-set value (docs/RESULTS.md, "Sample size").
 DEFAULT_MAX_SAMPLES = 2048
 DEFAULT_MAX_VAL_SAMPLES = 1024
+
+
+#: measure() arguments the monitor sets itself, and the constructor argument that sets each
+_SET_BY_MONITOR = {
+    "model": None,
+    "train_batches": None,
+    "val_batches": "use_val / val_dataloader_idx",
+    "lam": "lam",
+    "num_train_samples": "num_train_samples",
+    "structure": "structure",
+    "max_samples": "max_samples",
+    "max_val_samples": "max_val_samples",
+    "trace_estimator": "trace_estimator",
+    "kfac_mode": "kfac_mode",
+    "seed": "seed",
+    "all_reduce": None,
+    "loss": "loss",
+    "unpack_batch": "unpack_batch",
+    "logits_fn": "logits_fn",
+}
+
+
+def _check_measure_kwargs(measure_kwargs: dict[str, Any]) -> None:
+    """Refuse keys measure() does not know and keys the monitor sets itself."""
+    known = set(inspect.signature(measure).parameters)
+    for key in measure_kwargs:
+        if key not in known:
+            valid = sorted(known - set(_SET_BY_MONITOR))
+            raise ValueError(
+                f"measure_kwargs has the key {key!r}, which measure() does not take; valid keys "
+                f"are {valid}."
+            )
+        if key in _SET_BY_MONITOR:
+            instead = _SET_BY_MONITOR[key]
+            fix = f"pass FlatnessMonitor({instead}=...) instead" if instead else "drop it"
+            raise ValueError(
+                f"measure_kwargs[{key!r}] collides with what FlatnessMonitor sets itself: {fix}."
+            )
 
 
 def _check_positive_int(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -84,7 +138,24 @@ class FlatnessMonitor(Callback):
         fallback_structure: used (with one info message) when BackPACK cannot extend the model;
             ``None`` records NaN instead.
         seed: seeds the sample subset and the Monte-Carlo structures.
-        measure_kwargs: further keyword arguments for :func:`~lightning_flatness.measure`.
+        measure_kwargs: further keyword arguments for :func:`~lightning_flatness.measure`
+            (e.g. ``{"matrix_free_options": {...}}``); keys the monitor sets itself are refused
+            with the constructor argument to use instead.
+        loss: the likelihood of the model's outputs: ``"cross_entropy"`` (softmax
+            classification, integer labels), ``"bce"`` (independent sigmoid outputs:
+            multi-label 0/1 targets, or binary with a single logit) or ``"mse"`` (regression).
+            F is the Fisher of that likelihood; label smoothing or loss weights in the user's
+            training loss are not part of it (``flatness/train_nll`` is the plain NLL).
+        unpack_batch: ``batch -> (inputs, targets)``; default: ``(x, y, *rest)`` sequences and
+            mappings with a ``labels``/``label``/``targets``/``target``/``y`` key (the rest of
+            the mapping are the inputs, passed to the model as keywords).
+        logits_fn: ``(pl_module, inputs) -> logits``; default: call the module and read a
+            tensor, ``.logits``, ``["logits"]`` or the first element of a tuple. Needed when the
+            module has no ``forward`` (e.g. ``lambda module, x: module.model(x)``).
+        strict: a configuration the monitor cannot measure raises at fit start (True, as
+            ``EarlyStopping(strict=True)`` does for a missing metric), or warns once and
+            switches the monitor off (False).
+        val_dataloader_idx: which validation dataloader the held-out numbers use.
         regularize: add ``reg_strength · h(F_b)/B`` (Theorem 6.5, the batched upper bound of
             the soft rank, :class:`~lightning_flatness.regularizer.SoftRankPenalty`) to every
             training loss — exactly as writing ``loss + penalty`` in ``training_step``.
@@ -124,6 +195,11 @@ class FlatnessMonitor(Callback):
         reg_params: str | list[str] = "all",
         reg_every_n_steps: int = 1,
         reg_warmup_steps: int = 0,
+        loss: str = "cross_entropy",
+        unpack_batch: UnpackBatch | None = None,
+        logits_fn: LogitsFn | None = None,
+        strict: bool = True,
+        val_dataloader_idx: int = 0,
     ) -> None:
         structures = STRUCTURES + MATRIX_FREE_STRUCTURES
         if structure not in structures:
@@ -149,6 +225,20 @@ class FlatnessMonitor(Callback):
             raise ValueError(f"`kfac_mode` must be 'exact' or 'sampled', got {kfac_mode!r}.")
         if not isinstance(log_prefix, str):
             raise ValueError(f"`log_prefix` must be a string, got {log_prefix!r}.")
+        if loss not in LOSSES:
+            raise ValueError(f"`loss` must be one of {LOSSES}, got {loss!r}.")
+        for name, value in (("unpack_batch", unpack_batch), ("logits_fn", logits_fn)):
+            if value is not None and not callable(value):
+                raise ValueError(f"`{name}` must be a callable or None, got {value!r}.")
+        if (
+            isinstance(val_dataloader_idx, bool)
+            or not isinstance(val_dataloader_idx, int)
+            or val_dataloader_idx < 0
+        ):
+            raise ValueError(
+                f"`val_dataloader_idx` must be an integer ≥ 0, got {val_dataloader_idx!r}."
+            )
+        _check_measure_kwargs(dict(measure_kwargs or {}))
         if not math.isfinite(float(reg_strength)) or float(reg_strength) < 0:
             raise ValueError(f"`reg_strength` must be a finite number ≥ 0, got {reg_strength!r}.")
         if reg_function not in ("soft_rank", "logdet"):
@@ -192,8 +282,16 @@ class FlatnessMonitor(Callback):
         self.reg_params = reg_params
         self.reg_every_n_steps = reg_every_n_steps
         self.reg_warmup_steps = reg_warmup_steps
+        self.loss = loss
+        self.unpack_batch = unpack_batch
+        self.logits_fn = logits_fn
+        self.strict = bool(strict)
+        self.val_dataloader_idx = val_dataloader_idx
+        #: why the monitor switched itself off at fit start (``strict=False``), or None
+        self.disabled_reason: str | None = None
+        self._checked = False
         self._penalty: SoftRankPenalty | None = None
-        self._batch_inputs: torch.Tensor | None = None
+        self._batch_inputs: Any = None
         self._penalty_calls = 0
         self._restored_generator_state: torch.Tensor | None = None
         self.history: list[dict[str, float]] = []
@@ -231,10 +329,50 @@ class FlatnessMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loader = first_dataloader(trainer.train_dataloader)
         self.resolved_num_train_samples = resolve_num_train_samples(loader, self.num_train_samples)
+        if not self._checked:
+            self._checked = True
+            self._check_configuration(trainer, pl_module)
         if self.regularize and self._penalty is None:
             self._penalty = self.make_penalty()
             if self._restored_generator_state is not None:
                 self._penalty.generator.set_state(self._restored_generator_state)
+
+    def _check_configuration(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Read one real training (and validation) batch as every measurement will.
+
+        Raises (``strict=True``) or warns once and switches the monitor off (``strict=False``)
+        when the batch, the model's output or the targets cannot be measured.
+        """
+        val_loaders = all_dataloaders(trainer.val_dataloaders) if self.use_val else []
+        if len(val_loaders) > 1:
+            rank_zero_info(
+                f"FlatnessMonitor: {len(val_loaders)} validation dataloaders; the held-out "
+                f"numbers use dataloader {self.val_dataloader_idx} (val_dataloader_idx)."
+            )
+        splits = [("training", trainer.train_dataloader, self.max_samples)]
+        if val_loaders:
+            splits.append(("validation", val_loaders, self.max_val_samples))
+        try:
+            for split, loaders, max_samples in splits:
+                batch = next(iter(self._batches(trainer, loaders, max_samples, split)), None)
+                if batch is None:
+                    continue
+                check_batch(
+                    pl_module,
+                    batch,
+                    loss=self.loss,
+                    unpack_batch=self.unpack_batch,
+                    logits_fn=self.logits_fn,
+                )
+        except Exception as error:
+            message = (
+                f"FlatnessMonitor cannot measure {type(pl_module).__name__} "
+                f"({type(error).__name__}): {error}"
+            )
+            if self.strict:
+                raise ValueError(message) from error
+            self.disabled_reason = str(error)
+            rank_zero_warn(f"{message} The monitor is switched off for this fit (strict=False).")
 
     # ------------------------------------------------------------------ regularizer
     def make_penalty(self) -> SoftRankPenalty:
@@ -250,10 +388,12 @@ class FlatnessMonitor(Callback):
             function=self.reg_function,
             labels=self.reg_labels,
             params=self.reg_params,
+            loss=self.loss,
+            logits_fn=self.logits_fn,
             seed=self.seed,
         )
 
-    def penalty(self, model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    def penalty(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
         """The penalty ``h(F_b)/B`` of one batch (without β), for manual optimization::
 
             loss = loss + beta * monitor.penalty(self, x)
@@ -273,8 +413,8 @@ class FlatnessMonitor(Callback):
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.regularize:
-            self._batch_inputs = batch[0] if isinstance(batch, (list, tuple)) else batch
+        if self.regularize and self.disabled_reason is None:
+            self._batch_inputs = (self.unpack_batch or default_unpack_batch)(batch)[0]
 
     def on_before_backward(
         self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
@@ -304,6 +444,8 @@ class FlatnessMonitor(Callback):
 
     # ------------------------------------------------------------------ schedule
     def _due(self, trainer: Trainer) -> bool:
+        if self.disabled_reason is not None:
+            return False
         epoch = trainer.current_epoch
         already = any(record["epoch"] == epoch for record in self.history)
         return (epoch + 1) % self.every_n_epochs == 0 and not already
@@ -324,6 +466,7 @@ class FlatnessMonitor(Callback):
         last_epoch = trainer.current_epoch - 1 if trainer.current_epoch else 0
         if (
             self.measure_on_fit_end
+            and self.disabled_reason is None
             and trainer.global_step > 0
             and not any(record["epoch"] >= last_epoch for record in self.history)
         ):
@@ -338,8 +481,13 @@ class FlatnessMonitor(Callback):
             rank_zero_info(summary_table(self.history[-1], self._active_structure))
 
     # ------------------------------------------------------------------ measurement
-    def _batches(self, trainer: Trainer, loaders: object, max_samples: int | None) -> Iterable:
-        loader = first_dataloader(loaders)
+    def _batches(
+        self, trainer: Trainer, loaders: object, max_samples: int | None, split: str
+    ) -> Iterable:
+        if split == "validation":
+            loader = select_dataloader(loaders, self.val_dataloader_idx)
+        else:
+            loader = first_dataloader(loaders)
         if loader is None:
             return []
         return fixed_subset_batches(
@@ -365,9 +513,13 @@ class FlatnessMonitor(Callback):
 
     def _run_measure(self, trainer: Trainer, pl_module: LightningModule) -> FlatnessReport:
         val_loaders = trainer.val_dataloaders if self.use_val else None
-        train_batches = self._batches(trainer, trainer.train_dataloader, self.max_samples)
+        train_batches = self._batches(
+            trainer, trainer.train_dataloader, self.max_samples, "training"
+        )
         val_batches = (
-            self._batches(trainer, val_loaders, self.max_val_samples) if val_loaders else None
+            self._batches(trainer, val_loaders, self.max_val_samples, "validation")
+            if val_loaders
+            else None
         )
         with torch.inference_mode(False), torch.enable_grad():
             return measure(
@@ -381,6 +533,9 @@ class FlatnessMonitor(Callback):
                 kfac_mode=self.kfac_mode,
                 seed=self.seed,
                 all_reduce=self._all_reduce(trainer),
+                loss=self.loss,
+                unpack_batch=self.unpack_batch,
+                logits_fn=self.logits_fn,
                 **self.measure_kwargs,
             )
 
