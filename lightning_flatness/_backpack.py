@@ -27,7 +27,15 @@ from torch import Tensor, nn
 
 from lightning_flatness.batches import LogitsModule
 
-__all__ = ["ExtendedModel", "UnsupportedModelError", "backward_with", "measurement_copy"]
+__all__ = [
+    "ExtendedModel",
+    "UnsupportedModelError",
+    "backward_with",
+    "extended_loss",
+    "loss_scale",
+    "measurement_copy",
+    "support_loss",
+]
 
 # Attributes objects commonly hold that must be shared, not copied (e.g. a LightningModule's
 # trainer, which owns dataloaders and loggers).
@@ -191,8 +199,14 @@ class _MultiOutputBCEDerivatives(BCELossWithLogitsDerivatives):
         return root.transpose(0, 1)  # [C, N, C]: root[:, n, :] is sample n's (symmetric) root
 
 
-def _with_multi_output_bce(extensions: Sequence[object]) -> None:
-    """Teach the second-order extensions the multi-output BCE derivatives (idempotent)."""
+def support_loss(extensions: Sequence[object], loss: str) -> None:
+    """Prepare ``extensions`` for the loss module of ``loss``, once before a pass over batches.
+
+    For ``"bce"`` the second-order extensions get the multi-output BCE derivatives; the other
+    losses need nothing.
+    """
+    if loss != "bce":
+        return
     for extension in extensions:
         if isinstance(extension, (DiagGGNExact, DiagGGNMC)):
             module_extension = DiagGGNLoss(_MultiOutputBCEDerivatives())
@@ -213,17 +227,22 @@ def backward_with(
 ) -> None:
     """Run one backward pass of ``loss`` with the given BackPACK extensions active."""
     model.zero_grad()
-    _with_multi_output_bce(extensions)
     with _translated_errors(structure), backpack(*extensions), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*Full backward hook is firing.*")
         loss.backward()
 
 
+def loss_scale(loss: str) -> float:
+    """``Σ_i −log p(y_i | z_i)`` ÷ :func:`extended_loss`: BackPACK's gradients and curvature
+    times this factor are those of the negative log-likelihood (0.5 for ``"mse"``, whose
+    ``MSELoss`` is ``‖y − f‖²``, twice ``½‖y − f‖²``; 1 otherwise)."""
+    return 0.5 if loss == "mse" else 1.0
+
+
 def extended_loss(loss: str) -> nn.Module:
     """The summed per-sample loss, extended: sum reduction makes every BackPACK quantity a sum
     over samples, which :mod:`lightning_flatness.measure` divides by the sample count once.
-
-    ``"mse"`` is ``‖y − f‖²`` (twice ``½‖y − f‖²``: callers halve gradients and curvature).
+    Multiply its gradients and curvature by :func:`loss_scale`.
     """
     if loss == "cross_entropy":
         return extend(nn.CrossEntropyLoss(reduction="sum"))

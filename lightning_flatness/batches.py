@@ -44,11 +44,12 @@ __all__ = [
     "default_logits_fn",
     "default_unpack_batch",
     "num_samples",
-    "peek_spec",
     "prepared_batches",
     "read_logits",
     "split_leaves",
     "take_rows",
+    "unsqueeze_leaves",
+    "wrap_for_batches",
 ]
 
 #: keys under which a mapping batch holds its targets, in the order they are looked for
@@ -268,6 +269,11 @@ def take_rows(leaves: Leaves, rows: slice | Tensor) -> Leaves:
     return tuple(t[rows] for t in leaves)
 
 
+def unsqueeze_leaves(leaves: Leaves) -> Leaves:
+    """One sample's leaves as a batch of one (for per-sample functions under ``vmap``)."""
+    return tuple(t.unsqueeze(0) for t in leaves)
+
+
 def split_leaves(leaves: Leaves, size: int) -> list[Leaves]:
     """Consecutive chunks of ``size`` samples (the last one may be shorter)."""
     return list(zip(*(t.split(size) for t in leaves), strict=True))
@@ -312,7 +318,7 @@ class LogitsModule(nn.Module):
         )
 
 
-def peek_spec(
+def _peek_spec(
     batches: Iterable, unpack_batch: UnpackBatch | None = None
 ) -> tuple[InputSpec | None, Iterable]:
     """The :class:`InputSpec` of the first batch, and an iterable that still yields it.
@@ -324,6 +330,24 @@ def peek_spec(
         inputs, _ = (unpack_batch or default_unpack_batch)(first)
         return InputSpec.of(inputs), itertools.chain([first], iterator)
     return None, []
+
+
+def wrap_for_batches(
+    model: nn.Module,
+    batches: Iterable,
+    unpack_batch: UnpackBatch | None = None,
+    logits_fn: LogitsFn | None = None,
+) -> tuple[LogitsModule, Iterable, bool]:
+    """``model`` wrapped for the input structure of the first batch of ``batches``.
+
+    Returns:
+        The :class:`LogitsModule`, a single-use iterable that still yields every batch (the
+        first one was read to learn the inputs' structure), and whether there was a batch at
+        all (without one the wrapper expects one tensor).
+    """
+    spec, first_pass = _peek_spec(batches, unpack_batch)
+    wrapped = LogitsModule(model, spec or InputSpec("tensor"), logits_fn)
+    return wrapped, first_pass, spec is not None
 
 
 def prepared_batches(

@@ -99,6 +99,11 @@ def _check_measure_kwargs(measure_kwargs: dict[str, Any]) -> None:
             )
 
 
+def _check_nonnegative_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{name}` must be an integer ≥ 0, got {value!r}.")
+
+
 def _check_positive_int(name: str, value: int | None, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -230,14 +235,7 @@ class FlatnessMonitor(Callback):
         for name, value in (("unpack_batch", unpack_batch), ("logits_fn", logits_fn)):
             if value is not None and not callable(value):
                 raise ValueError(f"`{name}` must be a callable or None, got {value!r}.")
-        if (
-            isinstance(val_dataloader_idx, bool)
-            or not isinstance(val_dataloader_idx, int)
-            or val_dataloader_idx < 0
-        ):
-            raise ValueError(
-                f"`val_dataloader_idx` must be an integer ≥ 0, got {val_dataloader_idx!r}."
-            )
+        _check_nonnegative_int("val_dataloader_idx", val_dataloader_idx)
         _check_measure_kwargs(dict(measure_kwargs or {}))
         if not math.isfinite(float(reg_strength)) or float(reg_strength) < 0:
             raise ValueError(f"`reg_strength` must be a finite number ≥ 0, got {reg_strength!r}.")
@@ -248,14 +246,7 @@ class FlatnessMonitor(Callback):
         if reg_labels not in ("sampled", "exact"):
             raise ValueError(f"`reg_labels` must be 'sampled' or 'exact', got {reg_labels!r}.")
         _check_positive_int("reg_every_n_steps", reg_every_n_steps)
-        if (
-            isinstance(reg_warmup_steps, bool)
-            or not isinstance(reg_warmup_steps, int)
-            or reg_warmup_steps < 0
-        ):
-            raise ValueError(
-                f"`reg_warmup_steps` must be an integer ≥ 0, got {reg_warmup_steps!r}."
-            )
+        _check_nonnegative_int("reg_warmup_steps", reg_warmup_steps)
         self.structure = structure
         self.lam = None if lam is None else float(lam)
         self.every_n_epochs = every_n_epochs

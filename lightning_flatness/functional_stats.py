@@ -27,9 +27,9 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad, jacrev, jvp, vjp, vmap
 
-from lightning_flatness.batches import Leaves, LogitsModule, take_rows
+from lightning_flatness.batches import Leaves, LogitsModule, take_rows, unsqueeze_leaves
 from lightning_flatness.likelihoods import LOSSES, OutputCore, get_likelihood
-from lightning_flatness.statistics import StatisticSums
+from lightning_flatness.statistics import StatisticSums, output_sums
 
 __all__ = [
     "LOSSES",
@@ -52,10 +52,6 @@ def probe_vectors(shape: tuple[int, ...], generator: torch.Generator, dtype, dev
         values = torch.randn(shape, generator=generator, device=generator.device, dtype=dtype)
         return values.to(device)
     raise ValueError(f"probe distribution must be 'rademacher' or 'gaussian', got {kind!r}.")
-
-
-def _unsqueeze(leaves: Leaves) -> Leaves:
-    return tuple(t.unsqueeze(0) for t in leaves)
 
 
 class FunctionalModel:
@@ -147,7 +143,7 @@ class FunctionalModel:
         likelihood = get_likelihood(loss)
 
         def sample_loss(params: dict[str, Tensor], x: Leaves, y: Tensor) -> Tensor:
-            output = self.logits(params, _unsqueeze(x))
+            output = self.logits(params, unsqueeze_leaves(x))
             return likelihood.nll(output, y.unsqueeze(0)).squeeze(0)
 
         return vmap(grad(sample_loss), in_dims=(None, 0, 0))(self.params, inputs, targets)
@@ -156,7 +152,7 @@ class FunctionalModel:
         """Jacobians ``J_i = ∂z(x_i)/∂θ`` as ``{name: (B, C, *shape)}``."""
 
         def sample_logits(params: dict[str, Tensor], x: Leaves) -> Tensor:
-            return self.logits(params, _unsqueeze(x)).squeeze(0)
+            return self.logits(params, unsqueeze_leaves(x)).squeeze(0)
 
         return vmap(jacrev(sample_logits), in_dims=(None, 0))(self.params, inputs)
 
@@ -231,20 +227,15 @@ def batch_statistics(
     likelihood = get_likelihood(loss)
     with torch.no_grad(), model.capture_last_linear_input() as captured:
         logits = model.logits(model.params, inputs)
-    likelihood.check_outputs(logits)
     targets = likelihood.prepare_targets(targets, logits)
     batch, classes = logits.shape
+    features = captured[-1] if captured else None
+    sums = output_sums(likelihood, logits, targets, model.last_linear, features)
     logits64 = logits.detach().to(torch.float64)
-    sums = StatisticSums(count=float(batch))
-    num_params = model.num_parameters
-    target64 = targets.to(torch.float64) if targets.is_floating_point() else targets
-    sums.loss = float(likelihood.nll(logits64, target64).sum())
-    scores = likelihood.scores(logits64, targets)
-    sums.error, sums.uncertainty, sums.correct = scores.error, scores.uncertainty, scores.correct
     if not math.isfinite(sums.loss):
         return sums, logits64
+    num_params = model.num_parameters
     core64 = likelihood.fisher_matrices(logits64)
-    sums.relative_flatness = _relative_flatness_sum(model, captured, classes, core64)
     for rows in _chunks(batch, max(1, chunk_elements // num_params)):
         grads = model.per_sample_gradients(take_rows(inputs, rows), targets[rows], loss)
         sums.grad_norm_sq += _squared_norm(grads.values())
@@ -270,16 +261,3 @@ def batch_statistics(
 def _squared_norm(tensors: Iterable[Tensor]) -> float:
     """``Σ ‖t‖²`` without temporaries (a dot product per tensor, summed in float64)."""
     return sum(float(torch.dot(t.reshape(-1), t.reshape(-1))) for t in tensors)
-
-
-def _relative_flatness_sum(
-    model: FunctionalModel, captured: list[Tensor], classes: int, core: Tensor
-) -> float:
-    """``Σ_i ‖φ_i‖² Tr(W Wᵀ Λ_i)`` (docs/math.md, "Relative flatness")."""
-    layer = model.last_linear
-    if layer is None or not captured or layer.out_features != classes:
-        return math.nan
-    features = captured[-1].to(torch.float64).reshape(core.shape[0], -1)
-    weight = layer.weight.detach().to(torch.float64)
-    gram = weight @ weight.T
-    return float((features.square().sum(-1) * torch.einsum("ab,nab->n", gram, core)).sum())

@@ -161,13 +161,16 @@ class Likelihood(ABC):
     #: the smallest number of outputs the likelihood accepts
     min_outputs: int = 1
 
-    def check_outputs(self, logits: Tensor) -> None:
-        """Refuse outputs that are not ``(batch, C)`` with at least :attr:`min_outputs`."""
-        if not isinstance(logits, Tensor) or logits.dim() != 2:
+    def check_outputs(self, logits: Tensor, batch_size: int | None = None) -> None:
+        """Refuse outputs that are not ``(batch, C)`` with at least :attr:`min_outputs` (and
+        ``batch_size`` rows, when given)."""
+        shaped = isinstance(logits, Tensor) and logits.dim() == 2
+        if not shaped or (batch_size is not None and logits.shape[0] != batch_size):
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            batch = "" if batch_size is None else f" for a batch of {batch_size} inputs"
             raise TargetError(
-                f"The model's output must be logits of shape (batch, outputs); got {shape}. "
-                "Pass logits_fn=... to read them from what the model returns."
+                f"The model's output must be logits of shape (batch, outputs); got {shape}"
+                f"{batch}. Pass logits_fn=... to read them from what the model returns."
             )
         if logits.shape[1] < self.min_outputs:
             raise TargetError(
@@ -175,13 +178,20 @@ class Likelihood(ABC):
                 f"returns {logits.shape[1]}. A single-logit binary classifier uses loss='bce'."
             )
 
-    @abstractmethod
     def prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
-        """The targets in the form the loss uses (dtype, shape), after checking they fit.
+        """The targets in the form the loss uses (dtype, shape), after checking that the
+        outputs (:meth:`check_outputs`) and the targets fit the loss.
 
         Raises:
-            TargetError: naming the targets' dtype/shape and the loss that would fit them.
+            TargetError: naming the outputs' shape, or the targets' dtype/shape and the loss
+                that would fit them.
         """
+        self.check_outputs(logits)
+        return self._prepare_targets(targets, logits)
+
+    @abstractmethod
+    def _prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
+        """:meth:`prepare_targets` for outputs already checked."""
 
     @abstractmethod
     def nll(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -248,7 +258,7 @@ class CategoricalLikelihood(Likelihood):
     name = "cross_entropy"
     min_outputs = 2
 
-    def prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
+    def _prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         if targets.is_floating_point() or targets.dtype == torch.bool:
             multi_hot = targets.dim() == 2 and targets.shape == logits.shape
             hint = (
@@ -313,7 +323,7 @@ class BernoulliLikelihood(Likelihood):
 
     name = "bce"
 
-    def prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
+    def _prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         targets = _as_output_shape(targets, logits, self.name).to(logits.dtype)
         if targets.numel() and (float(targets.min()) < 0 or float(targets.max()) > 1):
             raise TargetError(
@@ -362,7 +372,7 @@ class GaussianLikelihood(Likelihood):
 
     name = "mse"
 
-    def prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
+    def _prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         return _as_output_shape(targets, logits, self.name).to(logits.dtype)
 
     def nll(self, logits: Tensor, targets: Tensor) -> Tensor:

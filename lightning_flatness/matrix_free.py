@@ -62,14 +62,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_flatness.batches import (
-    InputSpec,
     Leaves,
     LogitsModule,
     UnpackBatch,
     num_samples,
-    peek_spec,
     prepared_batches,
     split_leaves,
+    take_rows,
+    wrap_for_batches,
 )
 from lightning_flatness.curvature.base import CurvatureEstimate
 from lightning_flatness.curvature.hutchinson import VARIANTS, HutchinsonFisher
@@ -201,10 +201,6 @@ def _prepared(
     return prepared_batches(
         batches, max_samples, model.device, model.dtype, unpack_batch, model.module.spec
     )
-
-
-def _add(total: StatisticSums, part: StatisticSums) -> StatisticSums:
-    return StatisticSums.from_tensor(total.as_tensor() + part.as_tensor())
 
 
 def _reduced(sums: StatisticSums, all_reduce: AllReduce | None) -> StatisticSums:
@@ -361,7 +357,7 @@ def _split_statistics(
                 "clip gradients) before measuring."
             )
         classes = logits.shape[1]
-        total = _add(total, sums)
+        total = total + sums
         if on_batch is not None:
             on_batch(inputs)
     return total, classes
@@ -370,7 +366,7 @@ def _split_statistics(
 def _num_outputs(model: FunctionalModel, inputs: Leaves) -> int:
     """C, the number of outputs, from one sample."""
     with torch.no_grad():
-        return int(model.logits(model.params, tuple(t[:1] for t in inputs)).shape[-1])
+        return int(model.logits(model.params, take_rows(inputs, slice(0, 1))).shape[-1])
 
 
 def stream_matrix_free(
@@ -429,11 +425,10 @@ def stream_matrix_free(
             f"structure must be one of {MATRIX_FREE_STRUCTURES} here, got {structure!r}."
         )
     get_likelihood(loss)
+    if repeatable_train_batches is None:
+        repeatable_train_batches = train_batches
     if not isinstance(model, LogitsModule):
-        spec, first_pass = peek_spec(train_batches, unpack_batch)
-        repeatable_train_batches = repeatable_train_batches or train_batches
-        train_batches = first_pass
-        model = LogitsModule(model, spec or InputSpec("tensor"))
+        model, train_batches, _ = wrap_for_batches(model, train_batches, unpack_batch)
     settings = MatrixFreeOptions.from_dict(options)
     lam = check_lam(lam)
     with _left_as_found(model):
@@ -508,9 +503,13 @@ def stream_matrix_free(
             return hutchinson.estimate(num_samples, lam, grad_sq_sum), train, val
         source = cache
         if not settings.cache:
-            again = train_batches if repeatable_train_batches is None else repeatable_train_batches
             source = _ReiteratedInputs(
-                chunker, again, max_samples, functional, unpack_batch, fingerprints
+                chunker,
+                repeatable_train_batches,
+                max_samples,
+                functional,
+                unpack_batch,
+                fingerprints,
             )
         estimator = LanczosFisher(
             functional,

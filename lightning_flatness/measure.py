@@ -36,17 +36,18 @@ from lightning_flatness._backpack import (
     ExtendedModel,
     backward_with,
     extended_loss,
+    loss_scale,
     measurement_copy,
+    support_loss,
 )
 from lightning_flatness.batches import (
-    BatchError,
     InputSpec,
     LogitsFn,
     LogitsModule,
     UnpackBatch,
     num_samples,
-    peek_spec,
     prepared_batches,
+    wrap_for_batches,
 )
 from lightning_flatness.curvature import STRUCTURES, make_estimator
 from lightning_flatness.curvature.base import CurvatureEstimate, CurvatureEstimator
@@ -177,10 +178,10 @@ def _stream(
     loss_fn = extended_loss(loss_name)
     likelihood = get_likelihood(loss_name)
     extensions = statistics.extensions() + (estimator.extensions() if estimator else [])
+    support_loss(extensions, loss_name)
     stream = prepared_batches(batches, max_samples, device, dtype, unpack_batch, spec)
     for index, inputs, targets in stream:
         logits = model.module(*inputs)
-        likelihood.check_outputs(logits)
         targets = likelihood.prepare_targets(targets, logits)
         loss = loss_fn(logits, targets)
         if not torch.isfinite(loss):
@@ -284,12 +285,11 @@ def measure(
             raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
     get_likelihood(loss)
     start = time.perf_counter()
-    spec, first_pass = peek_spec(train_batches, unpack_batch)
-    if spec is None and all_reduce is None:
+    wrapped, first_pass, found = wrap_for_batches(model, train_batches, unpack_batch, logits_fn)
+    if not found and all_reduce is None:
         raise MeasurementError(
             "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
         )
-    wrapped = LogitsModule(model, spec or InputSpec("tensor"), logits_fn)
     if structure in MATRIX_FREE_STRUCTURES:
         from lightning_flatness.matrix_free import stream_matrix_free
 
@@ -318,7 +318,7 @@ def measure(
     else:
         estimator = make_estimator(
             structure,
-            ggn_scale=0.5 if loss == "mse" else 1.0,
+            ggn_scale=loss_scale(loss),
             kfac_mode=kfac_mode,
             mc_samples=mc_samples,
             dense_max_parameters=dense_max_parameters,
@@ -427,25 +427,18 @@ def check_batch(
     """
     likelihood = get_likelihood(loss)
     device, dtype = _model_device_dtype(model)
-    spec, stream = peek_spec([batch], unpack_batch)
-    if spec is None:
-        raise MeasurementError("The batch to check is missing.")
-    _, inputs, targets = next(iter(prepared_batches(stream, None, device, dtype, unpack_batch)))
+    wrapped, stream, _ = wrap_for_batches(model, [batch], unpack_batch, logits_fn)
+    prepared = prepared_batches(stream, None, device, dtype, unpack_batch, wrapped.spec)
+    _, inputs, targets = next(iter(prepared))
     modes = [(module, module.training) for module in model.modules()]
     try:
         with torch.random.fork_rng(devices=_rng_devices(model)), torch.no_grad():
             model.eval()
-            logits = LogitsModule(model, spec, logits_fn)(*inputs)
+            logits = wrapped(*inputs)
     finally:
         for module, mode in modes:
             module.training = mode
-    likelihood.check_outputs(logits)
-    if logits.shape[0] != num_samples(inputs):
-        raise BatchError(
-            f"The model returned outputs of shape {tuple(logits.shape)} for a batch of "
-            f"{num_samples(inputs)} inputs; the first dimension of the logits must be the "
-            "batch. Pass logits_fn=... that returns (batch, outputs) logits."
-        )
+    likelihood.check_outputs(logits, num_samples(inputs))
     likelihood.prepare_targets(targets, logits)
     return num_samples(inputs), int(logits.shape[1])
 

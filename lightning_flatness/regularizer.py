@@ -106,6 +106,7 @@ from lightning_flatness.batches import (
     LogitsFn,
     LogitsModule,
     num_samples,
+    unsqueeze_leaves,
 )
 from lightning_flatness.likelihoods import Likelihood, TargetError, get_likelihood
 from lightning_flatness.spectral import check_lam
@@ -213,20 +214,6 @@ def _check_model(model: object) -> nn.Module:
             "Put the dropout modules in eval() mode while computing the penalty."
         )
     return model
-
-
-def _check_logits(logits: object, batch_size: int, likelihood: Likelihood) -> Tensor:
-    if not isinstance(logits, Tensor) or logits.ndim != 2 or logits.shape[0] != batch_size:
-        shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-        raise ValueError(
-            f"The model must return logits of shape (batch, outputs); for a batch of "
-            f"{batch_size} it returned {shape}."
-        )
-    try:
-        likelihood.check_outputs(logits)
-    except TargetError as error:
-        raise ValueError(str(error)) from None
-    return logits
 
 
 # ----------------------------------------------------------------------- parameter selection
@@ -343,12 +330,9 @@ def sample_labels(
         The draws: int64 labels (B,) for cross-entropy, 0/1 labels (B, C) for bce, the noise
         ``ε = ỹ − z`` (B, C) for mse (see :meth:`Likelihood.draw`).
     """
-    likelihood = get_likelihood(loss)
     spec, leaves = _check_inputs(inputs)
     wrapped = LogitsModule(model, spec, logits_fn)
-    with torch.no_grad():
-        logits = _check_logits(wrapped(*leaves), num_samples(leaves), likelihood)
-    return likelihood.draw(logits, generator)
+    return _targets_for(wrapped, leaves, "sampled", generator, get_likelihood(loss))
 
 
 def _resolve_labels(
@@ -428,7 +412,8 @@ def _targets_for(
 ) -> Tensor:
     """Sampled draws (one forward without gradient) or the fixed targets, checked."""
     with torch.no_grad():
-        logits = _check_logits(wrapped(*leaves), num_samples(leaves), likelihood)
+        logits = wrapped(*leaves)
+        likelihood.check_outputs(logits, num_samples(leaves))
     if isinstance(mode, str):  # "sampled"
         assert generator is not None
         return likelihood.draw(logits, generator)
@@ -455,14 +440,14 @@ def _func_rows(
     batch_size = num_samples(leaves)
 
     def logits_of(theta: dict[str, Tensor], x: Leaves) -> Tensor:
-        batch = tuple(t.unsqueeze(0) for t in x)
-        return _check_logits(wrapped.call({**theta, **constants}, batch), 1, likelihood)
+        logits = wrapped.call({**theta, **constants}, unsqueeze_leaves(x))
+        likelihood.check_outputs(logits, 1)
+        return logits
 
     if isinstance(mode, str) and mode == "exact":
 
         def with_aux(theta: dict[str, Tensor], x: Leaves) -> tuple[Tensor, Tensor]:
-            source, weight = likelihood.sqrt_rows(logits_of(theta, x).squeeze(0))
-            return source, weight
+            return likelihood.sqrt_rows(logits_of(theta, x).squeeze(0))  # (rows source, w)
 
         def weighted_jacobian(theta: dict[str, Tensor], x: Leaves) -> Tensor:
             jac, weight = jacrev(with_aux, has_aux=True)(theta, x)
@@ -572,8 +557,7 @@ def _hooked_forward(
     handles = [layer.module.register_forward_hook(make_hook(layer)) for layer in layers]
     try:
         constants = _constants(wrapped.model, selected)
-        call = wrapped.call({**selected, **constants}, inputs) if constants else None
-        logits = wrapped(*inputs) if call is None else call
+        logits = wrapped.call({**selected, **constants}, inputs) if constants else wrapped(*inputs)
     finally:
         for handle in handles:
             handle.remove()
@@ -587,7 +571,8 @@ def _hooked_forward(
                     f"module {layer.name!r} was called on a tensor of shape {tuple(a.shape)} "
                     f"whose first dimension is not the batch ({batch_size})."
                 )
-    return _check_logits(logits, batch_size, likelihood)
+    likelihood.check_outputs(logits, batch_size)
+    return logits
 
 
 def _layer_matrices(layer: _Layer, deltas: list[Tensor], batch_size: int) -> tuple[Tensor, Tensor]:

@@ -34,12 +34,12 @@ from backpack.extensions import (
     SqrtGGNExact,
     SumGradSquared,
 )
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_flatness._backpack import ExtendedModel
-from lightning_flatness.likelihoods import get_likelihood
+from lightning_flatness._backpack import ExtendedModel, loss_scale
+from lightning_flatness.likelihoods import Likelihood, get_likelihood
 
-__all__ = ["SampleStatistics", "StatisticSums"]
+__all__ = ["SampleStatistics", "StatisticSums", "output_sums"]
 
 
 @dataclass
@@ -62,13 +62,56 @@ class StatisticSums:
     def from_tensor(cls, values: Tensor) -> StatisticSums:
         return cls(*(float(v) for v in values))
 
+    def __add__(self, other: StatisticSums) -> StatisticSums:
+        return StatisticSums.from_tensor(self.as_tensor() + other.as_tensor())
+
     def mean(self, name: str) -> float:
         """Per-sample mean of the sum ``name``; NaN when there are no samples."""
         return getattr(self, name) / self.count if self.count else math.nan
 
 
-def _target_dtype(targets: Tensor) -> torch.dtype:
-    return torch.float64 if targets.is_floating_point() else targets.dtype
+def output_sums(
+    likelihood: Likelihood,
+    logits: Tensor,
+    targets: Tensor,
+    last_linear: nn.Linear | None,
+    features: Tensor | None,
+) -> StatisticSums:
+    """The sums that depend on the outputs only, for one batch (the module docstring's loss,
+    error, uncertainty, correct predictions and relative flatness; ``count``).
+
+    Args:
+        likelihood: the loss's likelihood.
+        logits: the batch's outputs (B, C); used detached, in float64.
+        targets: as prepared by ``likelihood.prepare_targets``.
+        last_linear / features: the model's last ``nn.Linear`` and its input in this forward
+            pass (relative flatness is NaN without them, or when that layer does not produce
+            the outputs, e.g. a CNN whose class layer is a convolution).
+    """
+    logits = logits.detach().to(torch.float64)
+    targets = targets.to(torch.float64) if targets.is_floating_point() else targets
+    scores = likelihood.scores(logits, targets)
+    return StatisticSums(
+        count=float(logits.shape[0]),
+        loss=float(likelihood.nll(logits, targets).sum()),
+        error=scores.error,
+        uncertainty=scores.uncertainty,
+        correct=scores.correct,
+        relative_flatness=_relative_flatness_sum(
+            last_linear, features, likelihood.fisher_matrices(logits)
+        ),
+    )
+
+
+def _relative_flatness_sum(layer: nn.Linear | None, features: Tensor | None, core: Tensor) -> float:
+    """``Σ_i ‖φ_i‖² Tr(W Wᵀ Λ_i)`` for the last linear layer (docs/math.md, "Relative
+    flatness"), if it produces the outputs; NaN otherwise."""
+    if layer is None or features is None or layer.out_features != core.shape[-1]:
+        return math.nan
+    features = features.to(torch.float64).reshape(core.shape[0], -1)
+    weight = layer.weight.detach().to(torch.float64)
+    gram = weight @ weight.T
+    return float((features.square().sum(-1) * torch.einsum("ab,nab->n", gram, core)).sum())
 
 
 class SampleStatistics:
@@ -98,9 +141,9 @@ class SampleStatistics:
         self.trace_estimator = trace_estimator
         self.likelihood = get_likelihood(loss)
         self.sums = StatisticSums()
-        # MSELoss(sum) is ‖y − f‖²: its gradients are 2× and its GGN 2× those of ½‖y − f‖².
-        self.grad_scale = 0.5 if loss == "mse" else 1.0
-        self.ggn_scale = 0.5 if loss == "mse" else 1.0
+        # BackPACK's loss module is loss_scale⁻¹ × the NLL (MSELoss(sum) is ‖y − f‖²), so its
+        # gradients and its GGN are too.
+        self.scale = loss_scale(loss)
         self._own_extensions: list[object] = []
         self.trace_savefield = self._pick_trace_source(structure_extensions)
         self.grad_norm_savefield = self._pick_gradient_source(structure_extensions)
@@ -135,38 +178,19 @@ class SampleStatistics:
     def update(self, model: ExtendedModel, logits: Tensor, targets: Tensor) -> None:
         """Add one batch (after the BackPACK backward pass of its summed loss); ``targets`` as
         prepared by the likelihood."""
-        sums = self.sums
-        batch = logits.shape[0]
-        sums.count += batch
+        batch = output_sums(
+            self.likelihood, logits, targets, model.last_linear, model.last_linear_input
+        )
         per_sample = [getattr(p, self.grad_norm_savefield).detach() for p in model.parameters]
         if self.grad_norm_savefield == "grad_batch":
             grad_norm_sq = sum(g.to(torch.float64).square().sum() for g in per_sample)
         else:  # batch_l2 and sum_grad_squared both sum to Σ_i ‖g_i‖²
             grad_norm_sq = sum(g.to(torch.float64).sum() for g in per_sample)
-        sums.grad_norm_sq += float(grad_norm_sq) * self.grad_scale**2
+        batch.grad_norm_sq = float(grad_norm_sq) * self.scale**2
         quantities = [getattr(p, self.trace_savefield).detach() for p in model.parameters]
         if self.trace_savefield == "sqrt_ggn_exact":
             trace = sum(q.to(torch.float64).square().sum() for q in quantities)
         else:
             trace = sum(q.to(torch.float64).sum() for q in quantities)
-        sums.fisher_trace += float(trace) * self.ggn_scale
-        logits = logits.detach().to(torch.float64)
-        sums.loss += float(self.likelihood.nll(logits, targets.to(_target_dtype(targets))).sum())
-        scores = self.likelihood.scores(logits, targets)
-        sums.error += scores.error
-        sums.uncertainty += scores.uncertainty
-        sums.correct += scores.correct
-        core = self.likelihood.fisher_matrices(logits)
-        sums.relative_flatness += self._relative_flatness_sum(model, logits.shape[-1], core)
-
-    @staticmethod
-    def _relative_flatness_sum(model: ExtendedModel, num_outputs: int, core: Tensor) -> float:
-        """``Σ_i ‖φ_i‖² Tr(W Wᵀ core_i)`` for the last linear layer, if it produces the outputs
-        (NaN otherwise, e.g. for a CNN whose class layer is a convolution)."""
-        layer, features = model.last_linear, model.last_linear_input
-        if layer is None or features is None or layer.out_features != num_outputs:
-            return math.nan
-        features = features.to(torch.float64).reshape(core.shape[0], -1)
-        weight = layer.weight.detach().to(torch.float64)
-        gram = weight @ weight.T
-        return float((features.square().sum(-1) * torch.einsum("ab,nab->n", gram, core)).sum())
+        batch.fisher_trace = float(trace) * self.scale
+        self.sums = self.sums + batch

@@ -152,9 +152,17 @@ def columns(model: nn.Module, params: str) -> list[int]:
     ]
 
 
-def dense_h(model: nn.Module, inputs: Tensor, n: int, lam: float, function: str, params: str):
+def dense_h(
+    model: nn.Module,
+    inputs: Tensor,
+    n: int,
+    lam: float,
+    function: str,
+    params: str,
+    loss: str = "cross_entropy",
+):
     """``h(F_b)`` from the eigenvalues of the P × P matrix ``(1/n) V_bᵀ V_b`` (reference)."""
-    factors = per_sample_sqrt_fisher(model, inputs)
+    factors = per_sample_sqrt_fisher(model, inputs, loss)
     flat = factors.reshape(-1, factors.shape[-1])[:, columns(model, params)]
     return h_of(torch.linalg.eigvalsh(flat.T @ flat / n), lam, function)
 
@@ -196,8 +204,19 @@ def directional_check(
 @pytest.mark.parametrize("backend", ["func", "layerwise"])
 @pytest.mark.parametrize("params", ["all", "last_layer"])
 @pytest.mark.parametrize("function", ["soft_rank", "logdet"])
-@pytest.mark.parametrize("name", ["mlp", "cnn", "resmlp"])
-def test_kernel_route_equals_dense_eigenvalues(name, function, params, backend):
+@pytest.mark.parametrize(
+    ("name", "loss"),
+    [
+        ("mlp", "cross_entropy"),
+        ("cnn", "cross_entropy"),
+        ("resmlp", "cross_entropy"),
+        ("mlp", "bce"),
+        ("cnn", "bce"),
+        ("mlp", "mse"),
+        ("cnn", "mse"),
+    ],
+)
+def test_kernel_route_equals_dense_eigenvalues(name, loss, function, params, backend):
     model, inputs = make(name)
     n, lam = 40, 1e-3
     penalty = soft_rank_penalty(
@@ -209,8 +228,9 @@ def test_kernel_route_equals_dense_eigenvalues(name, function, params, backend):
         labels="exact",
         params=params,
         backend=backend,
+        loss=loss,
     )
-    expected = dense_h(model, inputs, n, lam, function, params) / inputs.shape[0]
+    expected = dense_h(model, inputs, n, lam, function, params, loss) / inputs.shape[0]
     assert float(penalty) == pytest.approx(expected, rel=1e-9)
 
 
@@ -276,8 +296,17 @@ def test_sampled_labels_are_the_same_for_both_backends():
 @pytest.mark.parametrize("backend", ["func", "layerwise"])
 @pytest.mark.parametrize("labels", ["exact", "sampled"])
 @pytest.mark.parametrize("function", ["soft_rank", "logdet"])
-@pytest.mark.parametrize("name", ["mlp", "cnn", "token"])
-def test_penalty_gradient_matches_finite_differences(name, function, labels, backend):
+@pytest.mark.parametrize(
+    ("name", "loss"),
+    [
+        ("mlp", "cross_entropy"),
+        ("cnn", "cross_entropy"),
+        ("token", "cross_entropy"),
+        ("mlp", "bce"),
+        ("mlp", "mse"),
+    ],
+)
+def test_penalty_gradient_matches_finite_differences(name, loss, function, labels, backend):
     model, inputs = make(name)
     seed = 3
 
@@ -291,12 +320,16 @@ def test_penalty_gradient_matches_finite_differences(name, function, labels, bac
             labels=labels,
             generator=torch.Generator().manual_seed(seed),  # same uniforms at every θ
             backend=backend,
+            loss=loss,
         )
 
-    drawn = sample_labels(model, inputs, torch.Generator().manual_seed(seed))
+    def draws() -> Tensor:
+        return sample_labels(model, inputs, torch.Generator().manual_seed(seed), loss=loss)
+
+    drawn = draws()
     directional_check(model, value)
     # The sampled labels did not change across the finite-difference points.
-    assert torch.equal(sample_labels(model, inputs, torch.Generator().manual_seed(seed)), drawn)
+    assert torch.equal(draws(), drawn)
 
 
 def test_full_size_cnn_gradient_matches_finite_differences():
@@ -629,52 +662,6 @@ def test_penalty_repr_names_the_options():
 
 
 # ------------------------------------------------------- other likelihoods, structured inputs
-
-
-def _dense_h_for(model, inputs, n, lam, loss) -> float:
-    from lightning_flatness.reference import per_sample_sqrt_fisher as rows_of
-
-    flat = rows_of(model, inputs, loss).reshape(-1, sum(p.numel() for p in model.parameters()))
-    return h_of(torch.linalg.eigvalsh(flat.T @ flat / n), lam, "soft_rank")
-
-
-@pytest.mark.parametrize("backend", ["func", "layerwise"])
-@pytest.mark.parametrize("loss", ["bce", "mse"])
-@pytest.mark.parametrize("name", ["mlp", "cnn"])
-def test_other_likelihoods_kernel_route_equals_dense_eigenvalues(name, loss, backend):
-    model, inputs = make(name)
-    penalty = soft_rank_penalty(
-        model,
-        inputs,
-        lam=1e-3,
-        num_train_samples=40,
-        labels="exact",
-        backend=backend,
-        loss=loss,
-    )
-    expected = _dense_h_for(model, inputs, 40, 1e-3, loss) / inputs.shape[0]
-    assert float(penalty) == pytest.approx(expected, rel=1e-9)
-
-
-@pytest.mark.parametrize("backend", ["func", "layerwise"])
-@pytest.mark.parametrize("labels", ["exact", "sampled"])
-@pytest.mark.parametrize("loss", ["bce", "mse"])
-def test_other_likelihoods_gradient_matches_finite_differences(loss, labels, backend):
-    model, inputs = make("mlp")
-
-    def value() -> Tensor:
-        return soft_rank_penalty(
-            model,
-            inputs,
-            lam=1e-2,
-            num_train_samples=20,
-            labels=labels,
-            generator=torch.Generator().manual_seed(3),
-            backend=backend,
-            loss=loss,
-        )
-
-    directional_check(model, value)
 
 
 @pytest.mark.parametrize("loss", ["bce", "mse"])
