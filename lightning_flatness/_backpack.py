@@ -13,7 +13,7 @@ import copy
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from backpack import backpack, extend
@@ -26,6 +26,7 @@ from backpack.extensions.secondorder.sqrt_ggn.losses import SqrtGGNBaseLossModul
 from torch import Tensor, nn
 
 from lightning_flatness.batches import LogitsModule
+from lightning_flatness.model_state import last_linear
 
 __all__ = [
     "ExtendedModel",
@@ -55,8 +56,6 @@ class ExtendedModel:
         module: the extended copy (eval mode, hooks installed).
         parameters: its trainable parameters in the original ``named_parameters()`` order.
         names: the original names of those parameters.
-        output_positions: for each convolution weight (by ``id``), the number of spatial output
-            positions of the latest forward pass.
         last_linear: the last ``nn.Linear`` in module order (relative flatness), if any.
         last_linear_input: its input in the latest forward pass.
     """
@@ -64,23 +63,15 @@ class ExtendedModel:
     module: nn.Module
     parameters: list[nn.Parameter]
     names: list[str]
-    output_positions: dict[int, int] = field(default_factory=dict)
     last_linear: nn.Linear | None = None
     last_linear_input: Tensor | None = None
 
     def record_forward_facts(self) -> None:
-        """Install forward hooks (on the private copy) that keep what BackPACK frees after
-        backward: convolution output sizes and the last linear layer's input."""
-        for module in self.module.modules():
-            if isinstance(module, _CONVOLUTIONS):
-                module.register_forward_hook(self._record_positions)
-            if isinstance(module, nn.Linear):
-                self.last_linear = module
+        """Install a forward hook (on the private copy) that keeps what BackPACK frees after
+        backward: the last linear layer's input."""
+        self.last_linear = last_linear(self.module)
         if self.last_linear is not None:
             self.last_linear.register_forward_hook(self._record_features)
-
-    def _record_positions(self, module: nn.Module, inputs: tuple, output: Tensor) -> None:
-        self.output_positions[id(module.weight)] = int(output.shape[2:].numel())
 
     def _record_features(self, module: nn.Module, inputs: tuple, output: Tensor) -> None:
         self.last_linear_input = inputs[0].detach()
@@ -156,19 +147,14 @@ def _translated_errors(structure: str):
         if "accumulation rule" in message:
             hint = (
                 f"structure={structure!r} cannot follow branching (residual) graphs in BackPACK; "
-                "use structure='dense', 'gram', 'diag' or 'diag_mc' for this model."
-            )
-        elif structure == "kfac":
-            hint = (
-                "structure='kfac' has Kronecker factors for Linear and Conv layers only; use "
-                "structure='diag' or 'gram' for this model, or freeze that layer."
+                "use structure='kfac' (any graph) or 'dense', 'gram', 'diag', 'diag_mc' here."
             )
         else:
             hint = (
                 "A layer with trainable parameters has no BackPACK rule (supported: Linear, "
                 "Conv1d/2d/3d, ConvTranspose, BatchNorm in eval mode, Embedding, RNN/LSTM and "
-                "parameter-free activations, pooling, Flatten, Dropout). Freeze that layer "
-                "(requires_grad_(False)), replace it, or use a matrix-free structure."
+                "parameter-free activations, pooling, Flatten, Dropout). Use structure='kfac' "
+                "(any differentiable model) or a matrix-free structure, or freeze that layer."
             )
         raise UnsupportedModelError(
             f"BackPACK cannot compute {structure!r} for this model: {message}. {hint}"

@@ -119,6 +119,8 @@ def _accepts_keywords(module: nn.Module, names: Iterable[str]) -> bool:
 
 
 def _has_forward(module: nn.Module) -> bool:
+    if "forward" in vars(module):  # set on the instance, e.g. by torch.compile's wrapper
+        return True
     forward = type(module).forward
     return forward is not nn.Module.forward and forward.__qualname__ != "LightningModule.forward"
 

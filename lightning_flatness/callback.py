@@ -42,7 +42,7 @@ from lightning_flatness._trainer_facts import (
     select_dataloader,
 )
 from lightning_flatness.batches import LogitsFn, UnpackBatch, default_unpack_batch
-from lightning_flatness.curvature import STRUCTURES
+from lightning_flatness.curvature import STRUCTURES, describe_coverage
 from lightning_flatness.figures import gap_figure, log10_spectrum, summary_table
 from lightning_flatness.likelihoods import LOSSES
 from lightning_flatness.measure import (
@@ -133,7 +133,10 @@ class FlatnessMonitor(Callback):
         trace_estimator: ``"sampled"`` (default: unbiased, one backward vector per sample; moves
             Tr(F) by < 1% on the paper's models at half the cost of a CNN measurement, see
             docs/RESULTS.md) or ``"exact"`` Tr(F).
-        kfac_mode: ``"exact"`` (KFLR) or ``"sampled"`` (KFAC) factors.
+        kfac_mode: ``"sampled"`` (default: output-side factors from one label drawn from the
+            model per input, one backward pass; within a few percent of ``"exact"`` on the
+            paper's models at the callback's ``max_samples``, docs/RESULTS.md) or ``"exact"``
+            (the C rows of the output Fisher's square root: C backward passes).
         log_spectrum: write the log10 eigenvalue histogram (every measurement) and the gap
             figure (every ``figure_every_n_measurements``-th measurement and at fit end) to
             TensorBoard.
@@ -186,7 +189,7 @@ class FlatnessMonitor(Callback):
         num_train_samples: int | None = None,
         batch_size: int = 256,
         trace_estimator: str = "sampled",
-        kfac_mode: str = "exact",
+        kfac_mode: str = "sampled",
         log_spectrum: bool = True,
         figure_every_n_measurements: int = 5,
         print_summary: bool = True,
@@ -289,6 +292,7 @@ class FlatnessMonitor(Callback):
         self.resolved_lam: float | None = None
         self.resolved_num_train_samples: int | None = None
         self._active_structure = structure
+        self._coverage_logged = False
         self._last_report: FlatnessReport | None = None
 
     # ------------------------------------------------------------------ state
@@ -561,6 +565,9 @@ class FlatnessMonitor(Callback):
                 self.resolved_num_train_samples or 0,
             )
         self._last_report = report
+        if report.coverage and not self._coverage_logged:
+            rank_zero_info(f"FlatnessMonitor: {describe_coverage(report.coverage)}")
+            self._coverage_logged = True
         record = {k: v for k, v in report.as_dict().items() if k != "structure"}
         if trainer.world_size > 1:  # the only per-rank number: log the mean so ranks agree
             seconds = torch.tensor(record["seconds"], dtype=torch.float64)

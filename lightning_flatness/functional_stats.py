@@ -29,6 +29,7 @@ from torch.func import grad, jacrev, jvp, vjp, vmap
 
 from lightning_flatness.batches import Leaves, LogitsModule, take_rows, unsqueeze_leaves
 from lightning_flatness.likelihoods import LOSSES, OutputCore, get_likelihood
+from lightning_flatness.model_state import last_linear
 from lightning_flatness.statistics import StatisticSums, output_sums
 
 __all__ = [
@@ -85,10 +86,7 @@ class FunctionalModel:
         self.num_parameters = sum(self.sizes)
         first = next(iter(self.params.values()))
         self.dtype, self.device = first.dtype, first.device
-        self.last_linear = None
-        for module in model.model.modules():
-            if isinstance(module, nn.Linear):
-                self.last_linear = module
+        self.last_linear = last_linear(model.model)
 
     def logits(self, params: dict[str, Tensor], inputs: Leaves) -> Tensor:
         """``z(θ, x)`` for a batch of inputs, with ``params`` in place of the trainable ones."""

@@ -55,7 +55,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -74,17 +73,21 @@ from lightning_flatness.batches import (
 from lightning_flatness.curvature.base import CurvatureEstimate
 from lightning_flatness.curvature.hutchinson import VARIANTS, HutchinsonFisher
 from lightning_flatness.curvature.lanczos import LanczosFisher
+from lightning_flatness.failures import MeasurementError, agreed, check_finite_loss
 from lightning_flatness.functional_stats import (
     FunctionalModel,
     batch_statistics,
     resolve_trace_estimator,
 )
 from lightning_flatness.likelihoods import get_likelihood
-from lightning_flatness.measure import MATRIX_FREE_STRUCTURES, MeasurementError
+from lightning_flatness.model_state import left_as_found
 from lightning_flatness.spectral import SpectralSummary, check_lam
 from lightning_flatness.statistics import StatisticSums
 
-__all__ = ["MatrixFreeOptions", "stream_matrix_free"]
+__all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeOptions", "stream_matrix_free"]
+
+#: Structures computed from Fisher-vector products with torch.func (any differentiable model).
+MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson")
 
 AllReduce = Callable[[Tensor], Tensor]
 
@@ -150,24 +153,6 @@ class MatrixFreeOptions:
                 "'auto' with it, or start='range'."
             )
         return result
-
-
-@contextmanager
-def _left_as_found(model: nn.Module) -> Iterator[None]:
-    """Eval mode, gradients enabled, forked global RNG; every module's mode restored on exit."""
-    modes = [(module, module.training) for module in model.modules()]
-    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    try:
-        with (
-            torch.random.fork_rng(devices=devices),
-            torch.inference_mode(False),
-            torch.enable_grad(),
-        ):
-            model.eval()
-            yield
-    finally:
-        for module, mode in modes:
-            module.training = mode
 
 
 def _process_rank(explicit: int | None, all_reduce: AllReduce | None) -> int:
@@ -350,12 +335,7 @@ def _split_statistics(
             chunk_elements=options.chunk_elements,
             grad_sq_sum=grad_sq_sum,
         )
-        if not math.isfinite(sums.loss):
-            raise MeasurementError(
-                f"The {split} loss of batch {index} is {sums.loss} (not finite). The model "
-                "diverged or the inputs contain NaN/inf; fix training (lower the learning rate, "
-                "clip gradients) before measuring."
-            )
+        check_finite_loss(sums.loss, split, index)
         classes = logits.shape[1]
         total = total + sums
         if on_batch is not None:
@@ -431,7 +411,7 @@ def stream_matrix_free(
         model, train_batches, _ = wrap_for_batches(model, train_batches, unpack_batch)
     settings = MatrixFreeOptions.from_dict(options)
     lam = check_lam(lam)
-    with _left_as_found(model):
+    with left_as_found(model):
         functional = FunctionalModel(model)
         rank = _process_rank(settings.rank, all_reduce)
         local = _generator(functional.device, seed * 1_000_003 + 7919 * (rank + 1))
@@ -475,20 +455,25 @@ def stream_matrix_free(
             "generator": local,
             "unpack_batch": unpack_batch,
         }
-        train, classes = _split_statistics(
-            functional,
-            train_batches,
-            max_samples,
-            split="training",
-            on_batch=on_batch,
-            grad_sq_sum=grad_sq_sum,
-            **common,
-        )
-        val = StatisticSums()
-        if val_batches is not None:
-            val, _ = _split_statistics(
-                functional, val_batches, max_val_samples, split="validation", **common
+
+        def first_pass() -> tuple[StatisticSums, int, StatisticSums]:
+            train, classes = _split_statistics(
+                functional,
+                train_batches,
+                max_samples,
+                split="training",
+                on_batch=on_batch,
+                grad_sq_sum=grad_sq_sum,
+                **common,
             )
+            val = StatisticSums()
+            if val_batches is not None:
+                val, _ = _split_statistics(
+                    functional, val_batches, max_val_samples, split="validation", **common
+                )
+            return train, classes, val
+
+        train, classes, val = agreed(all_reduce, first_pass)
         train, val = _reduced(train, all_reduce), _reduced(val, all_reduce)
         num_samples = int(train.count)
         if num_samples == 0:

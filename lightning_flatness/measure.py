@@ -2,9 +2,12 @@
 
 It streams over *all* batches it is given (up to ``max_samples``): the soft rank of a Fisher
 averaged over m samples is a concave function of a sample mean and so is biased low for small m
-(MATH.md, "Sample size"). Each batch costs one forward and one BackPACK backward pass on a
-private, extended copy of the model in eval mode; the user's model, its gradients, its mode,
-its BatchNorm statistics and the global RNG state are left exactly as found.
+(MATH.md, "Sample size"). Three backends serve the structures: layer hooks on the live model
+for ``kfac`` (:mod:`lightning_flatness.hooked_pass`), ``torch.func`` for the matrix-free ones
+(:mod:`lightning_flatness.matrix_free`), and BackPACK on a private extended copy for ``dense``,
+``gram``, ``diag`` and ``diag_mc``. Every one evaluates the model in eval mode; the user's
+model, its gradients, its mode, its BatchNorm statistics and the global RNG state are left
+exactly as found, and a ``torch.compile`` wrapper is measured as the module it compiles.
 
 The report combines (MATH.md, "Generalization gap"):
 
@@ -42,6 +45,7 @@ from lightning_flatness._backpack import (
 )
 from lightning_flatness.batches import (
     InputSpec,
+    Leaves,
     LogitsFn,
     LogitsModule,
     UnpackBatch,
@@ -51,9 +55,14 @@ from lightning_flatness.batches import (
 )
 from lightning_flatness.curvature import STRUCTURES, make_estimator
 from lightning_flatness.curvature.base import CurvatureEstimate, CurvatureEstimator
-from lightning_flatness.likelihoods import get_likelihood
+from lightning_flatness.curvature.kfac import KFACFisher
+from lightning_flatness.failures import MeasurementError, agreed, check_finite_loss
+from lightning_flatness.hooked_pass import BatchTerms, HookedPass
+from lightning_flatness.likelihoods import Likelihood, get_likelihood
+from lightning_flatness.matrix_free import MATRIX_FREE_STRUCTURES, stream_matrix_free
+from lightning_flatness.model_state import left_as_found, rng_devices, uncompiled
 from lightning_flatness.spectral import SpectralSummary, check_lam
-from lightning_flatness.statistics import SampleStatistics, StatisticSums
+from lightning_flatness.statistics import SampleStatistics, StatisticSums, output_sums
 
 __all__ = [
     "MATRIX_FREE_STRUCTURES",
@@ -63,14 +72,7 @@ __all__ = [
     "measure",
 ]
 
-#: Structures computed from Fisher-vector products with torch.func (any differentiable model).
-MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson")
-
 AllReduce = Callable[[Tensor], Tensor]
-
-
-class MeasurementError(RuntimeError):
-    """The data made a measurement impossible (no samples, NaN or inf loss, ...)."""
 
 
 @dataclass
@@ -114,12 +116,13 @@ class FlatnessReport:
     seconds: float
     eigenvalues: Tensor | None = field(default=None, repr=False, compare=False)
     blocks: dict[str, SpectralSummary] = field(default_factory=dict, repr=False, compare=False)
+    coverage: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, float]:
         """All scalar fields as floats (``structure`` is the only string)."""
         values = asdict(self)
-        values.pop("eigenvalues")
-        values.pop("blocks")
+        for structured in ("eigenvalues", "blocks", "coverage"):
+            values.pop(structured)
         values.update(self._random_estimator_extras())
         return {k: (v if isinstance(v, str) else float(v)) for k, v in values.items()}
 
@@ -144,7 +147,8 @@ class FlatnessReport:
         nan_fields = {
             f: math.nan
             for f in cls.__dataclass_fields__
-            if f not in ("structure", "eigenvalues", "blocks", "lam", "num_train_samples")
+            if f
+            not in ("structure", "eigenvalues", "blocks", "coverage", "lam", "num_train_samples")
         }
         nan_fields.update(num_samples=0, num_val_samples=0)
         return cls(**nan_fields, lam=lam, num_train_samples=num_train_samples, structure=structure)
@@ -184,12 +188,7 @@ def _stream(
         logits = model.module(*inputs)
         targets = likelihood.prepare_targets(targets, logits)
         loss = loss_fn(logits, targets)
-        if not torch.isfinite(loss):
-            raise MeasurementError(
-                f"The {split} loss of batch {index} is {float(loss.detach())} (not finite). "
-                "The model diverged or the inputs contain NaN/inf; fix training (lower the "
-                "learning rate, clip gradients) before measuring."
-            )
+        check_finite_loss(float(loss.detach()), split, index)
         backward_with(model, loss, extensions, estimator.name if estimator else "statistics")
         if estimator is not None:
             estimator.update(model, num_samples(inputs))
@@ -234,8 +233,10 @@ def measure(
             biased low on subsets. Inputs may be a tensor, a tuple or a dict of tensors.
         lam: the coupled L2 weight decay λ > 0 of the objective ``mean loss + ½λ‖θ‖²``.
         num_train_samples: n, the size of the training set (scales the predicted gap).
-        structure: one of ``"dense"``, ``"gram"``, ``"kfac"``, ``"diag"``, ``"diag_mc"`` (BackPACK),
-            or ``"lanczos"`` (stochastic Lanczos quadrature of the exact F) and
+        structure: ``"kfac"`` (block-diagonal with Kronecker-factored layers, from layer hooks,
+            any differentiable model; see ``report.coverage``), ``"dense"``, ``"gram"``,
+            ``"diag"``, ``"diag_mc"`` (BackPACK), or ``"lanczos"`` (stochastic Lanczos
+            quadrature of the exact F) and
             ``"hutchinson"`` (Hutchinson diagonal with its Eq. 8/9 bounds), matrix-free for any
             differentiable model (options: :mod:`lightning_flatness.matrix_free`).
         val_batches: held-out batches for the trace ratio, validation loss and observed gap.
@@ -243,7 +244,8 @@ def measure(
         trace_estimator: ``"exact"`` Tr(F), or ``"sampled"`` (unbiased, cheaper). Default:
             exact; for the matrix-free structures exact only when the per-sample Jacobians are
             small (``C·P ≤ 2²⁵``), else sampled.
-        kfac_mode: ``"exact"`` (KFLR) or ``"sampled"`` (KFAC with sampled labels).
+        kfac_mode: ``"exact"`` (the C rows of the output Fisher's square root) or
+            ``"sampled"`` (``mc_samples`` labels drawn from the model per input).
         mc_samples: labels sampled per input for the Monte-Carlo structures.
         loss: ``"cross_entropy"`` (softmax classification), ``"bce"`` (independent sigmoid
             outputs: multi-label, or binary with one logit; ``Λ = diag σ(1−σ)``) or ``"mse"``
@@ -269,7 +271,8 @@ def measure(
             ``logits_fn=``).
         TargetError: targets that do not fit ``loss`` (names the loss that fits them).
         MeasurementError: no samples, or a non-finite loss.
-        UnsupportedModelError: a layer BackPACK cannot handle (names the module type).
+        UnsupportedModelError: a layer BackPACK cannot handle, for its structures (names the
+            module type).
     """
     lam = check_lam(lam)
     if structure not in STRUCTURES + MATRIX_FREE_STRUCTURES:
@@ -290,9 +293,61 @@ def measure(
         raise MeasurementError(
             "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
         )
-    if structure in MATRIX_FREE_STRUCTURES:
-        from lightning_flatness.matrix_free import stream_matrix_free
+    with uncompiled(wrapped):
+        curvature, train_sums, val_sums = _dispatch(
+            structure,
+            wrapped,
+            first_pass,
+            train_batches,
+            val_batches,
+            lam=lam,
+            loss=loss,
+            kfac_mode=kfac_mode,
+            mc_samples=mc_samples,
+            trace_estimator=trace_estimator,
+            max_samples=max_samples,
+            max_val_samples=max_val_samples,
+            seed=seed,
+            all_reduce=all_reduce,
+            unpack_batch=unpack_batch,
+            matrix_free_options=matrix_free_options,
+            dense_max_parameters=dense_max_parameters,
+            gram_max_kernel_size=gram_max_kernel_size,
+        )
+    return _report(
+        curvature,
+        train_sums,
+        val_sums,
+        lam,
+        int(num_train_samples),
+        structure,
+        time.perf_counter() - start,
+    )
 
+
+def _dispatch(
+    structure: str,
+    wrapped: LogitsModule,
+    first_pass: Iterable,
+    train_batches: Iterable,
+    val_batches: Iterable | None,
+    *,
+    lam: float,
+    loss: str,
+    kfac_mode: str,
+    mc_samples: int,
+    trace_estimator: str | None,
+    max_samples: int | None,
+    max_val_samples: int | None,
+    seed: int,
+    all_reduce: AllReduce | None,
+    unpack_batch: UnpackBatch | None,
+    matrix_free_options: dict | None,
+    dense_max_parameters: int | None,
+    gram_max_kernel_size: int | None,
+) -> tuple[CurvatureEstimate, StatisticSums, StatisticSums]:
+    """The backend of ``structure``: torch.func (matrix-free), layer hooks (kfac) or BackPACK."""
+    if structure in MATRIX_FREE_STRUCTURES:
         curvature, train_sums, val_sums = stream_matrix_free(
             wrapped,
             first_pass,
@@ -315,11 +370,26 @@ def measure(
             raise MeasurementError(
                 "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
             )
+    elif structure == "kfac":
+        curvature, train_sums, val_sums = _stream_layer_hooks(
+            wrapped,
+            first_pass,
+            val_batches,
+            kfac_mode=kfac_mode,
+            mc_samples=mc_samples,
+            trace_estimator=trace_estimator or "exact",
+            loss=loss,
+            max_samples=max_samples,
+            max_val_samples=max_val_samples,
+            seed=seed,
+            all_reduce=all_reduce,
+            unpack_batch=unpack_batch,
+            lam=lam,
+        )
     else:
         estimator = make_estimator(
             structure,
             ggn_scale=loss_scale(loss),
-            kfac_mode=kfac_mode,
             mc_samples=mc_samples,
             dense_max_parameters=dense_max_parameters,
             gram_max_kernel_size=gram_max_kernel_size,
@@ -338,15 +408,7 @@ def measure(
             unpack_batch,
         )
         curvature = estimator.estimate(int(train_sums.count), lam)
-    return _report(
-        curvature,
-        train_sums,
-        val_sums,
-        lam,
-        int(num_train_samples),
-        structure,
-        time.perf_counter() - start,
-    )
+    return curvature, train_sums, val_sums
 
 
 def _stream_backpack(
@@ -362,18 +424,14 @@ def _stream_backpack(
     all_reduce: AllReduce | None,
     unpack_batch: UnpackBatch | None,
 ) -> tuple[StatisticSums, StatisticSums]:
-    """Stream both splits through one extended copy; reduce every sum across processes.
-
-    Under data parallelism a failure on one process must not leave the others waiting in a
-    collective: every process first learns whether all of them succeeded, then all raise or
-    all reduce.
-    """
+    """Stream both splits through one extended copy; reduce every sum across processes
+    (after :func:`~lightning_flatness.failures.agreed`: one failing process fails them all)."""
     train_stats = SampleStatistics(trace_estimator, loss, estimator.extensions())
     val_stats = SampleStatistics(trace_estimator, loss)
     split = {"split": "training", "unpack_batch": unpack_batch, "spec": model.spec}
-    failure: Exception | None = None
-    try:
-        with torch.random.fork_rng(devices=_rng_devices(model)):
+
+    def run() -> None:
+        with torch.random.fork_rng(devices=rng_devices(model)):
             torch.manual_seed(seed)
             extended = measurement_copy(model)
             _stream(extended, train_batches, train_stats, estimator, loss, max_samples, **split)
@@ -381,28 +439,108 @@ def _stream_backpack(
                 split["split"] = "validation"
                 _stream(extended, val_batches, val_stats, None, loss, max_val_samples, **split)
             del extended
-        if train_stats.sums.count == 0:
-            raise MeasurementError(
-                "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
-            )
-    except Exception as error:
-        if all_reduce is None:
-            raise
-        failure = error
+        _require_samples(train_stats.sums)
+
+    agreed(all_reduce, run)
     if all_reduce is not None:
-        failed_processes = all_reduce(torch.tensor([float(failure is not None)]))
-        if failure is not None:
-            raise failure
-        if failed_processes.item() > 0:
-            raise MeasurementError(
-                f"The measurement failed on {int(failed_processes.item())} other process(es); "
-                "see their error messages."
-            )
         _reduce_statistics(train_stats, all_reduce)
         _reduce_statistics(val_stats, all_reduce)
         for state in estimator.summable_states():
             all_reduce(state)
     return train_stats.sums, val_stats.sums
+
+
+def _require_samples(train: StatisticSums) -> None:
+    if train.count == 0:
+        raise MeasurementError(
+            "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
+        )
+
+
+def _stream_layer_hooks(
+    model: LogitsModule,
+    train_batches: Iterable,
+    val_batches: Iterable | None,
+    *,
+    kfac_mode: str,
+    mc_samples: int,
+    trace_estimator: str,
+    loss: str,
+    max_samples: int | None,
+    max_val_samples: int | None,
+    seed: int,
+    all_reduce: AllReduce | None,
+    unpack_batch: UnpackBatch | None,
+    lam: float,
+) -> tuple[CurvatureEstimate, StatisticSums, StatisticSums]:
+    """``structure="kfac"`` from layer hooks (:mod:`lightning_flatness.hooked_pass`): one
+    forward pass and one backward pass per cotangent row per batch, on the live model (eval
+    mode, no gradient written, hooks removed after), for any graph; failures agreed across
+    processes (:func:`~lightning_flatness.failures.agreed`)."""
+    likelihood = get_likelihood(loss)
+    estimator = KFACFisher()
+    sums = {"training": StatisticSums(), "validation": StatisticSums()}
+    device, dtype = _model_device_dtype(model)
+    facts: dict[str, object] = {}
+
+    def run() -> None:
+        with left_as_found(model):
+            generator = torch.Generator(device=device).manual_seed(int(seed) % (2**63))
+            hooked = HookedPass(
+                model,
+                likelihood,
+                kfac_mode=kfac_mode,
+                mc_samples=mc_samples,
+                trace_estimator=trace_estimator,
+                generator=generator,
+            )
+            try:
+                splits = [("training", train_batches, max_samples)]
+                if val_batches is not None:
+                    splits.append(("validation", val_batches, max_val_samples))
+                for split, batches, limit in splits:
+                    stream = prepared_batches(
+                        batches, limit, device, dtype, unpack_batch, model.spec
+                    )
+                    for index, inputs, targets in stream:
+                        batch = _hooked_batch(hooked, likelihood, inputs, targets, split, index)
+                        sums[split] = sums[split] + batch[0]
+                        if split == "training":
+                            estimator.add(batch[1])
+                facts["coverage"] = hooked.coverage()
+                facts["names"] = hooked.names
+            finally:
+                hooked.close()
+        _require_samples(sums["training"])
+
+    agreed(all_reduce, run)
+    train, val = sums["training"], sums["validation"]
+    if all_reduce is not None:
+        train = StatisticSums.from_tensor(all_reduce(train.as_tensor()))
+        val = StatisticSums.from_tensor(all_reduce(val.as_tensor()))
+        for state in estimator.summable_states():
+            all_reduce(state)
+    curvature = estimator.estimate(int(train.count), lam, facts["names"])
+    curvature.coverage = facts["coverage"]
+    return curvature, train, val
+
+
+def _hooked_batch(
+    hooked: HookedPass,
+    likelihood: Likelihood,
+    inputs: Leaves,
+    targets: Tensor,
+    split: str,
+    index: int,
+) -> tuple[StatisticSums, BatchTerms]:
+    """One batch's statistic sums and curvature terms."""
+    logits = hooked.forward(inputs)
+    targets = likelihood.prepare_targets(targets, logits)
+    sums = output_sums(likelihood, logits, targets, hooked.last_linear, hooked.features())
+    check_finite_loss(sums.loss, split, index)
+    terms = hooked.terms(logits, targets, inputs, curvature=split == "training")
+    sums.grad_norm_sq, sums.fisher_trace = terms.grad_norm_sq, terms.fisher_trace
+    return sums, terms
 
 
 def check_batch(
@@ -432,7 +570,7 @@ def check_batch(
     _, inputs, targets = next(iter(prepared))
     modes = [(module, module.training) for module in model.modules()]
     try:
-        with torch.random.fork_rng(devices=_rng_devices(model)), torch.no_grad():
+        with torch.random.fork_rng(devices=rng_devices(model)), torch.no_grad():
             model.eval()
             logits = wrapped(*inputs)
     finally:
@@ -441,10 +579,6 @@ def check_batch(
     likelihood.check_outputs(logits, num_samples(inputs))
     likelihood.prepare_targets(targets, logits)
     return num_samples(inputs), int(logits.shape[1])
-
-
-def _rng_devices(model: nn.Module) -> list[int]:
-    return sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
 
 
 def _report(
@@ -497,4 +631,5 @@ def _report(
         seconds=seconds,
         eigenvalues=curvature.eigenvalues,
         blocks=curvature.blocks,
+        coverage=curvature.coverage,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,13 +19,13 @@ from lightning_flatness._trainer_facts import fixed_subset_batches
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_fit.py"
 
 
-def run_ddp(tmp_path: Path, *args: str) -> list[dict]:
+def run_ddp(tmp_path: Path, *args: str, timeout: float = 600) -> list[dict]:
     env = {**os.environ, "MASTER_PORT": str(29500 + os.getpid() % 1000)}
     completed = subprocess.run(
         [sys.executable, str(SCRIPT), str(tmp_path), *args],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
         env=env,
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -64,3 +65,13 @@ def test_regularized_fit_keeps_ranks_identical(tmp_path):
     second = torch.load(tmp_path / "weights1.pt", weights_only=True)
     for name, value in first.items():
         assert torch.equal(value, second[name]), name
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("structure", ["kfac", "diag", "lanczos", "hutchinson"])
+def test_a_measurement_failing_on_one_rank_fails_on_every_rank(tmp_path, structure):
+    """Rank 1's measurements see NaN logits: both ranks record NaN, neither waits forever
+    in a collective, and the fit completes."""
+    rank0, rank1 = run_ddp(tmp_path, structure, "fail", timeout=240)
+    for record in (rank0, rank1):
+        assert math.isnan(record["soft_rank"]) and math.isnan(record["trace_fisher"])

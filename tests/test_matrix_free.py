@@ -194,7 +194,13 @@ def test_models_backpack_cannot_handle_match_the_dense_reference(data, kind):
         ).double()
     with pytest.raises(UnsupportedModelError), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # BackPACK warns about the module before failing
-        measure(model, batches(inputs, targets, 16), lam=LAM, num_train_samples=N_TRAIN)
+        measure(
+            model,
+            batches(inputs, targets, 16),
+            lam=LAM,
+            num_train_samples=N_TRAIN,
+            structure="diag",
+        )
     fisher = reference.dense_fisher(model.eval(), inputs)
     truth = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
     report = measure(

@@ -168,11 +168,6 @@ def test_unsupported_layer_is_named():
         measure(model, [random_data(4)], lam=LAM, num_train_samples=10, structure="diag")
 
 
-def test_kfac_on_a_residual_graph_says_which_structures_work():
-    with pytest.raises(UnsupportedModelError, match="structure='dense', 'gram'"):
-        measure(tiny_model("resmlp"), [random_data(4)], lam=LAM, num_train_samples=10)
-
-
 def test_size_guards():
     model = tiny_model("mlp")
     with pytest.raises(StructureTooLargeError, match="dense_max_parameters"):
@@ -193,11 +188,6 @@ def test_size_guards():
             structure="gram",
             gram_max_kernel_size=50,
         )
-
-
-def test_kfac_names_a_layer_without_kronecker_factors():
-    with pytest.raises(UnsupportedModelError, match=r"BatchNorm1d.*'diag' or 'gram'"):
-        measure(BatchNormMLP().double(), [random_data(4)], lam=LAM, num_train_samples=10)
 
 
 def test_random_structures_report_their_error_bars():

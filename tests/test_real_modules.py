@@ -173,6 +173,7 @@ def _plain_measurement(module, kind, **kwargs):
         num_train_samples=N_TRAIN,
         structure="kfac",
         trace_estimator="sampled",
+        kfac_mode="sampled",
         **kwargs,
     )
 

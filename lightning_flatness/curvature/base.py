@@ -35,12 +35,15 @@ class CurvatureEstimate:
         eigenvalues: its nonzero spectrum (float64), for histograms.
         tic_trace: ``Tr(C (F+λI)⁻¹)`` where the structure supports it, else NaN.
         blocks: per-parameter summaries for block-structured approximations.
+        coverage: for block-structured approximations, how each parameter enters
+            (``"kronecker"``, ``"exact block"`` or ``"diagonal"``).
     """
 
     summary: SpectralSummary
     eigenvalues: Tensor
     tic_trace: float = math.nan
     blocks: dict[str, SpectralSummary] = field(default_factory=dict)
+    coverage: dict[str, str] = field(default_factory=dict)
 
 
 class CurvatureEstimator(ABC):

@@ -1,89 +1,121 @@
-"""``structure="kfac"``: per-layer Kronecker factors, ``F_l ≈ G_l ⊗ A_l`` (paper Section 6).
+"""``structure="kfac"``: a block-diagonal Fisher with Kronecker-factored layers, from layer hooks.
 
-BackPACK's ``KFLR`` (exact loss Hessian, ``kfac_mode="exact"``) or ``KFAC`` (one sampled label
-per input, ``kfac_mode="sampled"``) returns, for the summed loss of a batch of N samples, the
-output-side factor ``G`` summed over samples and the input-side factor ``A`` averaged over
-samples (a bias has ``G`` only). Both are turned into sums over samples and accumulated over
-batches, so with m samples in all ``A = (1/m) Σ_i a_i a_iᵀ`` and ``G = (1/m) Σ_i G_i`` — the
-same numbers for any batch size.
+Accumulates the :class:`~lightning_flatness.hooked_pass.BatchTerms` of every batch (sums over
+samples, so the numbers do not depend on the batch size) and turns them into one spectrum, block
+by block (docs/math.md, "Kronecker factors from layer hooks"):
 
-Convolutions follow KFC (Grosse & Martens, 2016, Eq. 22): ``A = E[Σ_t u_t u_tᵀ]`` and
-``G = (1/T) E[Σ_t s_t s_tᵀ]`` over the T output positions; BackPACK's ``G`` is a plain sum over
-positions, so it is divided by T here (without it the trace of a conv block is off by ≈ T).
+- each weight of a ``Linear``/``Conv1d``/``Conv2d``/``Embedding`` layer: KFC's ``G ⊗ A`` with
+  ``A = (1/m) Σ_i Σ_t a aᵀ`` and ``G = (1/m) Σ_i (1/T) Σ_t Σ_rows s sᵀ`` (Grosse & Martens,
+  2016, Eq. 22; for one position, T = 1, KFAC). Its eigenvalues are all products ``g_j a_k``
+  (:func:`~lightning_flatness.spectral.kron_summary`): two small eigendecompositions per layer;
+  an embedding's ``A`` is diagonal (token counts);
+- each bias of such a layer: its exact Fisher block ``(1/m) Σ_i Σ_rows b bᵀ``;
+- every other parameter (normalisation scales and shifts, attention projections, class tokens,
+  positional embeddings, shared weights): its exact diagonal.
 
-The spectrum of ``G ⊗ A`` is all products ``g_j a_i`` (see
-:func:`~lightning_flatness.spectral.kron_summary`): two small eigendecompositions per layer,
-never a P × P matrix. Linear and Conv layers are
-supported, biases included (as their own ``G`` block).
+The soft rank of this block-diagonal approximation is an upper bound on the soft rank of the
+exact blocks it replaces, and that of any block-diagonal part on the full Fisher (pinching,
+Prop. 6.1) — except for the Kronecker factorisation itself, which is an approximation.
 """
 
 from __future__ import annotations
 
 import torch
-from backpack.extensions import KFAC, KFLR
 from torch import Tensor
 
-from lightning_flatness._backpack import ExtendedModel
-from lightning_flatness.curvature.base import CurvatureEstimate, CurvatureEstimator
+from lightning_flatness.curvature.base import CurvatureEstimate
+from lightning_flatness.hooked_pass import BatchTerms
 from lightning_flatness.spectral import (
+    SpectralSummary,
+    clean_eigenvalues,
     kron_eigenvalues,
     kron_summary,
     psd_eigenvalues,
+    spectral_summary,
     sum_summaries,
 )
 
-__all__ = ["KFACFisher"]
+__all__ = ["KFACFisher", "describe_coverage"]
 
 
-class KFACFisher(CurvatureEstimator):
-    """Kronecker-factored per-layer Fisher (exact KFLR or sampled KFAC factors)."""
+class KFACFisher:
+    """Running sums of the block-diagonal KFAC Fisher (module docstring)."""
 
     name = "kfac"
 
-    def __init__(self, ggn_scale: float = 1.0, mode: str = "exact", mc_samples: int = 1):
-        super().__init__(ggn_scale)
-        if mode not in ("exact", "sampled"):
-            raise ValueError(f"kfac_mode must be 'exact' or 'sampled', got {mode!r}.")
-        if mc_samples < 1:
-            raise ValueError(f"mc_samples must be ≥ 1, got {mc_samples!r}.")
-        self.mode = mode
-        self.mc_samples = mc_samples
-        self.savefield = "kflr" if mode == "exact" else "kfac"
-        self.factor_sums: dict[str, list[Tensor]] = {}
+    def __init__(self) -> None:
+        self.kronecker: dict[str, list[Tensor]] = {}
+        self.blocks: dict[str, Tensor] = {}
+        self.diagonal: dict[str, Tensor] = {}
 
-    def extensions(self) -> list[object]:
-        return [KFLR()] if self.mode == "exact" else [KFAC(mc_samples=self.mc_samples)]
-
-    def update(self, model: ExtendedModel, batch_size: int) -> None:
-        positions = model.output_positions
-        for name, param in zip(model.names, model.parameters, strict=True):
-            factors = getattr(param, self.savefield)
-            if factors is None:
-                raise RuntimeError(f"BackPACK computed no Kronecker factors for {name!r}.")
-            output_side = factors[0].detach().to(torch.float64) / positions.get(id(param), 1)
-            sums = [output_side]
-            if len(factors) == 2:  # input side: a mean over the batch → a sum
-                sums.append(factors[1].detach().to(torch.float64) * batch_size)
-            if name not in self.factor_sums:
-                self.factor_sums[name] = [torch.zeros_like(s) for s in sums]
-            for total, term in zip(self.factor_sums[name], sums, strict=True):
-                total += term
+    def add(self, terms: BatchTerms) -> None:
+        """Add one batch's sums."""
+        for name, factors in terms.kronecker.items():
+            if name in self.kronecker:
+                for total, term in zip(self.kronecker[name], factors, strict=True):
+                    total += term
+            else:
+                self.kronecker[name] = [factor.clone() for factor in factors]
+        for store, source in ((self.blocks, terms.blocks), (self.diagonal, terms.diagonal)):
+            for name, value in source.items():
+                if name in store:
+                    store[name] += value
+                else:
+                    store[name] = value.clone()
 
     def summable_states(self) -> list[Tensor]:
-        return [factor for factors in self.factor_sums.values() for factor in factors]
+        """The running sums, in a fixed order, to be summed across processes in place."""
+        states = [factor for factors in self.kronecker.values() for factor in factors]
+        return states + list(self.blocks.values()) + list(self.diagonal.values())
 
-    def factor_eigenvalues(self, num_samples: int) -> dict[str, list[Tensor]]:
-        """Eigenvalues of each parameter's (G, A) factors of ``F = (1/m) Σ`` ."""
-        result = {}
-        for name, sums in self.factor_sums.items():
-            scales = [self.ggn_scale / num_samples] + [1.0 / num_samples] * (len(sums) - 1)
-            result[name] = [
-                psd_eigenvalues(total * scale) for total, scale in zip(sums, scales, strict=True)
-            ]
+    def block_eigenvalues(self, num_samples: int) -> dict[str, list[Tensor]]:
+        """Each block's factor eigenvalues of ``F = (1/m) Σ``: ``[g, a]`` for a Kronecker
+        block, ``[μ]`` for an exact or diagonal block."""
+        result: dict[str, list[Tensor]] = {}
+        for name, (g, a) in self.kronecker.items():
+            a_values = a / num_samples if a.dim() == 1 else psd_eigenvalues(a / num_samples)
+            result[name] = [psd_eigenvalues(g / num_samples), clean_eigenvalues(a_values)]
+        for name, block in self.blocks.items():
+            result[name] = [psd_eigenvalues(block / num_samples)]
+        for name, diagonal in self.diagonal.items():
+            result[name] = [clean_eigenvalues(diagonal / num_samples)]
         return result
 
-    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        eigen = self.factor_eigenvalues(num_samples)
-        blocks = {name: kron_summary(values, lam) for name, values in eigen.items()}
-        spectrum = torch.cat([kron_eigenvalues(values) for values in eigen.values()])
+    def estimate(self, num_samples: int, lam: float, order: list[str]) -> CurvatureEstimate:
+        """The spectral summary, with per-parameter blocks in ``order`` (parameter order)."""
+        eigen = self.block_eigenvalues(num_samples)
+        blocks: dict[str, SpectralSummary] = {}
+        spectra = []
+        for name in order:
+            if name not in eigen:
+                continue
+            values = eigen[name]
+            if len(values) == 2:
+                blocks[name] = kron_summary(values, lam)
+                spectra.append(kron_eigenvalues(values))
+            else:
+                blocks[name] = spectral_summary(values[0], lam)
+                spectra.append(values[0])
+        spectrum = torch.cat(spectra) if spectra else torch.zeros(0, dtype=torch.float64)
         return CurvatureEstimate(sum_summaries(blocks.values()), spectrum, blocks=blocks)
+
+
+def describe_coverage(coverage: dict[str, str]) -> str:
+    """One line saying how the parameters were measured, e.g. for a log message."""
+    counts: dict[str, int] = {}
+    for kind in coverage.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    diagonal = counts.get("diagonal", 0) + counts.get("diagonal (whole model)", 0)
+    parts = [
+        f"{counts.get('kronecker', 0)} Kronecker-factored weights",
+        f"{counts.get('exact block', 0)} exact bias blocks",
+        f"{diagonal} exact diagonal blocks",
+    ]
+    text = "kfac from layer hooks: " + ", ".join(parts)
+    slow = [name for name, kind in coverage.items() if kind == "diagonal (whole model)"]
+    if slow:
+        text += (
+            f"; {len(slow)} through per-sample passes of the whole model (slow: used outside "
+            f"their layer's forward or shared by layers of different types): {', '.join(slow)}"
+        )
+    return text + "."

@@ -1,7 +1,8 @@
 """Fit with FlatnessMonitor under Lightning's DDP on two CPU processes (gloo).
 
-Usage: python ddp_fit.py OUTPUT_DIR STRUCTURE [REGULARIZE]
+Usage: python ddp_fit.py OUTPUT_DIR STRUCTURE [regularize | fail]
 
+``fail`` makes every measurement on rank 1 (only) see NaN logits, so that it fails there.
 Each rank writes its last flatness record to OUTPUT_DIR/rank{r}.json and its final weights to
 OUTPUT_DIR/weights{r}.pt.
 """
@@ -18,18 +19,33 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
 
 
+def nan_on_rank_one(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """The model's logits, NaN on rank 1 during a measurement (eval mode, gradients on)."""
+    logits = module(inputs)
+    measuring = not module.training and torch.is_grad_enabled()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return logits * float("nan") if measuring and rank == 1 else logits
+
+
 def main() -> None:
     output, structure = Path(sys.argv[1]), sys.argv[2]
-    regularize = len(sys.argv) > 3 and sys.argv[3] == "regularize"
+    mode = sys.argv[3] if len(sys.argv) > 3 else ""
     seed_everything(0)
     monitor_kwargs = {
         "structure": structure,
         "max_samples": 200,
         "max_val_samples": 100,
-        "trace_estimator": "exact",  # deterministic, to compare with one process exactly
+        # deterministic, to compare with one process exactly
+        "trace_estimator": "exact",
+        "kfac_mode": "exact",
     }
-    if regularize:
+    if mode == "regularize":
         monitor_kwargs.update(regularize=True, reg_strength=1.0)
+    if mode == "fail":
+        small = {"probes": 2, "lanczos_steps": 4}
+        monitor_kwargs.update(logits_fn=nan_on_rank_one)
+        if structure in ("lanczos", "hutchinson"):
+            monitor_kwargs["measure_kwargs"] = {"matrix_free_options": small}
     monitor = FlatnessMonitor(**monitor_kwargs)
     trainer = Trainer(
         accelerator="cpu",

@@ -1,0 +1,227 @@
+"""Measurement cost per sample ÷ training cost per sample, on the models users train.
+
+For the paper's MLP and CNN (on the bundled 7×7 MNIST) and every model of the test zoo at a
+realistic size (random inputs of the right kind; nothing is downloaded), one run times,
+interleaved and repeated:
+
+- a training pass over m samples (train mode, forward, cross-entropy, backward, SGD step with
+  weight decay) at the measurement's batch size;
+- ``measure()`` over the same m samples for the default structure (``kfac``: layer hooks,
+  exact Fisher rows), its sampled variant, BackPACK's ``diag`` where BackPACK can convert the
+  model, ``hutchinson``, and (``--lanczos``) ``lanczos`` at its default options;
+- with ``--regularizer``, one regularized step (``SoftRankPenalty`` added to the loss) ÷ one
+  plain step.
+
+Every ratio divides two medians measured side by side in one run. Usage::
+
+    python benchmarks/bench_models.py                 # 3 repeats, m = 2048, batch 128
+    python benchmarks/bench_models.py --quick         # 1 repeat, m = 256
+    python benchmarks/bench_models.py --models resnet,transformer --lanczos --regularizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from _common import markdown_table, median, mnist7, print_header, set_threads, timed
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import zoo
+
+from lightning_flatness import measure
+from lightning_flatness.batches import call_model, read_logits
+from lightning_flatness.models import build_model
+
+LAM = 1e-3
+
+#: variant → (structure, measure() keyword arguments)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "kfac (default)": ("kfac", {}),
+    "kfac sampled": ("kfac", {"kfac_mode": "sampled", "trace_estimator": "sampled"}),
+    "diag (BackPACK)": ("diag", {}),
+    "hutchinson": ("hutchinson", {}),
+    "lanczos": ("lanczos", {}),
+}
+
+
+def _images(m: int, size: int, channels: int = 1, seed: int = 0) -> Tensor:
+    return torch.randn(m, channels, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+def _tokens(m: int, length: int, vocab: int, seed: int = 0) -> Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (m, length), generator=generator)
+    lengths = torch.randint(length // 2, length + 1, (m,), generator=generator)
+    return ids.masked_fill(torch.arange(length) >= lengths.unsqueeze(1), 0)
+
+
+def model_and_data(name: str, m: int) -> tuple[nn.Module, object, Tensor]:
+    """A realistic-size instance (float32) and m samples of its inputs and labels."""
+    torch.manual_seed(0)
+    labels = torch.randint(0, 10, (m,), generator=torch.Generator().manual_seed(1))
+    if name in ("mlp", "cnn"):
+        x, y, _, _ = mnist7(train_size=max(m, 100), val_size=100)
+        return build_model(name), x[:m], y[:m]
+    if name == "functional_cnn":
+        model = zoo.FunctionalCNN()
+        model.conv1, model.conv2 = nn.Conv2d(1, 16, 3, padding=1), nn.Conv2d(16, 32, 3)
+        model.fc = nn.Linear(32 * 6 * 6, 10)
+        return model, _images(m, 16), labels
+    if name == "resnet":
+        return zoo.ResNet(width=24, classes=10), _images(m, 16), labels
+    if name == "transformer":
+        model = zoo.TextTransformer(vocab=1000, dim=64, max_len=32, classes=10)
+        model.encoder = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+        return model, {"input_ids": _tokens(m, 32, 1000)}, labels
+    if name == "vit":
+        model = zoo.TinyViT(dim=64, patch=4, classes=10)
+        model.pos = nn.Parameter(0.1 * torch.randn(1, 17, 64))
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0)
+        model.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        return model, _images(m, 16), labels
+    if name == "tied_mlp":
+        return zoo.TiedMLP(features=256, hidden=128, classes=10), torch.randn(m, 256), labels
+    if name == "compiled":
+        model = zoo.TiedMLP(features=256, hidden=128, classes=10)
+        return torch.compile(model), torch.randn(m, 256), labels
+    raise ValueError(f"unknown model {name!r}")
+
+
+def _rows(inputs: object, start: int, stop: int) -> object:
+    if isinstance(inputs, dict):
+        return {k: v[start:stop] for k, v in inputs.items()}
+    return inputs[start:stop]
+
+
+def _batches(inputs: object, targets: Tensor, batch_size: int) -> list:
+    return [
+        (_rows(inputs, i, i + batch_size), targets[i : i + batch_size])
+        for i in range(0, targets.shape[0], batch_size)
+    ]
+
+
+def _training_pass(model: nn.Module, batches: list) -> Callable[[], None]:
+    compiled = hasattr(model, "_orig_mod")
+
+    def run() -> None:
+        # a compiled module trains in place (a copy would compile again)
+        clone = model.train() if compiled else copy.deepcopy(model).train()
+        optimizer = torch.optim.SGD(clone.parameters(), lr=1e-2, weight_decay=LAM)
+        for x, y in batches:
+            optimizer.zero_grad(set_to_none=True)
+            logits = read_logits(call_model(clone, x))
+            nn.functional.cross_entropy(logits, y).backward()
+            optimizer.step()
+
+    return run
+
+
+def _measurement(model: nn.Module, batches: list, variant: str) -> Callable[[], object]:
+    structure, kwargs = VARIANTS[variant]
+
+    def run() -> object:
+        return measure(
+            model, batches, lam=LAM, num_train_samples=10_000, structure=structure, **kwargs
+        )
+
+    return run
+
+
+def _regularized_steps(model: nn.Module, batches: list) -> tuple[Callable, Callable]:
+    from lightning_flatness.regularizer import SoftRankPenalty
+
+    def plain() -> None:
+        _training_pass(model, batches)()
+
+    def regularized() -> None:
+        clone = copy.deepcopy(model).train()
+        optimizer = torch.optim.SGD(clone.parameters(), lr=1e-2, weight_decay=LAM)
+        penalty = SoftRankPenalty(lam=LAM, num_train_samples=10_000)
+        for x, y in batches:
+            optimizer.zero_grad(set_to_none=True)
+            logits = read_logits(call_model(clone, x))
+            loss = nn.functional.cross_entropy(logits, y) + 0.1 * penalty(clone, x)
+            loss.backward()
+            optimizer.step()
+
+    return plain, regularized
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--models", default="mlp,cnn,functional_cnn,resnet,transformer,vit,tied_mlp,compiled"
+    )
+    parser.add_argument("--samples", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lanczos", action="store_true", help="also time lanczos (slow)")
+    parser.add_argument("--regularizer", action="store_true", help="also time the penalty")
+    parser.add_argument("--quick", action="store_true", help="1 repeat, 256 samples")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.samples = 1, 256
+    set_threads(args.threads)
+    print_header("Measurement ÷ training pass over the same samples")
+    print(f"m = {args.samples} samples, batch {args.batch_size}, {args.repeats} repeat(s)\n")
+    variants = [v for v in VARIANTS if v != "lanczos" or args.lanczos]
+    rows = []
+    for name in args.models.split(","):
+        model, inputs, targets = model_and_data(name, args.samples)
+        batches = _batches(inputs, targets, args.batch_size)
+        tasks: dict[str, Callable] = {"train": _training_pass(model, batches)}
+        if name == "compiled":
+            tasks["train"]()  # compile once, outside the timings
+        for variant in variants:
+            tasks[variant] = _measurement(model, batches, variant)
+        if args.regularizer:
+            tasks["plain step"], tasks["regularized step"] = _regularized_steps(model, batches)
+        seconds: dict[str, list[float]] = {}
+        failures: dict[str, str] = {}
+        for _ in range(args.repeats):
+            order = list(tasks)
+            random.Random(len(seconds)).shuffle(order)
+            for task in order:
+                if task in failures:
+                    continue
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        elapsed, _ = timed(tasks[task])
+                except Exception as error:  # a structure that cannot run on this model
+                    failures[task] = type(error).__name__
+                    continue
+                seconds.setdefault(task, []).append(elapsed)
+        train = median(seconds["train"])
+        row = [name, f"{train / args.samples * 1e3:.3f}"]
+        for variant in variants:
+            if variant in failures:
+                row.append(f"fails ({failures[variant]})")
+            else:
+                row.append(f"{median(seconds[variant]) / train:.2f}×")
+        if args.regularizer:
+            if "regularized step" in failures:
+                row.append(f"fails ({failures['regularized step']})")
+            else:
+                ratio = median(seconds["regularized step"]) / median(seconds["plain step"])
+                row.append(f"{ratio:.2f}×")
+        rows.append(row)
+        print(" | ".join(row), flush=True)
+    header = ["model", "train ms/sample", *variants]
+    if args.regularizer:
+        header.append("regularized ÷ plain step")
+    print()
+    print(markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""How a measurement fails: one error type, one non-finite-loss check, and one rule for data
+parallelism — when one process fails, every process raises, and none waits in a collective."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+__all__ = ["MeasurementError", "agreed", "check_finite_loss"]
+
+T = TypeVar("T")
+AllReduce = Callable[[Tensor], Tensor]
+
+
+class MeasurementError(RuntimeError):
+    """The data made a measurement impossible (no samples, NaN or inf loss, ...)."""
+
+
+def check_finite_loss(loss: float, split: str, index: int) -> None:
+    """Raise :class:`MeasurementError` naming the batch whose summed loss is NaN or inf."""
+    if not math.isfinite(loss):
+        raise MeasurementError(
+            f"The {split} loss of batch {index} is {loss} (not finite). "
+            "The model diverged or the inputs contain NaN/inf; fix training (lower the "
+            "learning rate, clip gradients) before measuring."
+        )
+
+
+def agreed(all_reduce: AllReduce | None, run: Callable[[], T]) -> T:
+    """``run()``, such that under data parallelism all processes raise if any one fails.
+
+    Every process first learns (one all-reduce of a flag) whether all of them succeeded, then
+    all raise or all go on; call this around any work that precedes a collective.
+    """
+    failure: Exception | None = None
+    result = None
+    try:
+        result = run()
+    except Exception as error:
+        if all_reduce is None:
+            raise
+        failure = error
+    if all_reduce is not None:
+        failed_processes = all_reduce(torch.tensor([float(failure is not None)]))
+        if failure is not None:
+            raise failure
+        if failed_processes.item() > 0:
+            raise MeasurementError(
+                f"The measurement failed on {int(failed_processes.item())} other process(es); "
+                "see their error messages."
+            )
+    return result  # type: ignore[return-value]

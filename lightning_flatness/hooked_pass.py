@@ -1,0 +1,599 @@
+"""One forward and one backward per cotangent row, read by hooks on the layers: the backend of
+``structure="kfac"`` for any differentiable model.
+
+No graph conversion is needed: forward hooks on the modules that own parameters record their
+inputs, and ordinary autograd differentiates K cotangents on the logits with respect to the
+recorded layer outputs, one backward pass per cotangent through the graph of one forward pass,
+through functional ops, residual connections, attention and anything else autograd follows.
+The K rows are (docs/math.md, "The three matrices", "Kronecker factors from layer hooks"):
+
+- the residual ``∂ℓ_i/∂z_i`` of the true labels (per-sample gradients → ``Tr(C)``);
+- the rows of ``A_i`` with ``A_iᵀA_i = Λ_i`` (exact Fisher, ``kfac_mode="exact"``: C rows), or
+  ``mc_samples`` scores of labels drawn from the model, divided by ``√mc_samples`` (sampled);
+  ``Σ_rows g gᵀ`` is then ``J_iᵀ Λ_i J_i`` exactly, or in expectation.
+
+:mod:`lightning_flatness.layer_rules` turns inputs and output gradients into per-sample
+gradients; a weight tied across layers of one type is one Kronecker block whose calls are its
+positions. A parameter of shape ``(1, ...)`` that a module with children uses (a class token, a
+positional embedding) is *tapped*: the forward pass uses N stacked copies of it, and the gradient
+of copy i is sample i's. Whatever is left (a parameter also used outside its module's
+``forward``, shared by layers of different types) gets per-sample gradients from ``torch.func``
+(``vmap`` of a vector-Jacobian product of the whole model, restricted to those parameters: the
+costly fallback, reported as "diagonal (whole model)").
+
+Which parameters the rules and taps cover is decided once, on the first batch: with cotangents
+on single samples, each rule's per-sample gradients must sum to autograd's gradient and their
+squared norms to its squared norm (:meth:`HookedPass._check_coverage`); a parameter that fails
+moves to the fallback, so the numbers are exact whatever the model does.
+
+The user's model is used in eval mode with gradients that are never written to ``.grad``; the
+hooks are removed when the pass is closed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.func import vjp, vmap
+
+from lightning_flatness.batches import (
+    Leaves,
+    LogitsModule,
+    num_samples,
+    take_rows,
+    unsqueeze_leaves,
+)
+from lightning_flatness.layer_rules import (
+    CHUNK_ELEMENTS,
+    KroneckerRule,
+    LayerCall,
+    Rule,
+    kronecker_factors,
+    make_rule,
+    weight_batch_gradient,
+    weight_squared_norms,
+)
+from lightning_flatness.likelihoods import Likelihood
+from lightning_flatness.model_state import last_linear
+
+__all__ = ["COVERAGE", "BatchTerms", "HookedPass"]
+
+#: how a parameter enters the block-diagonal Fisher; "diagonal (whole model)" is the exact
+#: diagonal from per-sample backward passes through the whole model (the costly fallback)
+COVERAGE = ("kronecker", "exact block", "diagonal", "diagonal (whole model)")
+
+
+@dataclass
+class BatchTerms:
+    """What one batch adds to the sums over samples (all float64).
+
+    Attributes:
+        grad_norm_sq: ``Σ_i ‖g_i‖²`` of the true-label gradients (→ Tr(C)).
+        fisher_trace: ``Σ_i Tr(J_iᵀ Λ_i J_i)`` (exact, or unbiased with sampled rows).
+        kronecker: ``{weight: (Σ_i G_i, Σ_i A_i)}`` (A a vector of counts for embeddings).
+        blocks: ``{bias: Σ_i Σ_rows b bᵀ}``, the exact Fisher block of each bias.
+        diagonal: ``{parameter: Σ_i Σ_rows g ∘ g}`` for everything else.
+    """
+
+    grad_norm_sq: float = 0.0
+    fisher_trace: float = 0.0
+    kronecker: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    blocks: dict[str, Tensor] = field(default_factory=dict)
+    diagonal: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Which cotangent rows are the Fisher rows of the curvature and of the trace."""
+
+    curvature: slice  # the rows of the Kronecker factors, exact blocks and diagonals
+    trace: slice  # the rows of Tr(F)
+
+    @property
+    def norms(self) -> list[int]:
+        """The rows whose per-sample squared norms are needed: residual (0), then trace."""
+        return [0, *range(self.trace.start, self.trace.stop)]
+
+
+def _f64(value: Tensor) -> Tensor:
+    return value.detach().to(torch.float64)
+
+
+class HookedPass:
+    """Hooks on a :class:`LogitsModule` that turn a batch into :class:`BatchTerms`.
+
+    Args:
+        model: the wrapped model (its parameters are read, never changed).
+        likelihood: the output likelihood.
+        kfac_mode: ``"exact"`` (C rows of ``A_i``) or ``"sampled"`` (``mc_samples`` draws).
+        trace_estimator: ``"exact"`` or ``"sampled"``; exact rows are used whenever computed.
+        generator: draws the sampled labels.
+    """
+
+    def __init__(
+        self,
+        model: LogitsModule,
+        likelihood: Likelihood,
+        *,
+        kfac_mode: str = "exact",
+        mc_samples: int = 1,
+        trace_estimator: str = "exact",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if kfac_mode not in ("exact", "sampled"):
+            raise ValueError(f"kfac_mode must be 'exact' or 'sampled', got {kfac_mode!r}.")
+        if trace_estimator not in ("exact", "sampled"):
+            raise ValueError(
+                f"trace_estimator must be 'exact' or 'sampled', got {trace_estimator!r}."
+            )
+        if int(mc_samples) < 1:
+            raise ValueError(f"mc_samples must be ≥ 1, got {mc_samples!r}.")
+        self.model = model
+        self.likelihood = likelihood
+        self.kfac_mode = kfac_mode
+        self.mc_samples = int(mc_samples)
+        self.trace_estimator = trace_estimator
+        self.generator = generator
+        self.names, self.rules, self.fallback = self._assign(model.model)
+        params = dict(model.model.named_parameters())
+        #: fallback parameters with a leading dimension of one (class tokens, positional
+        #: embeddings), tried as per-sample copies ("taps") in the forward pass
+        self.tapped = [n for n in self.fallback if params[n].dim() >= 2 and params[n].shape[0] == 1]
+        self.fallback = [n for n in self.fallback if n not in self.tapped]
+        self._taps: dict[str, Tensor] = {}
+        if not self.names:
+            raise ValueError(
+                "The model has no trainable parameters; there is no Fisher to measure."
+            )
+        self.last_linear = last_linear(model.model)
+        self._features: list[Tensor] = []
+        self._recording = False
+        self._checked = False
+        by_module: dict[int, tuple[nn.Module, list[Rule]]] = {}
+        for rule in self.rules:
+            for module in rule.modules:
+                by_module.setdefault(id(module), (module, []))[1].append(rule)
+        self._handles = [
+            module.register_forward_hook(self._hook(rules), with_kwargs=True)
+            for module, rules in by_module.values()
+        ]
+        if self.last_linear is not None:
+            self._handles.append(self.last_linear.register_forward_hook(self._feature_hook))
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _assign(model: nn.Module) -> tuple[list[str], list[Rule], list[str]]:
+        """Trainable parameter names, the rules that cover some of them, and the rest.
+
+        A parameter owned by one module goes to that module's rule; a weight (or bias) shared
+        by several layers of one Kronecker type (tied weights) to one rule over all of them,
+        whose calls are positions of one layer; anything else to the fallback.
+        """
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}
+        names: dict[int, str] = {}
+        attention_parts: set[int] = set()
+        for module in model.modules():
+            if isinstance(module, nn.MultiheadAttention):
+                attention_parts.update(id(m) for m in module.modules() if m is not module)
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            if id(module) in attention_parts:
+                continue
+            recurse = isinstance(module, nn.MultiheadAttention)
+            for attr, param in module.named_parameters(recurse=recurse, remove_duplicate=False):
+                if param.requires_grad:
+                    places = owners.setdefault(id(param), [])
+                    if all(module is not owner for owner, _ in places):
+                        places.append((module, attr))
+                    names.setdefault(id(param), f"{prefix}.{attr}" if prefix else attr)
+        ordered = [n for n, p in model.named_parameters() if p.requires_grad]
+        rules: dict[tuple, Rule] = {}
+        fallback: list[str] = []
+        for param_id, places in owners.items():
+            modules = [module for module, _ in places]
+            key = tuple(id(module) for module in modules)
+            if key not in rules:
+                rule = make_rule(modules, {})
+                if rule is None:
+                    fallback.append(names[param_id])
+                    continue
+                rules[key] = rule
+            attrs = {attr for _, attr in places}
+            if len(attrs) != 1:
+                fallback.append(names[param_id])
+                continue
+            rules[key].names[attrs.pop()] = names[param_id]
+        order = {name: i for i, name in enumerate(ordered)}
+        fallback.sort(key=order.__getitem__)
+        return ordered, [rule for rule in rules.values() if rule.names], fallback
+
+    def _hook(self, rules: list[Rule]):
+        def record(module: nn.Module, args: tuple, kwargs: dict, output):
+            if not self._recording:
+                return None
+            tensor = output[0] if isinstance(output, tuple) else output
+            # An in-place op downstream (ReLU(inplace=True)) must not change the recorded
+            # tensor whose gradient is taken: downstream code gets a copy.
+            copy = tensor.clone()
+            detached_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
+            detached_kwargs = {
+                k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()
+            }
+            call = LayerCall(module, detached_args, detached_kwargs, tensor)
+            for rule in rules:
+                rule.calls.append(call)
+            return (copy, *output[1:]) if isinstance(output, tuple) else copy
+
+        return record
+
+    def _feature_hook(self, module: nn.Module, args: tuple, output: Tensor) -> None:
+        if self._recording:
+            self._features.append(args[0].detach())
+
+    def close(self) -> None:
+        """Remove every hook; the model is as it was before."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def coverage(self) -> dict[str, str]:
+        """How each parameter is measured (one of :data:`COVERAGE`), in parameter order."""
+        kinds = {}
+        for rule in self.rules:
+            for attr, name in rule.names.items():
+                if isinstance(rule, KroneckerRule):
+                    kinds[name] = "kronecker" if attr == "weight" else "exact block"
+                else:
+                    kinds[name] = "diagonal"
+        kinds.update({name: "diagonal" for name in self.tapped})
+        kinds.update({name: "diagonal (whole model)" for name in self.fallback})
+        return {name: kinds[name] for name in self.names if name in kinds}
+
+    # -- one batch ---------------------------------------------------------------------------
+
+    def _cotangents(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, _Rows]:
+        """The K rows ``(K, N, C)``: residual, then exact and/or sampled Fisher rows."""
+        z = logits.detach().requires_grad_(True)
+        with torch.enable_grad():
+            (residual,) = torch.autograd.grad(self.likelihood.nll(z, targets).sum(), z)
+        rows = [residual.unsqueeze(0)]
+        exact = sampled = None
+        if "exact" in (self.kfac_mode, self.trace_estimator):
+            classes = logits.shape[1]
+            core = self.likelihood.output_core(logits.detach())
+            identity = torch.eye(classes, dtype=logits.dtype, device=logits.device)
+            rows.append(core.sqrt_transpose(identity.unsqueeze(1).expand(-1, z.shape[0], -1)))
+            exact = slice(1, 1 + classes)
+        if "sampled" in (self.kfac_mode, self.trace_estimator):
+            start = sum(r.shape[0] for r in rows)
+            scores = []
+            for _ in range(self.mc_samples):
+                draw = self.likelihood.draw(z.detach(), self.generator)
+                with torch.enable_grad():
+                    objective = self.likelihood.sampled_score(z, draw).sum()
+                    (score,) = torch.autograd.grad(objective, z)
+                scores.append(score / math.sqrt(self.mc_samples))
+            rows.append(torch.stack(scores))
+            sampled = slice(start, start + self.mc_samples)
+        curvature = exact if self.kfac_mode == "exact" else sampled
+        trace = exact if self.trace_estimator == "exact" else sampled
+        return torch.cat(rows).detach(), _Rows(curvature, trace)
+
+    @contextmanager
+    def _recorded(self) -> Iterator[None]:
+        for rule in self.rules:
+            rule.calls.clear()
+        self._features.clear()
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def forward(self, inputs: Leaves) -> Tensor:
+        """The logits of a batch, with every hooked layer's call recorded.
+
+        Each tapped parameter ``p`` (shape ``(1, ...)``) is replaced by ``N`` copies stacked
+        as ``(N, ...)``: a model that only broadcasts ``p`` over the batch computes the same
+        logits, and the gradient of copy i is sample i's gradient (checked on the first batch).
+        """
+        with self._recorded():
+            if not self.tapped:
+                return self.model(*inputs)
+            params = dict(self.model.model.named_parameters())
+            batch = num_samples(inputs)
+            self._taps = {
+                name: params[name].detach().expand(batch, *params[name].shape[1:]).clone()
+                for name in self.tapped
+            }
+            for tap in self._taps.values():
+                tap.requires_grad_(True)
+            return self.model.call(self._taps, inputs)
+
+    def features(self) -> Tensor | None:
+        """The input of :attr:`last_linear` in the latest :meth:`forward` (its last call)."""
+        return self._features[-1] if self._features else None
+
+    def terms(self, logits: Tensor, targets: Tensor, inputs: Leaves, curvature: bool) -> BatchTerms:
+        """The batch's :class:`BatchTerms` after :meth:`forward` gave ``logits``; with
+        ``curvature=False`` only the two traces (validation data)."""
+        cotangents, rows = self._cotangents(logits, targets)
+        if not self._checked:
+            self._check_coverage(logits, cotangents[0], inputs)
+        outputs = self._recorded_outputs()
+        taps = [self._taps[name] for name in self.tapped]
+        grads = self._output_gradients(logits, list(outputs.values()) + taps, cotangents)
+        by_output = dict(zip(outputs, grads[: len(outputs)], strict=True))
+        terms = BatchTerms()
+        tap_grads = dict(zip(self.tapped, grads[len(outputs) :], strict=True))
+        self._add_explicit(terms, tap_grads, rows, curvature)
+        for rule in self.rules:
+            if rule.calls:
+                rule_grads = [by_output[id(call.output)] for call in rule.calls]
+                self._add_rule(terms, rule, rule_grads, rows, curvature)
+        if self.fallback:
+            fallback_grads = self._fallback_gradients(inputs, cotangents)
+            self._add_explicit(terms, fallback_grads, rows, curvature)
+        return terms
+
+    def _check_taps(
+        self,
+        logits: Tensor,
+        single: Tensor,
+        samples: list[int],
+        inputs: Leaves,
+        tap_grads: list[Tensor],
+    ) -> None:
+        """Keep the tapped parameters whose copies give per-sample gradients (see
+        :meth:`_check_coverage`); the others move to the ``torch.func`` fallback."""
+        if not self.tapped:
+            return
+        params = dict(self.model.model.named_parameters())
+        tolerance = 1e-4 if logits.dtype != torch.float64 else 1e-8
+        plain = self.model(*inputs)
+        same = torch.allclose(
+            plain, logits, rtol=tolerance, atol=tolerance * float(logits.detach().abs().max())
+        )
+        truth = self._output_gradients(plain, [params[n] for n in self.tapped], single)
+        kept = []
+        for name, got, want in zip(self.tapped, tap_grads, truth, strict=True):
+            good = same
+            for row, sample in enumerate(samples):
+                others = torch.ones(got.shape[1], dtype=torch.bool)
+                others[sample] = False
+                good = good and float(got[row][others].abs().sum()) == 0.0
+                facts = (got[row].sum(0).reshape(want[row].shape), float(got[row].square().sum()))
+                good = good and _agrees(want[row], facts, tolerance)
+            (kept if good else self.fallback).append(name)
+        order = {name: i for i, name in enumerate(self.names)}
+        self.fallback.sort(key=order.__getitem__)
+        self.tapped = kept
+
+    def _recorded_outputs(self) -> dict[int, Tensor]:
+        """Every recorded layer output once (a call can belong to two rules), by ``id``."""
+        return {id(call.output): call.output for rule in self.rules for call in rule.calls}
+
+    def _output_gradients(
+        self,
+        logits: Tensor,
+        outputs: list[Tensor],
+        cotangents: Tensor,
+        retain_graph: bool = False,
+    ) -> list[Tensor]:
+        """``∂⟨u_k, z⟩/∂t`` for every tensor ``t`` of ``outputs`` (recorded layer outputs or
+        parameters), ``(K, *t.shape)`` each: one backward pass per row ``u_k``, through the
+        graph of one forward pass (measured faster than ``is_grads_batched`` on CPU)."""
+        if not outputs:
+            return []
+        per_row = []
+        rows = cotangents.shape[0]
+        for k in range(rows):
+            grads = torch.autograd.grad(
+                logits,
+                outputs,
+                grad_outputs=cotangents[k].to(logits.dtype),
+                retain_graph=retain_graph or k + 1 < rows,
+                allow_unused=True,
+            )
+            per_row.append(
+                [
+                    g if g is not None else torch.zeros_like(o)
+                    for g, o in zip(grads, outputs, strict=True)
+                ]
+            )
+        return [torch.stack(column) for column in zip(*per_row, strict=True)]
+
+    def _add_rule(
+        self, terms: BatchTerms, rule: Rule, grads: list[Tensor], rows: _Rows, curvature: bool
+    ) -> None:
+        if not isinstance(rule, KroneckerRule):
+            self._add_explicit(terms, rule.per_sample_gradients(grads), rows, curvature)
+            return
+        a = rule.patches()
+        s = rule.output_gradients(grads)
+        embedding = rule.is_embedding
+        for attr, name in rule.names.items():
+            if attr == "weight":
+                norms = weight_squared_norms(a, s[rows.norms], embedding)
+                terms.grad_norm_sq += float(norms[0])
+                terms.fisher_trace += float(norms[1:].sum())
+                if curvature:
+                    g, factor = kronecker_factors(
+                        a, s[rows.curvature], embedding, rule.parameters()["weight"].shape[0]
+                    )
+                    terms.kronecker[name] = (_f64(g), _f64(factor))
+            else:  # the bias: per-sample gradients Σ_t s_t, an exact (o × o) block
+                bias_grads = s.sum(2)
+                self._add_explicit(terms, {name: bias_grads}, rows, curvature, block=True)
+
+    @staticmethod
+    def _add_explicit(
+        terms: BatchTerms,
+        per_sample: dict[str, Tensor],
+        rows: _Rows,
+        curvature: bool,
+        block: bool = False,
+    ) -> None:
+        """Add per-sample gradients ``(K, N, *shape)``: norms, traces, diagonal or block."""
+        for name, grads in per_sample.items():
+            flat = grads.reshape(grads.shape[0], grads.shape[1], -1)
+            terms.grad_norm_sq += float(flat[0].square().sum())
+            terms.fisher_trace += float(flat[rows.trace].square().sum())
+            if not curvature:
+                continue
+            fisher_rows = flat[rows.curvature].reshape(-1, flat.shape[-1])
+            if block:
+                terms.blocks[name] = _f64(fisher_rows.T @ fisher_rows)
+            else:
+                terms.diagonal[name] = _f64(fisher_rows.square().sum(0))
+
+    def _fallback_gradients(self, inputs: Leaves, cotangents: Tensor) -> dict[str, Tensor]:
+        """Per-sample gradients ``(K, N, *shape)`` of the fallback parameters (module
+        docstring), ``torch.func`` through the whole model, a chunk of samples at a time."""
+        params = dict(self.model.model.named_parameters())
+        chosen = {name: params[name].detach() for name in self.fallback}
+
+        def one_sample(x: Leaves, rows: Tensor) -> dict[str, Tensor]:
+            def logits(p: dict[str, Tensor]) -> Tensor:
+                return self.model.call(p, unsqueeze_leaves(x)).squeeze(0)
+
+            _, pullback = vjp(logits, chosen)
+            return vmap(pullback)(rows.to(next(iter(chosen.values())).dtype))[0]
+
+        size = sum(p.numel() for p in chosen.values()) * cotangents.shape[0]
+        per_chunk = max(1, CHUNK_ELEMENTS // max(1, size))
+        pieces = []
+        with torch.no_grad():
+            for start in range(0, cotangents.shape[1], per_chunk):
+                rows = slice(start, min(cotangents.shape[1], start + per_chunk))
+                batched = vmap(one_sample, in_dims=(0, 1), out_dims=1)
+                pieces.append(batched(take_rows(inputs, rows), cotangents[:, rows]))
+        return {name: torch.cat([p[name] for p in pieces], dim=1) for name in self.fallback}
+
+    # -- the coverage check ------------------------------------------------------------------
+
+    def _rule_gradient_facts(
+        self, residual_grads: dict[int, list[Tensor]]
+    ) -> dict[str, tuple[Tensor, float]]:
+        """``(Σ_i g_i, Σ_i ‖g_i‖²)`` of one cotangent row for every covered parameter."""
+        facts: dict[str, tuple[Tensor, float]] = {}
+        for rule in self.rules:
+            grads = residual_grads.get(id(rule))
+            if not grads or not rule.names:
+                continue
+            if isinstance(rule, KroneckerRule):
+                a, s = rule.patches(), rule.output_gradients(grads)
+                for attr, name in rule.names.items():
+                    param = rule.parameters()[attr]
+                    if attr == "weight":
+                        total = weight_batch_gradient(a, s[0], rule.is_embedding, param.shape)
+                        norms = float(weight_squared_norms(a, s, rule.is_embedding)[0])
+                    else:
+                        per_sample = s[0].sum(1)
+                        total, norms = per_sample.sum(0), float(per_sample.square().sum())
+                    facts[name] = (total, norms)
+            else:
+                for name, per_sample in rule.per_sample_gradients(grads).items():
+                    facts[name] = (per_sample[0].sum(0), float(per_sample[0].square().sum()))
+        return facts
+
+    def _check_coverage(self, logits: Tensor, residual: Tensor, inputs: Leaves) -> None:
+        """Decide once which parameters the rules cover (module docstring).
+
+        Two cotangents, each on one sample only (the first and the last), make the per-sample
+        gradients of every other sample vanish. The samples' dimension of each layer is the one
+        along which its output gradients vanish outside that sample (for both); a rule is
+        right when, for both, its gradients sum to autograd's gradient *and* their squared
+        norms sum to its squared norm (a rule that splits samples wrongly fails the second
+        test). Tapped parameters pass when the plain forward gives the same logits and their
+        copies' gradients pass the same tests against the plain forward's gradients. Whatever
+        fails falls back to ``torch.func``.
+        """
+        self._checked = True
+        batch = logits.shape[0]
+        samples = sorted({0, batch - 1})
+        single = torch.zeros(len(samples), *residual.shape, dtype=logits.dtype)
+        for row, sample in enumerate(samples):
+            value = residual[sample]
+            single[row, sample] = value if float(value.abs().sum()) > 0 else 1.0
+        params = dict(self.model.model.named_parameters())
+        covered = [name for rule in self.rules for name in rule.names.values()]
+        outputs = self._recorded_outputs()
+        taps = [self._taps[name] for name in self.tapped]
+        tensors = [params[name] for name in covered] + list(outputs.values()) + taps
+        grads = self._output_gradients(logits, tensors, single, retain_graph=True)
+        expected = dict(zip(covered, grads[: len(covered)], strict=True))
+        by_output = dict(
+            zip(outputs, grads[len(covered) : len(covered) + len(outputs)], strict=True)
+        )
+        self._check_taps(logits, single, samples, inputs, grads[len(covered) + len(outputs) :])
+        row_grads = {
+            id(rule): [by_output[id(call.output)] for call in rule.calls] for rule in self.rules
+        }
+        for rule in self.rules:
+            rule.batch_dim = _samples_dimension(rule, row_grads.get(id(rule)), samples, batch)
+        tolerance = 1e-4 if logits.dtype != torch.float64 else 1e-8
+        wrong: set[str] = set()
+        for row in range(len(samples)):
+            one_row = {key: [g[row : row + 1] for g in value] for key, value in row_grads.items()}
+            try:
+                found = self._rule_gradient_facts(one_row)
+            except Exception:  # a rule that cannot run on this model: its parameters fall back
+                found = {}
+            for name in covered:
+                want = expected[name]
+                if not _agrees(want[row] if want is not None else None, found.get(name), tolerance):
+                    wrong.add(name)
+        if not wrong:
+            return
+        for rule in self.rules:
+            for attr in [a for a, n in rule.names.items() if n in wrong]:
+                del rule.names[attr]
+        order = {name: i for i, name in enumerate(self.names)}
+        self.fallback = sorted(set(self.fallback) | wrong, key=order.__getitem__)
+
+
+def _samples_dimension(
+    rule: Rule, grads: list[Tensor] | None, samples: list[int], batch: int
+) -> int:
+    """The dimension (0 or 1) of a layer's output along which the gradients of one-sample
+    cotangents vanish outside their sample; 0 when neither or both do (the check decides)."""
+    if isinstance(rule.module, nn.MultiheadAttention):
+        return 0 if rule.module.batch_first else 1
+    if not grads:
+        return 0
+    grad = grads[0]
+    candidates = []
+    for dim in (0, 1):
+        if grad.dim() <= dim + 1 or grad.shape[dim + 1] != batch:
+            continue
+        vanishes = True
+        for row, sample in enumerate(samples):
+            others = torch.ones(batch, dtype=torch.bool)
+            others[sample] = False
+            if bool(grad[row].index_select(dim, others.nonzero().squeeze(1)).abs().sum() > 0):
+                vanishes = False
+        if vanishes:
+            candidates.append(dim)
+    return candidates[0] if len(candidates) == 1 else 0
+
+
+def _agrees(expected: Tensor | None, found: tuple[Tensor, float] | None, tolerance: float) -> bool:
+    """A rule's ``(Σ_i g_i, Σ_i ‖g_i‖²)`` against autograd's one-sample gradient."""
+    if found is None:
+        return expected is None
+    total, norms = found
+    if expected is None:
+        expected = torch.zeros_like(total)
+    if total.shape != expected.shape:
+        return False
+    scale = max(float(expected.norm()) + float(total.norm()), 1e-30)
+    if float((total - expected).norm()) > tolerance * scale:
+        return False
+    squared = float(expected.square().sum())
+    return abs(norms - squared) <= tolerance * max(squared + norms, 1e-30)

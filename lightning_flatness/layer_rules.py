@@ -1,0 +1,376 @@
+"""Per-sample gradients of one layer's parameters from its input and its output gradients.
+
+A forward hook records what a layer received; one backward pass, batched over K cotangents on
+the logits, gives the gradient of each cotangent's scalar with respect to the layer's output.
+From the two, a *rule* knows the per-sample gradient of each of the layer's parameters without
+any per-sample backward pass (docs/math.md, "Kronecker factors from layer hooks"):
+
+- :class:`KroneckerRule` (``nn.Linear``, ``nn.Conv1d``/``nn.Conv2d``, ``nn.Embedding``): the
+  layer maps patches ``a_t`` (rows of its input, unfolded convolution patches, one-hot tokens)
+  to outputs ``W a_t + b`` at positions ``t``; the per-sample weight gradient is
+  ``Σ_t s_t a_tᵀ`` and the bias gradient ``Σ_t s_t``, ``s_t`` the output gradient. It provides
+  KFC's Kronecker factors (Grosse & Martens, 2016, Eq. 22) ``A = Σ_t a_t a_tᵀ`` and
+  ``G = (1/T) Σ_t s_t s_tᵀ`` and the exact squared norms of the per-sample gradients;
+- :class:`NormRule` (BatchNorm with running statistics, LayerNorm, GroupNorm): the affine map
+  ``γ ∘ x̂ + β`` of the normalised input ``x̂``; per-sample gradients ``Σ s ∘ x̂`` and ``Σ s``;
+- :class:`LocalRule` (any other leaf module with parameters, and ``nn.MultiheadAttention``):
+  per-sample gradients of the module's own forward, ``torch.func.vmap`` of a vector-Jacobian
+  product over the samples of the recorded inputs — a backward pass through that module only.
+
+Every rule works on tensors shaped ``(K, N, ...)``: K cotangents, N samples.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+
+__all__ = [
+    "KroneckerRule",
+    "LayerCall",
+    "LocalRule",
+    "NormRule",
+    "Rule",
+    "make_rule",
+]
+
+#: numbers per vectorized chunk when per-sample gradients are materialised
+CHUNK_ELEMENTS = 2**24
+
+
+@dataclass
+class LayerCall:
+    """One call of a hooked module: its (detached) inputs and the output that autograd follows."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    output: Tensor
+
+
+@dataclass
+class Rule(ABC):
+    """How the per-sample gradients of some parameters are obtained (module docstring).
+
+    Attributes:
+        modules: the hooked modules whose calls use the parameters (one, except for weights
+            tied across layers of one Kronecker type).
+        names: the user's names of the parameters this rule covers, by attribute name.
+    """
+
+    modules: list[nn.Module]
+    names: dict[str, str]
+    calls: list[LayerCall] = field(default_factory=list)
+    #: the samples' dimension in the module's input and output (1 for sequence-first inputs)
+    batch_dim: int = 0
+
+    #: how the parameters enter the block-diagonal Fisher: "kronecker" or "diagonal"
+    kind = "diagonal"
+
+    @property
+    def module(self) -> nn.Module:
+        """The first of :attr:`modules` (they share the covered parameters)."""
+        return self.modules[0]
+
+    def parameters(self) -> dict[str, Tensor]:
+        """``{attribute: parameter}`` of the covered parameters (dotted attributes allowed)."""
+        own = dict(self.module.named_parameters())
+        return {attr: own[attr] for attr in self.names}
+
+    @abstractmethod
+    def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
+        """``{user name: (K, N, *shape)}`` from the output gradients ``(K, *output shape)`` of
+        each recorded call (only for rules that materialise them)."""
+
+
+def _positions_first(tensor: Tensor, channel_dim: int) -> Tensor:
+    """``(..., C, *spatial)`` → ``(..., T, C)`` with the spatial positions flattened."""
+    moved = tensor.flatten(channel_dim + 1).transpose(-1, -2)
+    return moved
+
+
+def _conv_padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...]:
+    padding = module.padding
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0,) * len(module.kernel_size)
+        # "same": symmetric only for odd effective kernel sizes (checked in make_rule)
+        return tuple(
+            d * (k - 1) // 2 for d, k in zip(module.dilation, module.kernel_size, strict=True)
+        )
+    return tuple(padding)
+
+
+class KroneckerRule(Rule):
+    """``nn.Linear``, ``nn.Conv1d``/``nn.Conv2d`` (``groups=1``, zero padding) and
+    ``nn.Embedding``: patches ``a`` (N, T, d) and output gradients ``s`` (K, N, T, o)."""
+
+    kind = "kronecker"
+
+    @property
+    def is_embedding(self) -> bool:
+        return isinstance(self.module, nn.Embedding)
+
+    def patches(self) -> Tensor:
+        """``a`` (N, T, d) over all recorded calls (several calls: more positions); token
+        indices (N, T) for an embedding, with padding positions set to −1."""
+        pieces = [
+            self._patches(call.module, call.args[0].movedim(self.batch_dim, 0))
+            for call in self.calls
+        ]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def _patches(module: nn.Module, x: Tensor) -> Tensor:
+        if isinstance(module, nn.Linear):
+            return x.reshape(x.shape[0], -1, x.shape[-1])
+        if isinstance(module, nn.Embedding):
+            indices = x.reshape(x.shape[0], -1)
+            if module.padding_idx is not None:
+                indices = indices.masked_fill(indices == module.padding_idx, -1)
+            return indices
+        if isinstance(module, nn.Conv1d):
+            x = x.unsqueeze(-2)
+            kernel, stride = (1, *module.kernel_size), (1, *module.stride)
+            dilation, padding = (1, *module.dilation), (0, *_conv_padding(module))
+        else:
+            kernel, stride = module.kernel_size, module.stride
+            dilation, padding = module.dilation, _conv_padding(module)
+        unfolded = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+        return unfolded.transpose(1, 2)
+
+    def output_gradients(self, grads: list[Tensor]) -> Tensor:
+        """``s`` (K, N, T, o) over all recorded calls."""
+        pieces = []
+        for grad in grads:
+            grad = grad.movedim(self.batch_dim + 1, 1)
+            if isinstance(self.module, (nn.Linear, nn.Embedding)):
+                pieces.append(grad.reshape(grad.shape[0], grad.shape[1], -1, grad.shape[-1]))
+            else:
+                pieces.append(_positions_first(grad, channel_dim=2))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+    def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
+        raise NotImplementedError("Kronecker rules never materialise weight gradients.")
+
+
+def weight_squared_norms(a: Tensor, s: Tensor, embedding: bool) -> Tensor:
+    """``‖Σ_t s_kit a_itᵀ‖²`` summed over samples, per cotangent: (K,).
+
+    One position: ``‖s‖² ‖a‖²``; else the cheaper of the explicit per-sample gradients and the
+    position Gram matrices ``Σ_{t,u} (a_t·a_u)(s_t·s_u)`` (always the latter for embeddings,
+    where ``a_t·a_u = [token_t = token_u]``).
+    """
+    k, n, t, o = s.shape
+    if embedding:
+        same = (a.unsqueeze(-1) == a.unsqueeze(-2)) & (a >= 0).unsqueeze(-1)
+        a_gram = same.to(s.dtype)
+        return torch.einsum("ntu,kntu->k", a_gram, torch.einsum("knto,knuo->kntu", s, s))
+    if t == 1:
+        return torch.einsum("kn,n->k", s.square().sum((-1, -2)), a.square().sum((-1, -2)))
+    d = a.shape[-1]
+    totals = s.new_zeros(k)
+    if o * d <= t * (o + d):  # per-sample gradients, one batched matrix product per chunk
+        per_chunk = max(1, CHUNK_ELEMENTS // (k * o * d))
+        for rows in _chunks(n, per_chunk):
+            s_rows = s[:, rows].permute(1, 0, 3, 2).reshape(-1, k * o, t)
+            grads = torch.bmm(s_rows, a[rows]).reshape(-1, k, o * d)
+            totals += grads.square().sum((0, 2))
+    else:
+        per_chunk = max(1, CHUNK_ELEMENTS // (k * t * t))
+        for rows in _chunks(n, per_chunk):
+            a_gram = torch.bmm(a[rows], a[rows].transpose(1, 2))
+            s_rows = s[:, rows].reshape(-1, t, o)
+            s_gram = torch.bmm(s_rows, s_rows.transpose(1, 2)).reshape(k, -1, t, t)
+            totals += (s_gram * a_gram).sum((1, 2, 3))
+    return totals
+
+
+def weight_batch_gradient(a: Tensor, s0: Tensor, embedding: bool, shape: torch.Size) -> Tensor:
+    """``Σ_i Σ_t s_it a_itᵀ`` for one cotangent ``s0`` (N, T, o), shaped like the weight."""
+    if embedding:
+        flat_s = s0.reshape(-1, s0.shape[-1])
+        flat_a = a.reshape(-1)
+        keep = flat_a >= 0
+        grad = s0.new_zeros(shape[0], shape[1])
+        grad.index_add_(0, flat_a[keep], flat_s[keep])
+        return grad
+    return torch.einsum("nto,ntd->od", s0, a).reshape(shape)
+
+
+def kronecker_factors(
+    a: Tensor, s: Tensor, embedding: bool, num_rows: int
+) -> tuple[Tensor, Tensor]:
+    """KFC's sums over samples ``Σ_i Σ_t a aᵀ`` (an index count for embeddings) and
+    ``Σ_i (1/T) Σ_k Σ_t s sᵀ`` for the Fisher cotangents ``s`` (K', N, T, o)."""
+    t = s.shape[2]
+    flat_s = s.reshape(-1, s.shape[-1])
+    g = flat_s.T @ flat_s / t
+    if embedding:
+        flat_a = a.reshape(-1)
+        counts = torch.bincount(flat_a[flat_a >= 0], minlength=num_rows)
+        return g, counts.to(s.dtype)
+    flat_a = a.reshape(-1, a.shape[-1])
+    return g, flat_a.T @ flat_a
+
+
+class NormRule(Rule):
+    """BatchNorm (eval mode, running statistics), LayerNorm and GroupNorm: ``γ ∘ x̂ + β``."""
+
+    def normalised(self, x: Tensor) -> Tensor:
+        module = self.module
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            shape = (1, -1) + (1,) * (x.dim() - 2)
+            mean = module.running_mean.reshape(shape)
+            var = module.running_var.reshape(shape)
+            return (x - mean) * torch.rsqrt(var + module.eps)
+        if isinstance(module, nn.LayerNorm):
+            return F.layer_norm(x, module.normalized_shape, eps=module.eps)
+        return F.group_norm(x, module.num_groups, eps=module.eps)
+
+    def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
+        result: dict[str, Tensor] = {}
+        for call, grad in zip(self.calls, grads, strict=True):
+            x_hat = self.normalised(call.args[0]).movedim(self.batch_dim, 0)
+            grad = grad.movedim(self.batch_dim + 1, 1)
+            for attr, name in self.names.items():
+                shape = getattr(self.module, attr).shape
+                term = grad * x_hat if attr == "weight" else grad
+                if isinstance(self.module, nn.LayerNorm):  # sum all but K, N and the normalised
+                    dims = tuple(range(2, term.dim() - len(shape)))
+                else:  # channels on dim 2 of (K, N, C, ...)
+                    dims = tuple(range(3, term.dim()))
+                term = term.sum(dims) if dims else term
+                result[name] = result[name] + term if name in result else term
+        return result
+
+
+class LocalRule(Rule):
+    """Any other module with parameters: ``vmap`` over samples of a vector-Jacobian product of
+    the module's own forward (a backward pass through this module only).
+
+    Tensor arguments whose leading size is the batch are split into samples (dimension 1 for
+    the query, key and value of an ``nn.MultiheadAttention`` with ``batch_first=False``); the
+    module sees each sample with a batch dimension of one.
+    """
+
+    def _batch_dims(self, call: LayerCall, batch: int) -> tuple[tuple, dict]:
+        seq_first = isinstance(self.module, nn.MultiheadAttention) and not self.module.batch_first
+
+        def dim_of(value: object, position: int | None) -> int | None:
+            if not isinstance(value, Tensor):
+                return None
+            dim = 1 if seq_first and position is not None and position < 3 else 0
+            if value.dim() > dim and value.shape[dim] == batch:
+                return dim
+            return None
+
+        arg_dims = tuple(dim_of(v, i) for i, v in enumerate(call.args))
+        kwarg_dims = {key: dim_of(v, None) for key, v in call.kwargs.items()}
+        return arg_dims, kwarg_dims
+
+    def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
+        result: dict[str, Tensor] = {}
+        params = {attr: p.detach() for attr, p in self.parameters().items()}
+        for call, grad in zip(self.calls, grads, strict=True):
+            for attr, term in self._call_gradients(call, grad, params).items():
+                name = self.names[attr]
+                result[name] = result[name] + term if name in result else term
+        return result
+
+    def _call_gradients(
+        self, call: LayerCall, grad: Tensor, params: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """Per-sample gradients ``{attribute: (K, N, *shape)}`` of one recorded call."""
+        seq_first = isinstance(self.module, nn.MultiheadAttention) and not self.module.batch_first
+        out_dim = 1 if seq_first else 0
+        batch = grad.shape[out_dim + 1]
+        arg_dims, kwarg_dims = self._batch_dims(call, batch)
+
+        def one_sample(args: tuple, kwargs: dict, cotangents: Tensor) -> dict[str, Tensor]:
+            args = tuple(
+                v.unsqueeze(d) if d is not None else v for v, d in zip(args, arg_dims, strict=True)
+            )
+            kwargs = {
+                key: v.unsqueeze(kwarg_dims[key]) if kwarg_dims[key] is not None else v
+                for key, v in kwargs.items()
+            }
+
+            def output(theta: dict[str, Tensor]) -> Tensor:
+                value = functional_call(self.module, theta, args, kwargs)
+                value = value[0] if isinstance(value, tuple) else value
+                return value.squeeze(out_dim)
+
+            _, pullback = vjp(output, params)
+            return vmap(pullback)(cotangents)[0]
+
+        def rows_of(value: object, dim: int | None, rows: slice) -> object:
+            return value if dim is None else value.narrow(dim, rows.start, rows.stop - rows.start)
+
+        sample_grad = grad.movedim(out_dim + 1, 1)
+        numel = sum(p.numel() for p in params.values()) * grad.shape[0]
+        per_chunk = max(1, CHUNK_ELEMENTS // max(1, numel))
+        batched = vmap(one_sample, in_dims=(arg_dims, kwarg_dims, 1), out_dims=1)
+        pieces = []
+        for rows in _chunks(batch, per_chunk):
+            args = tuple(rows_of(v, d, rows) for v, d in zip(call.args, arg_dims, strict=True))
+            kwargs = {key: rows_of(v, kwarg_dims[key], rows) for key, v in call.kwargs.items()}
+            pieces.append(batched(args, kwargs, sample_grad[:, rows]))
+        return {attr: torch.cat([piece[attr] for piece in pieces], dim=1) for attr in params}
+
+
+def _chunks(size: int, per_chunk: int) -> Iterator[slice]:
+    for start in range(0, size, per_chunk):
+        yield slice(start, min(size, start + per_chunk))
+
+
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
+
+
+def _kronecker_ready(module: nn.Module) -> bool:
+    if isinstance(module, nn.Linear):
+        return True
+    if isinstance(module, nn.Embedding):
+        return module.max_norm is None and not module.scale_grad_by_freq
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        if module.groups != 1 or module.padding_mode != "zeros":
+            return False
+        if module.padding == "same":
+            return all(
+                (d * (k - 1)) % 2 == 0
+                for d, k in zip(module.dilation, module.kernel_size, strict=True)
+            )
+        return True
+    return False
+
+
+_STOCK_FORWARDS = (nn.Linear.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Embedding.forward)
+
+
+def make_rule(modules: list[nn.Module], names: dict[str, str]) -> Rule | None:
+    """The rule for parameters used by ``modules`` (``{attribute: user name}``), or None when
+    they must go to the whole-model fallback: shared by modules that are not all stock
+    Kronecker layers of one type, used by a module with children (a class token), or by
+    BatchNorm without running statistics (samples coupled even in eval mode)."""
+    module = modules[0]
+    kronecker = all(
+        type(m) is type(module) and type(m).forward in _STOCK_FORWARDS and _kronecker_ready(m)
+        for m in modules
+    )
+    if kronecker:
+        return KroneckerRule(modules, names)
+    if len(modules) > 1:
+        return None
+    if isinstance(module, _NORMS):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is None:
+            return None
+        return NormRule(modules, names)
+    if isinstance(module, nn.MultiheadAttention) or not any(True for _ in module.children()):
+        return LocalRule(modules, names)
+    return None

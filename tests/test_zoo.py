@@ -1,0 +1,201 @@
+"""The default structure and the matrix-free ones on the models of :mod:`zoo`, in float64.
+
+Every exact quantity the default ``kfac`` reports (Tr F, Tr C, the NLL, and the exact blocks it
+keeps: a bias's block, the diagonal of every parameter no Kronecker rule covers) equals the
+dense ``torch.func`` reference, at several batch sizes; its soft rank with the Kronecker
+blocks replaced by exact layer blocks bounds the exact soft rank (Prop. 6.1); the matrix-free
+structures agree with the reference within their error bars.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from zoo import ZOO, build, zoo_data
+
+from lightning_flatness import measure, reference, spectral
+from lightning_flatness.batches import wrap_for_batches
+from lightning_flatness.model_state import left_as_found, original_module
+
+LAM = 1e-3
+N = 8
+
+
+def _batches(inputs, targets, size):
+    if isinstance(inputs, dict):
+        return [
+            ({k: v[i : i + size] for k, v in inputs.items()}, targets[i : i + size])
+            for i in range(0, targets.shape[0], size)
+        ]
+    return [(inputs[i : i + size], targets[i : i + size]) for i in range(0, targets.shape[0], size)]
+
+
+def _reference(model, inputs, targets):
+    """Dense F, C, per-parameter slices (the user's names) and the mean NLL."""
+    plain = original_module(model)
+    wrapped, _, _ = wrap_for_batches(plain, [(inputs, targets)])
+    leaf = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
+    with left_as_found(wrapped):
+        fisher = reference.dense_fisher(wrapped, leaf)
+        cov = reference.dense_gradient_covariance(wrapped, leaf, targets)
+        logits = wrapped(leaf)
+    nll = float(torch.nn.functional.cross_entropy(logits, targets))
+    slices = {name.removeprefix("model."): sl for name, sl in reference.parameter_blocks(wrapped)}
+    return fisher, cov, slices, nll
+
+
+def _models():
+    return [*ZOO, "mlp", "cnn", "resmlp"]
+
+
+def _model_and_data(name):
+    if name in ZOO:
+        return build(name), *zoo_data(name, N)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(N, 1, 7, 7, generator=generator, dtype=torch.float64)
+    return tiny_model(name).eval(), inputs, torch.randint(0, 10, (N,), generator=generator)
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+    for name in _models():
+        model, inputs, targets = _model_and_data(name)
+        cache[name] = (model, inputs, targets, _reference(model, inputs, targets))
+    return cache
+
+
+@pytest.mark.parametrize("name", _models())
+@pytest.mark.parametrize("batch_size", [1, 3, N])
+def test_default_structure_is_exact_where_it_claims_to_be(references, name, batch_size, one_thread):
+    model, inputs, targets, (fisher, cov, slices, nll) = references[name]
+    report = measure(model, _batches(inputs, targets, batch_size), lam=LAM, num_train_samples=100)
+    assert report.structure == "kfac"
+    assert report.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-9)
+    assert report.trace_cov == pytest.approx(float(cov.trace()), rel=1e-9)
+    assert report.train_nll == pytest.approx(nll, rel=1e-9)
+    assert set(report.coverage) == set(slices)
+    for param, kind in report.coverage.items():
+        block = fisher[slices[param], slices[param]]
+        if kind.startswith("diagonal"):
+            expected = spectral.spectral_summary(block.diagonal(), LAM)
+        elif kind == "exact block":
+            expected = spectral.spectral_summary(spectral.psd_eigenvalues(block), LAM)
+        else:
+            continue
+        got = report.blocks[param]
+        assert got.soft_rank == pytest.approx(expected.soft_rank, rel=1e-8), param
+        assert got.trace == pytest.approx(expected.trace, rel=1e-9), param
+        assert got.logdet == pytest.approx(expected.logdet, rel=1e-8), param
+
+
+@pytest.mark.parametrize("name", _models())
+def test_numbers_do_not_depend_on_the_batch_size(references, name, one_thread):
+    model, inputs, targets, _ = references[name]
+    whole = measure(model, _batches(inputs, targets, N), lam=LAM, num_train_samples=100)
+    split = measure(model, _batches(inputs, targets, 3), lam=LAM, num_train_samples=100)
+    for key, value in whole.as_dict().items():
+        if key not in ("seconds", "structure"):
+            assert split.as_dict()[key] == pytest.approx(value, rel=1e-9, nan_ok=True), key
+
+
+@pytest.mark.parametrize("name", _models())
+def test_block_diagonal_soft_rank_bounds_the_exact_one(references, name, one_thread):
+    """Prop. 6.1 for the blocks the default keeps: with each Kronecker block replaced by the
+    exact layer block, rank_λ(blocks) ≥ rank_λ(F); and the default's own non-Kronecker part
+    equals that pinching's."""
+    model, inputs, targets, (fisher, _, slices, _) = references[name]
+    report = measure(model, _batches(inputs, targets, 3), lam=LAM, num_train_samples=100)
+    pinched = 0.0
+    for param, kind in report.coverage.items():
+        block = fisher[slices[param], slices[param]]
+        values = (
+            block.diagonal() if kind.startswith("diagonal") else spectral.psd_eigenvalues(block)
+        )
+        pinched += spectral.soft_rank(values, LAM)
+    exact = spectral.soft_rank(spectral.psd_eigenvalues(fisher), LAM)
+    assert pinched >= exact - 1e-9
+    assert report.soft_rank > 0
+
+
+def test_coverage_names_how_each_parameter_is_measured():
+    model, inputs, targets = _model_and_data("transformer")
+    coverage = measure(model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100).coverage
+    assert coverage["embed.weight"] == "kronecker"
+    assert coverage["encoder.linear1.weight"] == "kronecker"
+    assert coverage["encoder.linear1.bias"] == "exact block"
+    assert coverage["encoder.self_attn.in_proj_weight"] == "diagonal"
+    assert coverage["encoder.norm1.weight"] == "diagonal"
+    assert coverage["pos"] == "diagonal"
+    tied = measure(
+        build("tied_mlp"), _batches(*zoo_data("tied_mlp", 4), 4), lam=LAM, num_train_samples=10
+    )
+    assert tied.coverage["shared.weight"] == "kronecker"  # two layers, three calls: positions
+    assert tied.coverage["shared.bias"] == "exact block"
+    assert tied.coverage["head.weight"] == "diagonal (whole model)"  # also used outside its layer
+    assert tied.coverage["head.bias"] == "exact block"
+
+
+@pytest.mark.parametrize("name", ["functional_cnn", "resnet", "transformer", "vit"])
+def test_layer_rules_cover_every_parameter_of_ordinary_models(name):
+    """No parameter of these models needs the costly whole-model fallback."""
+    model, inputs, targets = _model_and_data(name)
+    report = measure(model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100)
+    assert "diagonal (whole model)" not in report.coverage.values(), report.coverage
+
+
+def test_compiled_module_is_measured_as_the_module_it_compiles(one_thread):
+    data = _batches(*zoo_data("compiled", N), 4)
+    compiled = measure(build("compiled"), data, lam=LAM, num_train_samples=100)
+    plain = measure(build("tied_mlp"), data, lam=LAM, num_train_samples=100)
+    for structure_report in (compiled,):
+        assert structure_report.soft_rank == pytest.approx(plain.soft_rank, rel=1e-12)
+    lanczos = {
+        "structure": "lanczos",
+        "matrix_free_options": {"probes": 4, "lanczos_steps": 10},
+    }
+    first = measure(build("compiled"), data, lam=LAM, num_train_samples=100, **lanczos)
+    second = measure(build("tied_mlp"), data, lam=LAM, num_train_samples=100, **lanczos)
+    assert first.soft_rank == pytest.approx(second.soft_rank, rel=1e-10)
+
+
+@pytest.mark.parametrize("name", ["transformer", "vit", "resnet"])
+def test_matrix_free_structures_agree_with_the_reference(references, name, one_thread):
+    model, inputs, targets, (fisher, _, _, _) = references[name]
+    truth = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
+    data = _batches(inputs, targets, 4)
+    report = measure(
+        model,
+        data,
+        lam=LAM,
+        num_train_samples=100,
+        structure="lanczos",
+        matrix_free_options={"probes": 24, "lanczos_steps": 30},
+    )
+    stderr = report.blocks["stderr"]
+    assert abs(report.soft_rank - truth.soft_rank) <= 4 * stderr.soft_rank + 5e-3 * truth.soft_rank
+    assert report.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-9)
+    hutchinson = measure(
+        model, data, lam=LAM, num_train_samples=100, structure="hutchinson"
+    ).as_dict()
+    assert hutchinson["trace_fisher"] == pytest.approx(float(fisher.trace()), rel=1e-9)
+    error = hutchinson["hutchinson_trace_estimate_stderr"]
+    assert abs(hutchinson["hutchinson_trace_estimate"] - truth.trace) <= 4 * error + 1e-9
+
+
+@pytest.mark.parametrize("name", ["resnet", "transformer"])
+def test_measuring_leaves_the_model_as_found(name):
+    model = build(name).train()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs, targets = zoo_data(name, N)
+    torch.manual_seed(5)
+    expected_next = torch.rand(3)
+    torch.manual_seed(5)
+    measure(model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100)
+    assert torch.equal(torch.rand(3), expected_next)
+    assert model.training and all(m.training for m in model.modules())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.backends.mha.get_fastpath_enabled()
