@@ -18,7 +18,14 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-__all__ = ["last_linear", "left_as_found", "original_module", "rng_devices", "uncompiled"]
+__all__ = [
+    "last_linear",
+    "left_as_found",
+    "original_module",
+    "per_sample_modes",
+    "rng_devices",
+    "uncompiled",
+]
 
 
 def last_linear(model: nn.Module) -> nn.Linear | None:
@@ -72,17 +79,15 @@ def original_module(model: nn.Module) -> nn.Module:
 
 
 @contextmanager
-def left_as_found(model: nn.Module) -> Iterator[None]:
-    """The measurement context of the module docstring."""
+def per_sample_modes(model: nn.Module) -> Iterator[None]:
+    """Every module in eval mode (BatchNorm on its running statistics, Dropout off, attention
+    without dropout) and PyTorch's fused attention kernels off, for the block; every module's
+    mode restored on exit. Under it each sample's output depends on that sample alone and is
+    deterministic, so per-sample gradients and Fisher factors are defined."""
     modes = [(module, module.training) for module in model.modules()]
     fast_path = torch.backends.mha.get_fastpath_enabled()
     try:
-        with (
-            torch.random.fork_rng(devices=rng_devices(model)),
-            torch.inference_mode(False),
-            torch.enable_grad(),
-            sdpa_kernel([SDPBackend.MATH]),
-        ):
+        with sdpa_kernel([SDPBackend.MATH]):
             torch.backends.mha.set_fastpath_enabled(False)
             model.eval()
             yield
@@ -90,3 +95,16 @@ def left_as_found(model: nn.Module) -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(fast_path)
         for module, mode in modes:
             module.training = mode
+
+
+@contextmanager
+def left_as_found(model: nn.Module) -> Iterator[None]:
+    """The measurement context of the module docstring: :func:`per_sample_modes`, gradients
+    enabled, the global RNG forked."""
+    with (
+        torch.random.fork_rng(devices=rng_devices(model)),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        per_sample_modes(model),
+    ):
+        yield

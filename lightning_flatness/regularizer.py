@@ -70,13 +70,12 @@ Cost per call: one extra forward and backward (with graph) of the model, the Gra
 ``O(m³)`` float64 work for the ``m × m`` factorisation, ``m = min(B, P)`` for sampled labels
 and ``min(B·C, P)`` for exact ones; the latter dominates for exact labels at large B.
 
-BatchNorm in training mode is refused: with batch statistics a sample's output depends on the
-whole batch, so per-sample gradients (and ``V_i``) are undefined and the running statistics
-cannot be updated under ``vmap``. Dropout in training mode is refused too (the Fisher of a
-randomly masked network is random, and the masks would consume the global RNG). Evaluate the
-penalty with those modules in ``eval()`` mode, or use LayerNorm/GroupNorm. Models must return
-logits of shape ``(batch, classes)``. Under :func:`torch.no_grad` the penalty is evaluated
-without building a graph (for logging).
+Inside the penalty BatchNorm uses its running statistics and Dropout is off (with batch
+statistics a sample's output depends on the whole batch, so ``V_i`` is undefined, and a masked
+network's Fisher is random): the standard per-sample-gradient practice, said once per model; the
+training step itself keeps its modes. BatchNorm without running statistics is refused. Models
+must return logits of shape ``(batch, classes)``. Under :func:`torch.no_grad` the penalty is
+evaluated without building a graph (for logging).
 
 The module is pure PyTorch (no Lightning); the same call serves a callback and manual
 optimisation::
@@ -88,9 +87,11 @@ optimisation::
 
 from __future__ import annotations
 
+import types
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -109,6 +110,7 @@ from lightning_flatness.batches import (
     unsqueeze_leaves,
 )
 from lightning_flatness.likelihoods import Likelihood, TargetError, get_likelihood
+from lightning_flatness.model_state import per_sample_modes
 from lightning_flatness.spectral import check_lam
 
 __all__ = [
@@ -185,35 +187,92 @@ def _check_num_train_samples(num_train_samples: object, batch_size: int) -> int:
     return num_train_samples
 
 
-def _check_model(model: object) -> nn.Module:
-    """Refuse modules whose per-sample output is undefined or random (see module docstring)."""
+_TOLD_ABOUT_MODES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+@contextmanager
+def _per_sample_modes(model: object) -> Iterator[nn.Module]:
+    """``model`` in eval mode for the block (``model_state.per_sample_modes``), its LayerNorm
+    modules computed by :func:`_composite_layer_norm`.
+
+    With batch statistics each output depends on the whole batch, so the per-sample Fisher
+    factors ``V_i`` are undefined (and the running statistics must not be updated by the
+    penalty's extra forward pass); the Fisher of a randomly masked network is random. So the
+    penalty is evaluated as the standard per-sample-gradient practice does, in eval mode (said
+    once per model when that changes a BatchNorm, Dropout or attention module); the training
+    step itself is unchanged, and every module's mode is restored on exit.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: a BatchNorm without running statistics (batch statistics even in eval
+            mode).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    batchnorm = [
+    batch_statistics = [
         name or type(module).__name__
         for name, module in model.named_modules()
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is None
     ]
-    if batchnorm:
+    if batch_statistics:
         raise ValueError(
-            f"BatchNorm in training mode ({', '.join(batchnorm)}): with batch statistics each "
-            "output depends on the whole batch, so the per-sample Fisher factors V_i (and the "
-            "penalty's kernel) are undefined, and the running statistics cannot be updated "
-            "under torch.func.vmap. Put the BatchNorm modules in eval() mode while computing "
-            "the penalty (they then use their running statistics), or use LayerNorm/GroupNorm."
+            f"BatchNorm without running statistics ({', '.join(batch_statistics)}, "
+            "track_running_stats=False): each output depends on the whole batch even in eval "
+            "mode, so the per-sample Fisher factors V_i are undefined. Use "
+            "track_running_stats=True, GroupNorm or LayerNorm."
         )
-    dropout = [
+    switched = [
         name or type(module).__name__
         for name, module in model.named_modules()
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.training and module.p > 0
-    ]
-    if dropout:
-        raise ValueError(
-            f"Dropout in training mode ({', '.join(dropout)}): the Fisher of a randomly masked "
-            "network is itself random, and sampling the masks would consume the global RNG. "
-            "Put the dropout modules in eval() mode while computing the penalty."
+        if module.training
+        and (
+            isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.MultiheadAttention))
+            or (isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0)
         )
-    return model
+    ]
+    if switched and model not in _TOLD_ABOUT_MODES:
+        _TOLD_ABOUT_MODES.add(model)
+        warnings.warn(
+            "The soft-rank penalty evaluates the model in eval mode: BatchNorm on its running "
+            f"statistics, Dropout and attention dropout off ({', '.join(switched)}). Per-sample "
+            "Fisher factors are undefined with batch statistics and random under dropout. "
+            "Training itself is unchanged.",
+            UserWarning,
+            stacklevel=4,
+        )
+    norms = [
+        m
+        for m in model.modules()
+        if type(m).forward is nn.LayerNorm.forward and "forward" not in vars(m)
+    ]
+    try:
+        for module in norms:
+            module.forward = types.MethodType(_composite_layer_norm, module)
+        with per_sample_modes(model):
+            yield model
+    finally:
+        for module in norms:
+            del module.forward
+
+
+def _composite_layer_norm(self: nn.LayerNorm, x: Tensor) -> Tensor:
+    """``nn.LayerNorm.forward`` from elementary ops, used inside the penalty.
+
+    ``torch.func.vmap`` of a double backward through ``aten::native_layer_norm`` gives wrong
+    gradients of the norm's inputs and weights (seen in torch 2.13: a per-sample-gradient norm
+    differentiated through it disagrees with finite differences and with a loop over samples;
+    tests/test_regularizer.py checks the penalty on LayerNorm models). The same function built
+    from mean, variance and rsqrt differentiates correctly.
+    """
+    dims = tuple(range(-len(self.normalized_shape), 0))
+    mean = x.mean(dims, keepdim=True)
+    variance = (x - mean).square().mean(dims, keepdim=True)
+    out = (x - mean) * torch.rsqrt(variance + self.eps)
+    if self.weight is not None:
+        out = out * self.weight
+    if self.bias is not None:
+        out = out + self.bias
+    return out
 
 
 # ----------------------------------------------------------------------- parameter selection
@@ -396,11 +455,11 @@ def fisher_rows(
         order; differentiable with respect to the selected parameters.
     """
     spec, leaves = _check_inputs(inputs)
-    model = _check_model(model)
-    mode = _resolve_labels(labels, generator, num_samples(leaves))
-    wrapped = LogitsModule(model, spec, logits_fn)
-    selected = select_parameters(model, params)
-    return _func_rows(wrapped, leaves, mode, selected, generator, get_likelihood(loss))
+    with _per_sample_modes(model):
+        mode = _resolve_labels(labels, generator, num_samples(leaves))
+        wrapped = LogitsModule(model, spec, logits_fn)
+        selected = select_parameters(model, params)
+        return _func_rows(wrapped, leaves, mode, selected, generator, get_likelihood(loss))
 
 
 def _targets_for(
@@ -897,28 +956,28 @@ def _batch_gram(
     logits_fn: LogitsFn | None,
 ) -> Tensor:
     spec, leaves = _check_inputs(inputs)
-    model = _check_model(model)
     _check_choice("backend", backend, BACKENDS)
     likelihood = get_likelihood(loss)
-    mode = _resolve_labels(labels, generator, num_samples(leaves))
-    selected = select_parameters(model, params)
-    wrapped = LogitsModule(model, spec, logits_fn)
-    if backend != "func":
-        try:
-            return _layerwise_gram(wrapped, leaves, mode, selected, generator, side, likelihood)
-        except _LayerwiseUnsupported as error:
-            if backend == "layerwise":
-                raise ValueError(
-                    f"backend='layerwise' cannot handle this model: {error} Use "
-                    "backend='func' (any differentiable model) or 'auto'."
-                ) from None
-            if isinstance(error, _LayerwiseIncomplete):
-                warnings.warn(
-                    f"backend='auto' uses torch.func for this model: {error}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-    rows = _func_rows(wrapped, leaves, mode, selected, generator, likelihood)
+    with _per_sample_modes(model):
+        mode = _resolve_labels(labels, generator, num_samples(leaves))
+        selected = select_parameters(model, params)
+        wrapped = LogitsModule(model, spec, logits_fn)
+        if backend != "func":
+            try:
+                return _layerwise_gram(wrapped, leaves, mode, selected, generator, side, likelihood)
+            except _LayerwiseUnsupported as error:
+                if backend == "layerwise":
+                    raise ValueError(
+                        f"backend='layerwise' cannot handle this model: {error} Use "
+                        "backend='func' (any differentiable model) or 'auto'."
+                    ) from None
+                if isinstance(error, _LayerwiseIncomplete):
+                    warnings.warn(
+                        f"backend='auto' uses torch.func for this model: {error}",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+        rows = _func_rows(wrapped, leaves, mode, selected, generator, likelihood)
     if side == "smaller" and rows.shape[1] <= rows.shape[0]:
         return _gram(rows.T)
     return _gram(rows)
@@ -984,8 +1043,8 @@ def soft_rank_penalty(
     Add ``β ·`` this to the training loss; ``.backward()`` reaches the selected parameters.
 
     Args:
-        model: the classifier, returning logits (batch, classes); no BatchNorm or Dropout in
-            training mode (see the module docstring).
+        model: the classifier, returning logits (batch, classes); BatchNorm is evaluated on
+            its running statistics and Dropout switched off inside the penalty (said once).
         inputs: the training minibatch (B inputs); targets are not needed.
         lam: λ > 0, the coupled L2 weight decay (MATH.md, "Setting").
         num_train_samples: n, the training-set size (n ≥ B).
@@ -1008,7 +1067,7 @@ def soft_rank_penalty(
 
     Raises:
         ValueError: for λ ≤ 0, n < B, an empty batch, unknown options or module names,
-            BatchNorm/Dropout in training mode.
+            BatchNorm without running statistics.
         TypeError: for inputs that are not a tensor, a tuple or a dict of tensors.
     """
     lam = check_lam(lam)

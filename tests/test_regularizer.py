@@ -589,24 +589,62 @@ def test_parameter_used_outside_its_module_is_detected():
     assert float(auto) == pytest.approx(float(func), rel=1e-12)
 
 
-def test_batchnorm_in_training_mode_is_refused_and_eval_mode_works():
+@pytest.mark.parametrize("labels", ["exact", "sampled"])
+def test_layer_norm_models_get_the_finite_difference_gradient(labels):
+    """vmap of a double backward through aten::native_layer_norm is wrong in torch 2.13; the
+    penalty computes LayerNorm from elementary ops (and leaves the module as it was)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).to(DTYPE)
+    inputs = torch.randn(4, 6, dtype=DTYPE)
+
+    def value() -> Tensor:
+        penalty = SoftRankPenalty(lam=1e-2, num_train_samples=40, labels=labels, backend="func")
+        return penalty(model, inputs)
+
+    directional_check(model, value)
+    assert "forward" not in vars(model[1])
+
+
+def test_batchnorm_and_dropout_are_evaluated_in_eval_mode_inside_the_penalty():
+    """Training-mode BatchNorm uses its running statistics and Dropout is off inside the
+    penalty (said once); the value is the eval-mode one, the modes and statistics are left as
+    found, and BatchNorm without running statistics is refused."""
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(75, 10)
+        nn.Conv2d(1, 3, 3),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Dropout(0.3),
+        nn.Linear(75, 10),
     ).to(DTYPE)
+    with torch.no_grad():  # non-trivial running statistics
+        model(torch.randn(16, 1, 7, 7, dtype=DTYPE))
     inputs = torch.randn(4, 1, 7, 7, dtype=DTYPE)
-    penalty = SoftRankPenalty(lam=1e-2, num_train_samples=40)
-    with pytest.raises(ValueError, match=r"BatchNorm in training mode \(1\)"):
-        penalty(model, inputs)
-    model[1].eval()
+    stats = [b.clone() for b in model.buffers()]
+    kwargs = {"lam": 1e-2, "num_train_samples": 40, "labels": "exact"}
+    with pytest.warns(
+        UserWarning, match=r"running statistics, Dropout and attention dropout off \(1, 4\)"
+    ):
+        train_mode = SoftRankPenalty(**kwargs)(model, inputs)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        auto = SoftRankPenalty(lam=1e-2, num_train_samples=40, labels="exact")(model, inputs)
-    func = SoftRankPenalty(lam=1e-2, num_train_samples=40, labels="exact", backend="func")
-    assert float(auto) == pytest.approx(float(func(model, inputs)), rel=1e-10)
-    model.append(nn.Dropout(0.1))
-    with pytest.raises(ValueError, match="Dropout in training mode"):
-        penalty(model, inputs)
+        warnings.simplefilter("error")  # said once per model
+        SoftRankPenalty(**kwargs)(model, inputs)
+    assert model.training and all(m.training for m in model.modules())
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
+    model.eval()
+    eval_mode = SoftRankPenalty(**kwargs)(model, inputs)
+    func = SoftRankPenalty(**kwargs, backend="func")(model, inputs)
+    assert float(train_mode) == pytest.approx(float(eval_mode), rel=1e-12)
+    assert float(eval_mode) == pytest.approx(float(func), rel=1e-10)
+    unstable = nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(49, 5),
+        nn.BatchNorm1d(5, track_running_stats=False),
+        nn.Linear(5, 3),
+    ).to(DTYPE)
+    with pytest.raises(ValueError, match="without running statistics"):
+        SoftRankPenalty(**kwargs)(unstable, inputs)
 
 
 @pytest.mark.parametrize(

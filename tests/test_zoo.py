@@ -9,12 +9,17 @@ structures agree with the reference within their error bars.
 
 from __future__ import annotations
 
+import math
+from contextlib import nullcontext
+
 import pytest
 import torch
 from conftest import tiny_model
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch.utils.data import DataLoader
 from zoo import ZOO, build, zoo_data
 
-from lightning_flatness import measure, reference, spectral
+from lightning_flatness import FlatnessMonitor, measure, reference, spectral
 from lightning_flatness.batches import wrap_for_batches
 from lightning_flatness.model_state import left_as_found, original_module
 
@@ -199,3 +204,105 @@ def test_measuring_leaves_the_model_as_found(name):
         assert torch.equal(value, state[key]), key
     assert all(p.grad is None for p in model.parameters())
     assert torch.backends.mha.get_fastpath_enabled()
+
+
+# ------------------------------------------------------------------ the regularizer on the zoo
+
+
+@pytest.mark.parametrize("name", ["functional_cnn", "resnet", "transformer", "vit", "tied_mlp"])
+def test_penalty_gradient_matches_finite_differences_on_the_zoo(name, one_thread):
+    """BatchNorm in training mode (its running statistics are used), Dropout on (switched
+    off), dict token batches, class tokens, attention and tied weights: the penalty's gradient
+    is the finite-difference one."""
+    from test_regularizer import directional_check
+
+    from lightning_flatness.regularizer import SoftRankPenalty
+
+    model = original_module(build(name)).train()
+    inputs, _ = zoo_data(name, 4)
+    penalty = SoftRankPenalty(lam=1e-2, num_train_samples=40, labels="exact")
+    with pytest.warns(UserWarning) if name in ("resnet", "transformer") else nullcontext():
+        directional_check(model, lambda: penalty(model, inputs))
+    assert model.training and all(m.training for m in model.modules() if m is not model)
+
+
+class ZooClassifier(LightningModule):
+    """A zoo network trained the way users write the LightningModule (SGD with weight decay)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.net = build(name).float().train()
+
+    def forward(self, inputs):
+        return self.net(**inputs) if isinstance(inputs, dict) else self.net(inputs)
+
+    def training_step(self, batch, _):
+        inputs, targets = (batch.pop("labels"), batch)[::-1] if isinstance(batch, dict) else batch
+        return torch.nn.functional.cross_entropy(self(inputs), targets)
+
+    def validation_step(self, batch, _):
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, weight_decay=1e-3)
+
+
+def _zoo_loaders(name: str):
+    inputs, targets = zoo_data(name, 32, seed=3)
+    if isinstance(inputs, dict):
+        rows = [
+            {"input_ids": ids, "labels": y}
+            for ids, y in zip(inputs["input_ids"], targets, strict=True)
+        ]
+    else:
+        rows = list(zip(inputs.float(), targets, strict=True))
+    generator = torch.Generator().manual_seed(0)
+    return DataLoader(rows, batch_size=8, shuffle=True, generator=generator), DataLoader(
+        rows[:16], batch_size=8
+    )
+
+
+def _zoo_fit(name: str, monitor: FlatnessMonitor | None) -> ZooClassifier:
+    seed_everything(0)
+    module = ZooClassifier(name)
+    trainer = Trainer(
+        max_epochs=2,
+        callbacks=[monitor] if monitor else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    train, val = _zoo_loaders(name)
+    trainer.fit(module, train, val)
+    return module
+
+
+def _quiet_monitor(**kwargs) -> FlatnessMonitor:
+    return FlatnessMonitor(print_summary=False, log_spectrum=False, max_samples=32, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["resnet", "transformer", "vit"])
+def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
+    monitor = _quiet_monitor()
+    with_monitor = _zoo_fit(name, monitor)
+    without = _zoo_fit(name, None)
+    for key, value in without.state_dict().items():  # weights and BatchNorm statistics
+        assert torch.equal(with_monitor.state_dict()[key], value), key
+    record = monitor.history[-1]
+    assert monitor._active_structure == "kfac"
+    assert all(math.isfinite(record[k]) for k in ("soft_rank", "trace_fisher", "trace_cov"))
+
+
+@pytest.mark.parametrize("name", ["resnet", "transformer"])
+def test_regularized_fit_trains_on_batchnorm_and_token_models(name):
+    plain = _zoo_fit(name, None)
+    regularized = _zoo_fit(name, _quiet_monitor(regularize=True, reg_strength=1.0))
+    changed = any(
+        not torch.equal(value, regularized.state_dict()[key])
+        for key, value in plain.state_dict().items()
+        if "running" not in key and "num_batches" not in key
+    )
+    assert changed
+    assert all(torch.isfinite(p).all() for p in regularized.parameters())
