@@ -6,9 +6,11 @@ interleaved and repeated:
 
 - a training pass over m samples (train mode, forward, cross-entropy, backward, SGD step with
   weight decay) at the measurement's batch size;
-- ``measure()`` over the same m samples for the default structure (``kfac``: layer hooks,
-  exact Fisher rows), its sampled variant, BackPACK's ``diag`` where BackPACK can convert the
-  model, ``hutchinson``, and (``--lanczos``) ``lanczos`` at its default options;
+- ``measure()`` over the same m samples for the default structure ``kfac`` (layer hooks) with
+  exact Fisher rows and exact Tr(F) (``measure()``'s defaults) and with one sampled label per
+  input for the factors and the trace (``FlatnessMonitor``'s defaults), BackPACK's ``diag``
+  where BackPACK can convert the model, ``hutchinson``, and (``--lanczos``) ``lanczos`` at its
+  default options;
 - with ``--regularizer``, one regularized step (``SoftRankPenalty`` added to the loss) ÷ one
   plain step.
 
@@ -44,8 +46,11 @@ LAM = 1e-3
 
 #: variant → (structure, measure() keyword arguments)
 VARIANTS: dict[str, tuple[str, dict]] = {
-    "kfac (default)": ("kfac", {}),
-    "kfac sampled": ("kfac", {"kfac_mode": "sampled", "trace_estimator": "sampled"}),
+    "kfac exact (measure() default)": ("kfac", {}),
+    "kfac sampled (monitor default)": (
+        "kfac",
+        {"kfac_mode": "sampled", "trace_estimator": "sampled"},
+    ),
     "diag (BackPACK)": ("diag", {}),
     "hutchinson": ("hutchinson", {}),
     "lanczos": ("lanczos", {}),

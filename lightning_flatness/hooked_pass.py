@@ -33,6 +33,7 @@ hooks are removed when the pass is closed.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -91,7 +92,7 @@ class BatchTerms:
 class _Rows:
     """Which cotangent rows are the Fisher rows of the curvature and of the trace."""
 
-    curvature: slice  # the rows of the Kronecker factors, exact blocks and diagonals
+    curvature: slice | None  # the rows of the Kronecker factors, exact blocks and diagonals
     trace: slice  # the rows of Tr(F)
 
     @property
@@ -111,7 +112,7 @@ class HookedPass:
         model: the wrapped model (its parameters are read, never changed).
         likelihood: the output likelihood.
         kfac_mode: ``"exact"`` (C rows of ``A_i``) or ``"sampled"`` (``mc_samples`` draws).
-        trace_estimator: ``"exact"`` or ``"sampled"``; exact rows are used whenever computed.
+        trace_estimator: ``"exact"`` (the C rows of ``A_i``) or ``"sampled"`` (the draws).
         generator: draws the sampled labels.
     """
 
@@ -153,7 +154,7 @@ class HookedPass:
         self.last_linear = last_linear(model.model)
         self._features: list[Tensor] = []
         self._recording = False
-        self._checked = False
+        self._checked = _apply_plan(self)
         by_module: dict[int, tuple[nn.Module, list[Rule]]] = {}
         for rule in self.rules:
             for module in rule.modules:
@@ -256,20 +257,22 @@ class HookedPass:
 
     # -- one batch ---------------------------------------------------------------------------
 
-    def _cotangents(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, _Rows]:
-        """The K rows ``(K, N, C)``: residual, then exact and/or sampled Fisher rows."""
+    def _cotangents(self, logits: Tensor, targets: Tensor, curvature: bool) -> tuple[Tensor, _Rows]:
+        """The K rows ``(K, N, C)``: residual, then exact and/or sampled Fisher rows (only
+        those of the trace when ``curvature`` is False)."""
         z = logits.detach().requires_grad_(True)
         with torch.enable_grad():
             (residual,) = torch.autograd.grad(self.likelihood.nll(z, targets).sum(), z)
         rows = [residual.unsqueeze(0)]
         exact = sampled = None
-        if "exact" in (self.kfac_mode, self.trace_estimator):
+        factors = self.kfac_mode if curvature else None
+        if "exact" in (factors, self.trace_estimator):
             classes = logits.shape[1]
             core = self.likelihood.output_core(logits.detach())
             identity = torch.eye(classes, dtype=logits.dtype, device=logits.device)
             rows.append(core.sqrt_transpose(identity.unsqueeze(1).expand(-1, z.shape[0], -1)))
             exact = slice(1, 1 + classes)
-        if "sampled" in (self.kfac_mode, self.trace_estimator):
+        if "sampled" in (factors, self.trace_estimator):
             start = sum(r.shape[0] for r in rows)
             scores = []
             for _ in range(self.mc_samples):
@@ -280,9 +283,9 @@ class HookedPass:
                 scores.append(score / math.sqrt(self.mc_samples))
             rows.append(torch.stack(scores))
             sampled = slice(start, start + self.mc_samples)
-        curvature = exact if self.kfac_mode == "exact" else sampled
+        chosen = exact if factors == "exact" else sampled if factors else None
         trace = exact if self.trace_estimator == "exact" else sampled
-        return torch.cat(rows).detach(), _Rows(curvature, trace)
+        return torch.cat(rows).detach(), _Rows(chosen, trace)
 
     @contextmanager
     def _recorded(self) -> Iterator[None]:
@@ -322,7 +325,7 @@ class HookedPass:
     def terms(self, logits: Tensor, targets: Tensor, inputs: Leaves, curvature: bool) -> BatchTerms:
         """The batch's :class:`BatchTerms` after :meth:`forward` gave ``logits``; with
         ``curvature=False`` only the two traces (validation data)."""
-        cotangents, rows = self._cotangents(logits, targets)
+        cotangents, rows = self._cotangents(logits, targets, curvature)
         if not self._checked:
             self._check_coverage(logits, cotangents[0], inputs)
         outputs = self._recorded_outputs()
@@ -516,7 +519,8 @@ class HookedPass:
         """
         self._checked = True
         batch = logits.shape[0]
-        samples = sorted({0, batch - 1})
+        strongest = residual.norm(dim=1).argsort(descending=True)[:2]
+        samples = sorted(int(i) for i in strongest)
         single = torch.zeros(len(samples), *residual.shape, dtype=logits.dtype)
         for row, sample in enumerate(samples):
             value = residual[sample]
@@ -545,17 +549,65 @@ class HookedPass:
                 found = self._rule_gradient_facts(one_row)
             except Exception:  # a rule that cannot run on this model: its parameters fall back
                 found = {}
+            wants = {name: expected[name][row] for name in covered if expected[name] is not None}
+            # errors of a parameter with a tiny gradient are judged on the sample's whole one
+            floor = 1e-3 * math.sqrt(sum(float(w.square().sum()) for w in wants.values()))
             for name in covered:
-                want = expected[name]
-                if not _agrees(want[row] if want is not None else None, found.get(name), tolerance):
+                if not _agrees(wants.get(name), found.get(name), tolerance, floor):
                     wrong.add(name)
-        if not wrong:
-            return
         for rule in self.rules:
             for attr in [a for a, n in rule.names.items() if n in wrong]:
                 del rule.names[attr]
         order = {name: i for i, name in enumerate(self.names)}
         self.fallback = sorted(set(self.fallback) | wrong, key=order.__getitem__)
+        if batch > 1:  # one sample cannot tell a layer's samples' dimension
+            _remember_plan(self)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the first batch's check decided for a model, reused by later measurements of it
+    (the same assignment every epoch, and the check's cost paid once)."""
+
+    key: tuple
+    covered: dict[str, int]  # parameter → its rule's samples' dimension
+    tapped: tuple[str, ...]
+    fallback: tuple[str, ...]
+
+
+#: the plan of each measured model, by the user's module (dropped with it)
+_PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+
+
+def _plan_key(model: LogitsModule) -> tuple:
+    """What the plan depends on: the call, the inputs' structure and the parameters."""
+    params = tuple((name, id(p)) for name, p in model.model.named_parameters() if p.requires_grad)
+    return (model.logits_fn, model.spec, params)
+
+
+def _remember_plan(hooked: HookedPass) -> None:
+    covered = {name: rule.batch_dim for rule in hooked.rules for name in rule.names.values()}
+    _PLANS[hooked.model.model] = _Plan(
+        _plan_key(hooked.model), covered, tuple(hooked.tapped), tuple(hooked.fallback)
+    )
+
+
+def _apply_plan(hooked: HookedPass) -> bool:
+    """Reuse the model's remembered plan; False when there is none (or it is stale)."""
+    try:
+        plan = _PLANS.get(hooked.model.model)
+    except TypeError:  # a module that cannot be weakly referenced
+        return False
+    if plan is None or plan.key != _plan_key(hooked.model):
+        return False
+    for rule in hooked.rules:
+        for attr in [a for a, n in rule.names.items() if n not in plan.covered]:
+            del rule.names[attr]
+        for name in rule.names.values():
+            rule.batch_dim = plan.covered[name]
+    hooked.rules = [rule for rule in hooked.rules if rule.names]
+    hooked.tapped, hooked.fallback = list(plan.tapped), list(plan.fallback)
+    return True
 
 
 def _samples_dimension(
@@ -583,8 +635,14 @@ def _samples_dimension(
     return candidates[0] if len(candidates) == 1 else 0
 
 
-def _agrees(expected: Tensor | None, found: tuple[Tensor, float] | None, tolerance: float) -> bool:
-    """A rule's ``(Σ_i g_i, Σ_i ‖g_i‖²)`` against autograd's one-sample gradient."""
+def _agrees(
+    expected: Tensor | None,
+    found: tuple[Tensor, float] | None,
+    tolerance: float,
+    floor: float = 0.0,
+) -> bool:
+    """A rule's ``(Σ_i g_i, Σ_i ‖g_i‖²)`` against autograd's one-sample gradient, to a
+    relative ``tolerance`` of the larger of their norms and ``floor``."""
     if found is None:
         return expected is None
     total, norms = found
@@ -592,8 +650,8 @@ def _agrees(expected: Tensor | None, found: tuple[Tensor, float] | None, toleran
         expected = torch.zeros_like(total)
     if total.shape != expected.shape:
         return False
-    scale = max(float(expected.norm()) + float(total.norm()), 1e-30)
+    scale = max(float(expected.norm()) + float(total.norm()), floor, 1e-30)
     if float((total - expected).norm()) > tolerance * scale:
         return False
     squared = float(expected.square().sum())
-    return abs(norms - squared) <= tolerance * max(squared + norms, 1e-30)
+    return abs(norms - squared) <= tolerance * max(squared + norms, floor**2, 1e-30)

@@ -55,6 +55,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -73,7 +74,7 @@ from lightning_flatness.batches import (
 from lightning_flatness.curvature.base import CurvatureEstimate
 from lightning_flatness.curvature.hutchinson import VARIANTS, HutchinsonFisher
 from lightning_flatness.curvature.lanczos import LanczosFisher
-from lightning_flatness.failures import MeasurementError, agreed, check_finite_loss
+from lightning_flatness.failures import MeasurementError, check_finite_loss
 from lightning_flatness.functional_stats import (
     FunctionalModel,
     batch_statistics,
@@ -81,10 +82,11 @@ from lightning_flatness.functional_stats import (
 )
 from lightning_flatness.likelihoods import get_likelihood
 from lightning_flatness.model_state import left_as_found
+from lightning_flatness.pipeline import SPLITS, Backend, run_pipeline
 from lightning_flatness.spectral import SpectralSummary, check_lam
 from lightning_flatness.statistics import StatisticSums
 
-__all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeOptions", "stream_matrix_free"]
+__all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions", "stream_matrix_free"]
 
 #: Structures computed from Fisher-vector products with torch.func (any differentiable model).
 MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson")
@@ -186,12 +188,6 @@ def _prepared(
     return prepared_batches(
         batches, max_samples, model.device, model.dtype, unpack_batch, model.module.spec
     )
-
-
-def _reduced(sums: StatisticSums, all_reduce: AllReduce | None) -> StatisticSums:
-    if all_reduce is None:
-        return sums
-    return StatisticSums.from_tensor(all_reduce(sums.as_tensor()))
 
 
 def _activation_elements_per_sample(model: FunctionalModel, inputs: Leaves) -> float:
@@ -301,48 +297,6 @@ def _empty_estimate() -> CurvatureEstimate:
     return CurvatureEstimate(nan, torch.zeros(0, dtype=torch.float64))
 
 
-def _split_statistics(
-    model: FunctionalModel,
-    batches: Iterable,
-    max_samples: int | None,
-    *,
-    loss: str,
-    trace_estimator: str,
-    options: MatrixFreeOptions,
-    generator: torch.Generator,
-    split: str,
-    unpack_batch: UnpackBatch | None = None,
-    on_batch: Callable[[Leaves], None] | None = None,
-    grad_sq_sum: Tensor | None = None,
-) -> tuple[StatisticSums, int]:
-    """Statistic sums of one split, and the number of outputs C (0 when empty)."""
-    total, classes = StatisticSums(), 0
-    for index, inputs, targets in _prepared(batches, max_samples, model, unpack_batch):
-        if trace_estimator == "auto":
-            trace_estimator = resolve_trace_estimator(
-                trace_estimator,
-                _num_outputs(model, inputs),
-                model.num_parameters,
-                options.chunk_elements,
-            )
-        sums, logits = batch_statistics(
-            model,
-            inputs,
-            targets,
-            loss=loss,
-            trace_estimator=trace_estimator,
-            generator=generator,
-            chunk_elements=options.chunk_elements,
-            grad_sq_sum=grad_sq_sum,
-        )
-        check_finite_loss(sums.loss, split, index)
-        classes = logits.shape[1]
-        total = total + sums
-        if on_batch is not None:
-            on_batch(inputs)
-    return total, classes
-
-
 def _num_outputs(model: FunctionalModel, inputs: Leaves) -> int:
     """C, the number of outputs, from one sample."""
     with torch.no_grad():
@@ -409,107 +363,164 @@ def stream_matrix_free(
         repeatable_train_batches = train_batches
     if not isinstance(model, LogitsModule):
         model, train_batches, _ = wrap_for_batches(model, train_batches, unpack_batch)
-    settings = MatrixFreeOptions.from_dict(options)
-    lam = check_lam(lam)
-    with left_as_found(model):
-        functional = FunctionalModel(model)
-        rank = _process_rank(settings.rank, all_reduce)
-        local = _generator(functional.device, seed * 1_000_003 + 7919 * (rank + 1))
-        shared = _generator(functional.device, seed)
-        lanczos = structure == "lanczos"
-        variants = 1 if lanczos else (len(VARIANTS) if settings.bounds else 1)
-        chunker = _Chunker(functional, settings, settings.probes * variants)
-        cache = _CachedInputs(chunker)
-        hutchinson, grad_sq_sum, on_batch = None, None, None
-        if lanczos:
-            if settings.cache:
-                on_batch = cache.add
-        else:
-            hutchinson = HutchinsonFisher(
-                functional,
-                loss=loss,
-                probes=settings.probes,
-                distribution=settings.distribution,
-                generator=local,
-                power_iterations=settings.power_iterations,
-                bounds=settings.bounds,
-            )
-            grad_sq_sum = torch.zeros(
-                functional.num_parameters, dtype=functional.dtype, device=functional.device
-            )
+    backend = MatrixFreeBackend(
+        model,
+        structure,
+        loss=loss,
+        seed=seed,
+        all_reduce=all_reduce,
+        options=options,
+        unpack_batch=unpack_batch,
+        repeatable_train_batches=repeatable_train_batches,
+        max_samples=max_samples,
+    )
+    curvature, train, val = run_pipeline(
+        backend,
+        model,
+        train_batches,
+        val_batches,
+        lam=check_lam(lam),
+        max_samples=max_samples,
+        max_val_samples=max_val_samples,
+        all_reduce=all_reduce,
+        unpack_batch=unpack_batch,
+        require_samples=False,
+    )
+    return curvature or _empty_estimate(), train, val
 
-            def on_batch(inputs: Leaves) -> None:
-                for piece in chunker.split(inputs):
-                    hutchinson.update(piece)
 
-        fingerprints: list[tuple[int, float]] = []
-        if lanczos and not settings.cache:
+class MatrixFreeBackend(Backend):
+    """``lanczos`` / ``hutchinson`` through ``torch.func`` (module docstring); the arguments are
+    those of :func:`stream_matrix_free`.
 
-            def on_batch(inputs: Leaves) -> None:
-                fingerprints.append(_fingerprint(inputs))
+    The first pass computes every batch's statistics (:func:`batch_statistics`); ``hutchinson``
+    adds its probes' gradients on the way, ``lanczos`` keeps the inputs (``cache=True``) or
+    their fingerprints and makes its passes in :meth:`estimate`.
+    """
 
-        common = {
-            "loss": loss,
-            "trace_estimator": settings.trace_estimator,
-            "options": settings,
-            "generator": local,
-            "unpack_batch": unpack_batch,
-        }
+    def __init__(
+        self,
+        model: LogitsModule,
+        structure: str,
+        *,
+        loss: str,
+        seed: int,
+        all_reduce: AllReduce | None,
+        options: Mapping[str, object] | None,
+        unpack_batch: UnpackBatch | None,
+        repeatable_train_batches: Iterable,
+        max_samples: int | None,
+    ) -> None:
+        self.model, self.structure, self.loss = model, structure, loss
+        self.seed, self.all_reduce = seed, all_reduce
+        self.settings = MatrixFreeOptions.from_dict(options)
+        self.unpack_batch = unpack_batch
+        self.repeatable_train_batches = repeatable_train_batches
+        self.max_samples = max_samples
+        self.classes = 0
+        self.trace_estimator = {split: self.settings.trace_estimator for split in SPLITS}
 
-        def first_pass() -> tuple[StatisticSums, int, StatisticSums]:
-            train, classes = _split_statistics(
-                functional,
-                train_batches,
-                max_samples,
-                split="training",
-                on_batch=on_batch,
-                grad_sq_sum=grad_sq_sum,
-                **common,
-            )
-            val = StatisticSums()
-            if val_batches is not None:
-                val, _ = _split_statistics(
-                    functional, val_batches, max_val_samples, split="validation", **common
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        with left_as_found(self.model):
+            settings = self.settings
+            functional = FunctionalModel(self.model)
+            rank = _process_rank(settings.rank, self.all_reduce)
+            self.functional = functional
+            self.local = _generator(functional.device, self.seed * 1_000_003 + 7919 * (rank + 1))
+            self.shared = _generator(functional.device, self.seed)
+            variants = 1 if self.lanczos else (len(VARIANTS) if settings.bounds else 1)
+            self.chunker = _Chunker(functional, settings, settings.probes * variants)
+            self.cache = _CachedInputs(self.chunker)
+            self.fingerprints: list[tuple[int, float]] = []
+            self.hutchinson = self.grad_sq_sum = None
+            if not self.lanczos:
+                self.hutchinson = HutchinsonFisher(
+                    functional,
+                    loss=self.loss,
+                    probes=settings.probes,
+                    distribution=settings.distribution,
+                    generator=self.local,
+                    power_iterations=settings.power_iterations,
+                    bounds=settings.bounds,
                 )
-            return train, classes, val
+                self.grad_sq_sum = torch.zeros(
+                    functional.num_parameters, dtype=functional.dtype, device=functional.device
+                )
+            yield
 
-        train, classes, val = agreed(all_reduce, first_pass)
-        train, val = _reduced(train, all_reduce), _reduced(val, all_reduce)
-        num_samples = int(train.count)
-        if num_samples == 0:
-            return _empty_estimate(), train, val
+    @property
+    def lanczos(self) -> bool:
+        return self.structure == "lanczos"
+
+    def batch(self, inputs: Leaves, targets: Tensor, split: str, index: int) -> StatisticSums:
+        functional, training = self.functional, split == "training"
+        if self.trace_estimator[split] == "auto":
+            self.trace_estimator[split] = resolve_trace_estimator(
+                "auto",
+                _num_outputs(functional, inputs),
+                functional.num_parameters,
+                self.settings.chunk_elements,
+            )
+        sums, logits = batch_statistics(
+            functional,
+            inputs,
+            targets,
+            loss=self.loss,
+            trace_estimator=self.trace_estimator[split],
+            generator=self.local,
+            chunk_elements=self.settings.chunk_elements,
+            grad_sq_sum=self.grad_sq_sum if training else None,
+        )
+        check_finite_loss(sums.loss, split, index)
+        if training:
+            self.classes = logits.shape[1]
+            if self.hutchinson is not None:
+                for piece in self.chunker.split(inputs):
+                    self.hutchinson.update(piece)
+            elif self.settings.cache:
+                self.cache.add(inputs)
+            else:
+                self.fingerprints.append(_fingerprint(inputs))
+        return sums
+
+    def summable_states(self) -> list[Tensor]:
+        if self.hutchinson is None:
+            return []
+        return [*self.hutchinson.summable_states(), self.grad_sq_sum]
+
+    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        if self.hutchinson is not None:
+            return self.hutchinson.estimate(num_samples, lam, self.grad_sq_sum)
+        classes, all_reduce = self.classes, self.all_reduce
         if all_reduce is not None:  # a process without samples learns C from the others
             known = all_reduce(torch.tensor([float(classes), float(classes > 0)]))
             classes = round(float(known[0]) / max(1.0, float(known[1])))
-        if hutchinson is not None:
-            if all_reduce is not None:
-                for state in [*hutchinson.summable_states(), grad_sq_sum]:
-                    all_reduce(state)
-            return hutchinson.estimate(num_samples, lam, grad_sq_sum), train, val
-        source = cache
-        if not settings.cache:
+        source = self.cache
+        if not self.settings.cache:
             source = _ReiteratedInputs(
-                chunker,
-                repeatable_train_batches,
-                max_samples,
-                functional,
-                unpack_batch,
-                fingerprints,
+                self.chunker,
+                self.repeatable_train_batches,
+                self.max_samples,
+                self.functional,
+                self.unpack_batch,
+                self.fingerprints,
             )
+        settings = self.settings
         estimator = LanczosFisher(
-            functional,
+            self.functional,
             source,
-            loss=loss,
+            loss=self.loss,
             probes=settings.probes,
             steps=settings.lanczos_steps,
             space=settings.space,
             start=settings.start,
             distribution=settings.distribution,
-            local_generator=local,
-            shared_generator=shared,
+            local_generator=self.local,
+            shared_generator=self.shared,
             all_reduce=all_reduce,
             max_basis_elements=settings.max_basis_elements,
             max_histogram=settings.max_histogram,
             breakdown_tol=settings.breakdown_tol,
         )
-        return estimator.estimate(num_samples, classes, lam), train, val
+        return estimator.estimate(num_samples, classes, lam)

@@ -2,9 +2,11 @@
 
 It streams over *all* batches it is given (up to ``max_samples``): the soft rank of a Fisher
 averaged over m samples is a concave function of a sample mean and so is biased low for small m
-(MATH.md, "Sample size"). Three backends serve the structures: layer hooks on the live model
-for ``kfac`` (:mod:`lightning_flatness.hooked_pass`), ``torch.func`` for the matrix-free ones
-(:mod:`lightning_flatness.matrix_free`), and BackPACK on a private extended copy for ``dense``,
+(MATH.md, "Sample size"). Every structure runs through one pipeline
+(:func:`~lightning_flatness.pipeline.run_pipeline`: one loop over the batches, one
+cross-process failure check, one reduction, one report) with one of three backends
+(:mod:`lightning_flatness.backends`): layer hooks on the live model for ``kfac``,
+``torch.func`` for the matrix-free ones, and BackPACK on a private extended copy for ``dense``,
 ``gram``, ``diag`` and ``diag_mc``. Every one evaluates the model in eval mode; the user's
 model, its gradients, its mode, its BatchNorm statistics and the global RNG state are left
 exactly as found, and a ``torch.compile`` wrapper is measured as the module it compiles.
@@ -35,34 +37,23 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
-from lightning_flatness._backpack import (
-    ExtendedModel,
-    backward_with,
-    extended_loss,
-    loss_scale,
-    measurement_copy,
-    support_loss,
-)
+from lightning_flatness.backends import make_backend
 from lightning_flatness.batches import (
-    InputSpec,
-    Leaves,
     LogitsFn,
-    LogitsModule,
     UnpackBatch,
     num_samples,
     prepared_batches,
     wrap_for_batches,
 )
-from lightning_flatness.curvature import STRUCTURES, make_estimator
-from lightning_flatness.curvature.base import CurvatureEstimate, CurvatureEstimator
-from lightning_flatness.curvature.kfac import KFACFisher
-from lightning_flatness.failures import MeasurementError, agreed, check_finite_loss
-from lightning_flatness.hooked_pass import BatchTerms, HookedPass
-from lightning_flatness.likelihoods import Likelihood, get_likelihood
-from lightning_flatness.matrix_free import MATRIX_FREE_STRUCTURES, stream_matrix_free
-from lightning_flatness.model_state import left_as_found, rng_devices, uncompiled
+from lightning_flatness.curvature import STRUCTURES
+from lightning_flatness.curvature.base import CurvatureEstimate
+from lightning_flatness.failures import MeasurementError
+from lightning_flatness.likelihoods import get_likelihood
+from lightning_flatness.matrix_free import MATRIX_FREE_STRUCTURES
+from lightning_flatness.model_state import rng_devices, uncompiled
+from lightning_flatness.pipeline import model_device_dtype, run_pipeline
 from lightning_flatness.spectral import SpectralSummary, check_lam
-from lightning_flatness.statistics import SampleStatistics, StatisticSums, output_sums
+from lightning_flatness.statistics import StatisticSums
 
 __all__ = [
     "MATRIX_FREE_STRUCTURES",
@@ -160,47 +151,6 @@ def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator
 
 
-def _model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
-    for p in model.parameters():
-        return p.device, p.dtype
-    return torch.device("cpu"), torch.get_default_dtype()
-
-
-def _stream(
-    model: ExtendedModel,
-    batches: Iterable,
-    statistics: SampleStatistics,
-    estimator: CurvatureEstimator | None,
-    loss_name: str,
-    max_samples: int | None,
-    split: str,
-    unpack_batch: UnpackBatch | None,
-    spec: InputSpec,
-) -> None:
-    """One forward + BackPACK backward per batch, feeding ``statistics`` and ``estimator``."""
-    device, dtype = _model_device_dtype(model.module)
-    loss_fn = extended_loss(loss_name)
-    likelihood = get_likelihood(loss_name)
-    extensions = statistics.extensions() + (estimator.extensions() if estimator else [])
-    support_loss(extensions, loss_name)
-    stream = prepared_batches(batches, max_samples, device, dtype, unpack_batch, spec)
-    for index, inputs, targets in stream:
-        logits = model.module(*inputs)
-        targets = likelihood.prepare_targets(targets, logits)
-        loss = loss_fn(logits, targets)
-        check_finite_loss(float(loss.detach()), split, index)
-        backward_with(model, loss, extensions, estimator.name if estimator else "statistics")
-        if estimator is not None:
-            estimator.update(model, num_samples(inputs))
-        statistics.update(model, logits, targets)
-    model.zero_grad()
-
-
-def _reduce_statistics(statistics: SampleStatistics, all_reduce: AllReduce | None) -> None:
-    if all_reduce is not None:
-        statistics.sums = StatisticSums.from_tensor(all_reduce(statistics.sums.as_tensor()))
-
-
 def measure(
     model: nn.Module,
     train_batches: Iterable,
@@ -294,25 +244,32 @@ def measure(
             "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
         )
     with uncompiled(wrapped):
-        curvature, train_sums, val_sums = _dispatch(
+        backend = make_backend(
             structure,
             wrapped,
-            first_pass,
-            train_batches,
-            val_batches,
-            lam=lam,
             loss=loss,
             kfac_mode=kfac_mode,
             mc_samples=mc_samples,
             trace_estimator=trace_estimator,
-            max_samples=max_samples,
-            max_val_samples=max_val_samples,
             seed=seed,
             all_reduce=all_reduce,
-            unpack_batch=unpack_batch,
             matrix_free_options=matrix_free_options,
+            unpack_batch=unpack_batch,
+            repeatable_train_batches=train_batches,
+            max_samples=max_samples,
             dense_max_parameters=dense_max_parameters,
             gram_max_kernel_size=gram_max_kernel_size,
+        )
+        curvature, train_sums, val_sums = run_pipeline(
+            backend,
+            wrapped,
+            first_pass,
+            val_batches,
+            lam=lam,
+            max_samples=max_samples,
+            max_val_samples=max_val_samples,
+            all_reduce=all_reduce,
+            unpack_batch=unpack_batch,
         )
     return _report(
         curvature,
@@ -323,224 +280,6 @@ def measure(
         structure,
         time.perf_counter() - start,
     )
-
-
-def _dispatch(
-    structure: str,
-    wrapped: LogitsModule,
-    first_pass: Iterable,
-    train_batches: Iterable,
-    val_batches: Iterable | None,
-    *,
-    lam: float,
-    loss: str,
-    kfac_mode: str,
-    mc_samples: int,
-    trace_estimator: str | None,
-    max_samples: int | None,
-    max_val_samples: int | None,
-    seed: int,
-    all_reduce: AllReduce | None,
-    unpack_batch: UnpackBatch | None,
-    matrix_free_options: dict | None,
-    dense_max_parameters: int | None,
-    gram_max_kernel_size: int | None,
-) -> tuple[CurvatureEstimate, StatisticSums, StatisticSums]:
-    """The backend of ``structure``: torch.func (matrix-free), layer hooks (kfac) or BackPACK."""
-    if structure in MATRIX_FREE_STRUCTURES:
-        curvature, train_sums, val_sums = stream_matrix_free(
-            wrapped,
-            first_pass,
-            val_batches,
-            structure=structure,
-            lam=lam,
-            loss=loss,
-            max_samples=max_samples,
-            max_val_samples=max_val_samples,
-            seed=seed,
-            all_reduce=all_reduce,
-            options={
-                **({"trace_estimator": trace_estimator} if trace_estimator else {}),
-                **(matrix_free_options or {}),
-            },
-            unpack_batch=unpack_batch,
-            repeatable_train_batches=train_batches,
-        )
-        if train_sums.count == 0:
-            raise MeasurementError(
-                "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
-            )
-    elif structure == "kfac":
-        curvature, train_sums, val_sums = _stream_layer_hooks(
-            wrapped,
-            first_pass,
-            val_batches,
-            kfac_mode=kfac_mode,
-            mc_samples=mc_samples,
-            trace_estimator=trace_estimator or "exact",
-            loss=loss,
-            max_samples=max_samples,
-            max_val_samples=max_val_samples,
-            seed=seed,
-            all_reduce=all_reduce,
-            unpack_batch=unpack_batch,
-            lam=lam,
-        )
-    else:
-        estimator = make_estimator(
-            structure,
-            ggn_scale=loss_scale(loss),
-            mc_samples=mc_samples,
-            dense_max_parameters=dense_max_parameters,
-            gram_max_kernel_size=gram_max_kernel_size,
-        )
-        train_sums, val_sums = _stream_backpack(
-            wrapped,
-            first_pass,
-            val_batches,
-            estimator,
-            trace_estimator or "exact",
-            loss,
-            max_samples,
-            max_val_samples,
-            seed,
-            all_reduce,
-            unpack_batch,
-        )
-        curvature = estimator.estimate(int(train_sums.count), lam)
-    return curvature, train_sums, val_sums
-
-
-def _stream_backpack(
-    model: LogitsModule,
-    train_batches: Iterable,
-    val_batches: Iterable | None,
-    estimator: CurvatureEstimator,
-    trace_estimator: str,
-    loss: str,
-    max_samples: int | None,
-    max_val_samples: int | None,
-    seed: int,
-    all_reduce: AllReduce | None,
-    unpack_batch: UnpackBatch | None,
-) -> tuple[StatisticSums, StatisticSums]:
-    """Stream both splits through one extended copy; reduce every sum across processes
-    (after :func:`~lightning_flatness.failures.agreed`: one failing process fails them all)."""
-    train_stats = SampleStatistics(trace_estimator, loss, estimator.extensions())
-    val_stats = SampleStatistics(trace_estimator, loss)
-    split = {"split": "training", "unpack_batch": unpack_batch, "spec": model.spec}
-
-    def run() -> None:
-        with torch.random.fork_rng(devices=rng_devices(model)):
-            torch.manual_seed(seed)
-            extended = measurement_copy(model)
-            _stream(extended, train_batches, train_stats, estimator, loss, max_samples, **split)
-            if val_batches is not None:
-                split["split"] = "validation"
-                _stream(extended, val_batches, val_stats, None, loss, max_val_samples, **split)
-            del extended
-        _require_samples(train_stats.sums)
-
-    agreed(all_reduce, run)
-    if all_reduce is not None:
-        _reduce_statistics(train_stats, all_reduce)
-        _reduce_statistics(val_stats, all_reduce)
-        for state in estimator.summable_states():
-            all_reduce(state)
-    return train_stats.sums, val_stats.sums
-
-
-def _require_samples(train: StatisticSums) -> None:
-    if train.count == 0:
-        raise MeasurementError(
-            "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
-        )
-
-
-def _stream_layer_hooks(
-    model: LogitsModule,
-    train_batches: Iterable,
-    val_batches: Iterable | None,
-    *,
-    kfac_mode: str,
-    mc_samples: int,
-    trace_estimator: str,
-    loss: str,
-    max_samples: int | None,
-    max_val_samples: int | None,
-    seed: int,
-    all_reduce: AllReduce | None,
-    unpack_batch: UnpackBatch | None,
-    lam: float,
-) -> tuple[CurvatureEstimate, StatisticSums, StatisticSums]:
-    """``structure="kfac"`` from layer hooks (:mod:`lightning_flatness.hooked_pass`): one
-    forward pass and one backward pass per cotangent row per batch, on the live model (eval
-    mode, no gradient written, hooks removed after), for any graph; failures agreed across
-    processes (:func:`~lightning_flatness.failures.agreed`)."""
-    likelihood = get_likelihood(loss)
-    estimator = KFACFisher()
-    sums = {"training": StatisticSums(), "validation": StatisticSums()}
-    device, dtype = _model_device_dtype(model)
-    facts: dict[str, object] = {}
-
-    def run() -> None:
-        with left_as_found(model):
-            generator = torch.Generator(device=device).manual_seed(int(seed) % (2**63))
-            hooked = HookedPass(
-                model,
-                likelihood,
-                kfac_mode=kfac_mode,
-                mc_samples=mc_samples,
-                trace_estimator=trace_estimator,
-                generator=generator,
-            )
-            try:
-                splits = [("training", train_batches, max_samples)]
-                if val_batches is not None:
-                    splits.append(("validation", val_batches, max_val_samples))
-                for split, batches, limit in splits:
-                    stream = prepared_batches(
-                        batches, limit, device, dtype, unpack_batch, model.spec
-                    )
-                    for index, inputs, targets in stream:
-                        batch = _hooked_batch(hooked, likelihood, inputs, targets, split, index)
-                        sums[split] = sums[split] + batch[0]
-                        if split == "training":
-                            estimator.add(batch[1])
-                facts["coverage"] = hooked.coverage()
-                facts["names"] = hooked.names
-            finally:
-                hooked.close()
-        _require_samples(sums["training"])
-
-    agreed(all_reduce, run)
-    train, val = sums["training"], sums["validation"]
-    if all_reduce is not None:
-        train = StatisticSums.from_tensor(all_reduce(train.as_tensor()))
-        val = StatisticSums.from_tensor(all_reduce(val.as_tensor()))
-        for state in estimator.summable_states():
-            all_reduce(state)
-    curvature = estimator.estimate(int(train.count), lam, facts["names"])
-    curvature.coverage = facts["coverage"]
-    return curvature, train, val
-
-
-def _hooked_batch(
-    hooked: HookedPass,
-    likelihood: Likelihood,
-    inputs: Leaves,
-    targets: Tensor,
-    split: str,
-    index: int,
-) -> tuple[StatisticSums, BatchTerms]:
-    """One batch's statistic sums and curvature terms."""
-    logits = hooked.forward(inputs)
-    targets = likelihood.prepare_targets(targets, logits)
-    sums = output_sums(likelihood, logits, targets, hooked.last_linear, hooked.features())
-    check_finite_loss(sums.loss, split, index)
-    terms = hooked.terms(logits, targets, inputs, curvature=split == "training")
-    sums.grad_norm_sq, sums.fisher_trace = terms.grad_norm_sq, terms.fisher_trace
-    return sums, terms
 
 
 def check_batch(
@@ -564,7 +303,7 @@ def check_batch(
         BatchError / TargetError: with a message naming the argument that fixes the problem.
     """
     likelihood = get_likelihood(loss)
-    device, dtype = _model_device_dtype(model)
+    device, dtype = model_device_dtype(model)
     wrapped, stream, _ = wrap_for_batches(model, [batch], unpack_batch, logits_fn)
     prepared = prepared_batches(stream, None, device, dtype, unpack_batch, wrapped.spec)
     _, inputs, targets = next(iter(prepared))

@@ -1,7 +1,8 @@
 """Per-sample statistics that every structure reports, as sums that add up across processes.
 
-Over the samples of one split (train or validation) :class:`SampleStatistics` accumulates, from
-the same BackPACK backward pass that feeds the curvature structure:
+Over the samples of one split (train or validation) every backend computes, per batch and from
+the same passes that feed its curvature structure (for BackPACK's structures
+:class:`SampleStatistics`; the outputs-only part is :func:`output_sums`, shared by all):
 
 - the negative log-likelihood ``Σ_i −log p(y_i | z_i)`` of the model's own likelihood
   (:mod:`lightning_flatness.likelihoods`: cross-entropy, independent Bernoulli, or
@@ -115,7 +116,7 @@ def _relative_flatness_sum(layer: nn.Linear | None, features: Tensor | None, cor
 
 
 class SampleStatistics:
-    """Accumulates :class:`StatisticSums` from BackPACK's per-sample quantities.
+    """The :class:`StatisticSums` of a batch from BackPACK's per-sample quantities.
 
     The Fisher trace is read from whatever BackPACK quantity the curvature structure already
     computes (``SqrtGGNExact`` rows or the ``DiagGGNExact`` / ``DiagGGNMC`` diagonal) and only
@@ -140,7 +141,6 @@ class SampleStatistics:
             )
         self.trace_estimator = trace_estimator
         self.likelihood = get_likelihood(loss)
-        self.sums = StatisticSums()
         # BackPACK's loss module is loss_scale⁻¹ × the NLL (MSELoss(sum) is ‖y − f‖²), so its
         # gradients and its GGN are too.
         self.scale = loss_scale(loss)
@@ -175,9 +175,9 @@ class SampleStatistics:
         """The extensions to add to the structure's for this pass."""
         return list(self._own_extensions)
 
-    def update(self, model: ExtendedModel, logits: Tensor, targets: Tensor) -> None:
-        """Add one batch (after the BackPACK backward pass of its summed loss); ``targets`` as
-        prepared by the likelihood."""
+    def update(self, model: ExtendedModel, logits: Tensor, targets: Tensor) -> StatisticSums:
+        """The sums of one batch (after the BackPACK backward pass of its summed loss);
+        ``targets`` as prepared by the likelihood."""
         batch = output_sums(
             self.likelihood, logits, targets, model.last_linear, model.last_linear_input
         )
@@ -193,4 +193,4 @@ class SampleStatistics:
         else:
             trace = sum(q.to(torch.float64).sum() for q in quantities)
         batch.fisher_trace = float(trace) * self.scale
-        self.sums = self.sums + batch
+        return batch

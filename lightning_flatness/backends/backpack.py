@@ -1,0 +1,112 @@
+"""The BackPACK backend of ``structure="dense"``, ``"gram"``, ``"diag"`` and ``"diag_mc"``.
+
+Per batch one forward and one BackPACK backward pass of the summed loss on a private, extended
+copy of the model in eval mode (:func:`~lightning_flatness._backpack.measurement_copy`), under a
+forked RNG seeded by ``seed`` (the Monte-Carlo extensions draw from it); the user's model is
+never touched. BackPACK needs a graph it can convert into a chain of supported modules; when it
+cannot, :class:`~lightning_flatness._backpack.UnsupportedModelError` names the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from lightning_flatness._backpack import (
+    ExtendedModel,
+    backward_with,
+    extended_loss,
+    loss_scale,
+    measurement_copy,
+    support_loss,
+)
+from lightning_flatness.batches import Leaves, LogitsModule, num_samples
+from lightning_flatness.curvature import make_estimator
+from lightning_flatness.curvature.base import CurvatureEstimate
+from lightning_flatness.failures import check_finite_loss
+from lightning_flatness.likelihoods import get_likelihood
+from lightning_flatness.model_state import rng_devices
+from lightning_flatness.pipeline import Backend
+from lightning_flatness.statistics import SampleStatistics, StatisticSums
+
+__all__ = ["BackpackBackend"]
+
+
+class BackpackBackend(Backend):
+    """One of BackPACK's structures (module docstring).
+
+    Args:
+        model: the wrapped model.
+        structure: ``"dense"``, ``"gram"``, ``"diag"`` or ``"diag_mc"``.
+        loss: the likelihood's name.
+        trace_estimator: ``"exact"`` or ``"sampled"`` Tr(F).
+        mc_samples: labels drawn per input by ``diag_mc``.
+        seed: seeds the forked RNG of the Monte-Carlo extensions.
+        dense_max_parameters / gram_max_kernel_size: the size guards.
+    """
+
+    def __init__(
+        self,
+        model: LogitsModule,
+        structure: str,
+        *,
+        loss: str,
+        trace_estimator: str,
+        mc_samples: int,
+        seed: int,
+        dense_max_parameters: int | None = None,
+        gram_max_kernel_size: int | None = None,
+    ) -> None:
+        self.model = model
+        self.loss = loss
+        self.likelihood = get_likelihood(loss)
+        self.loss_fn = extended_loss(loss)
+        self.seed = seed
+        self.estimator = make_estimator(
+            structure,
+            ggn_scale=loss_scale(loss),
+            mc_samples=mc_samples,
+            dense_max_parameters=dense_max_parameters,
+            gram_max_kernel_size=gram_max_kernel_size,
+        )
+        self.statistics = {
+            "training": SampleStatistics(trace_estimator, loss, self.estimator.extensions()),
+            "validation": SampleStatistics(trace_estimator, loss),
+        }
+        self.extended: ExtendedModel | None = None
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        with torch.random.fork_rng(devices=rng_devices(self.model)):
+            torch.manual_seed(self.seed)
+            self.extended = measurement_copy(self.model)
+            try:
+                yield
+            finally:
+                self.extended = None
+
+    def batch(self, inputs: Leaves, targets: Tensor, split: str, index: int) -> StatisticSums:
+        statistics = self.statistics[split]
+        training = split == "training"
+        extensions = statistics.extensions() + (self.estimator.extensions() if training else [])
+        support_loss(extensions, self.loss)
+        model = self.extended
+        logits = model.module(*inputs)
+        targets = self.likelihood.prepare_targets(targets, logits)
+        loss = self.loss_fn(logits, targets)
+        check_finite_loss(float(loss.detach()), split, index)
+        backward_with(model, loss, extensions, self.estimator.name if training else "statistics")
+        if training:
+            self.estimator.update(model, num_samples(inputs))
+        sums = statistics.update(model, logits, targets)
+        model.zero_grad()
+        return sums
+
+    def summable_states(self) -> list[Tensor]:
+        return self.estimator.summable_states()
+
+    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        return self.estimator.estimate(num_samples, lam)

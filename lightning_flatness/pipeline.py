@@ -1,0 +1,123 @@
+"""The one measurement pipeline every structure runs through, and the interface of its backends.
+
+:func:`run_pipeline` makes one loop over the batches of both splits, one cross-process failure
+check, one reduction of every sum across processes, then asks the backend for its estimate. A
+:class:`Backend` turns one batch into its :class:`~lightning_flatness.statistics.StatisticSums`
+(loss, per-sample gradient norms for Tr(C), Tr(F), accuracy-like scores, relative flatness) and
+accumulates what its structure needs as summable states (Kronecker factors, diagonals, Gram
+sums, Hutchinson probes, cached inputs for Lanczos): sums over samples, reduced across
+processes *before* any eigenvalue is taken (averaging per-process soft ranks would be wrong:
+the soft rank is not linear). Three backends exist: layer hooks (``kfac``,
+:mod:`lightning_flatness.backends.hooks`), BackPACK (``dense``, ``gram``, ``diag``, ``diag_mc``,
+:mod:`lightning_flatness.backends.backpack`) and ``torch.func`` (``lanczos``, ``hutchinson``,
+:mod:`lightning_flatness.matrix_free`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+
+import torch
+from torch import Tensor, nn
+
+from lightning_flatness.batches import Leaves, LogitsModule, UnpackBatch, prepared_batches
+from lightning_flatness.curvature.base import CurvatureEstimate
+from lightning_flatness.failures import MeasurementError, agreed
+from lightning_flatness.statistics import StatisticSums
+
+__all__ = ["SPLITS", "Backend", "model_device_dtype", "run_pipeline"]
+
+AllReduce = Callable[[Tensor], Tensor]
+
+#: the two splits, in the order they are streamed
+SPLITS = ("training", "validation")
+
+
+class Backend(ABC):
+    """Turns batches into statistic sums and summable curvature states (module docstring)."""
+
+    @abstractmethod
+    def session(self) -> AbstractContextManager[None]:
+        """The context of a whole measurement: set-up (a private copy, hooks, eval mode, forked
+        RNG) on entry, everything as found on exit."""
+
+    @abstractmethod
+    def batch(self, inputs: Leaves, targets: Tensor, split: str, index: int) -> StatisticSums:
+        """The statistic sums of one batch (``split`` is one of :data:`SPLITS`); a training
+        batch also feeds the curvature states.
+
+        Raises:
+            MeasurementError: a non-finite loss (naming ``split`` and ``index``).
+        """
+
+    def summable_states(self) -> list[Tensor]:
+        """The curvature states, in a fixed order, to be summed across processes in place."""
+        return []
+
+    @abstractmethod
+    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        """The curvature estimate of the Fisher averaged over ``num_samples`` samples (all
+        processes' states already summed; may make further passes, e.g. Lanczos steps)."""
+
+
+def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Where and in which floating dtype the model's parameters live."""
+    for p in model.parameters():
+        return p.device, p.dtype
+    return torch.device("cpu"), torch.get_default_dtype()
+
+
+def run_pipeline(
+    backend: Backend,
+    model: LogitsModule,
+    train_batches: Iterable,
+    val_batches: Iterable | None,
+    *,
+    lam: float,
+    max_samples: int | None = None,
+    max_val_samples: int | None = None,
+    all_reduce: AllReduce | None = None,
+    unpack_batch: UnpackBatch | None = None,
+    require_samples: bool = True,
+) -> tuple[CurvatureEstimate | None, StatisticSums, StatisticSums]:
+    """Stream both splits through ``backend``, agree on failures, reduce, estimate.
+
+    Returns:
+        ``(curvature, train_sums, val_sums)``, the sums reduced across processes; the
+        curvature is None when there were no training samples and ``require_samples`` is
+        False.
+
+    Raises:
+        MeasurementError: no training samples (with ``require_samples``), a non-finite loss,
+            or a failure on another process.
+    """
+    device, dtype = model_device_dtype(model)
+    sums = dict.fromkeys(SPLITS, StatisticSums())
+    splits = [("training", train_batches, max_samples)]
+    if val_batches is not None:
+        splits.append(("validation", val_batches, max_val_samples))
+    with backend.session():
+
+        def stream() -> None:
+            for split, batches, limit in splits:
+                prepared = prepared_batches(batches, limit, device, dtype, unpack_batch, model.spec)
+                for index, inputs, targets in prepared:
+                    sums[split] = sums[split] + backend.batch(inputs, targets, split, index)
+
+        agreed(all_reduce, stream)
+        train, val = sums["training"], sums["validation"]
+        if all_reduce is not None:
+            train = StatisticSums.from_tensor(all_reduce(train.as_tensor()))
+            val = StatisticSums.from_tensor(all_reduce(val.as_tensor()))
+            for state in backend.summable_states():
+                all_reduce(state)
+        if train.count == 0:
+            if require_samples:
+                raise MeasurementError(
+                    "train_batches yielded no samples; pass a non-empty iterable of "
+                    "(inputs, targets)."
+                )
+            return None, train, val
+        return backend.estimate(int(train.count), lam), train, val
