@@ -8,9 +8,8 @@ interleaved and repeated:
   weight decay) at the measurement's batch size;
 - ``measure()`` over the same m samples for the default structure ``kfac`` (layer hooks) with
   exact Fisher rows and exact Tr(F) (``measure()``'s defaults) and with one sampled label per
-  input for the factors and the trace (``FlatnessMonitor``'s defaults), BackPACK's ``diag``
-  where BackPACK can convert the model, ``hutchinson``, and (``--lanczos``) ``lanczos`` at its
-  default options;
+  input for the factors and the trace (``FlatnessMonitor``'s defaults), the exact diagonal
+  ``diag``, ``hutchinson``, and (``--lanczos``) ``lanczos`` at its default options;
 - with ``--regularizer``, one regularized step (``SoftRankPenalty`` added to the loss) ÷ one
   plain step.
 
@@ -51,7 +50,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "kfac",
         {"kfac_mode": "sampled", "trace_estimator": "sampled"},
     ),
-    "diag (BackPACK)": ("diag", {}),
+    "diag": ("diag", {}),
     "hutchinson": ("hutchinson", {}),
     "lanczos": ("lanczos", {}),
 }

@@ -57,6 +57,7 @@ from lightning_flatness.layer_rules import (
     kronecker_factors,
     make_rule,
     weight_batch_gradient,
+    weight_square_sums,
     weight_squared_norms,
 )
 from lightning_flatness.likelihoods import Likelihood
@@ -78,7 +79,10 @@ class BatchTerms:
         fisher_trace: ``Σ_i Tr(J_iᵀ Λ_i J_i)`` (exact, or unbiased with sampled rows).
         kronecker: ``{weight: (Σ_i G_i, Σ_i A_i)}`` (A a vector of counts for embeddings).
         blocks: ``{bias: Σ_i Σ_rows b bᵀ}``, the exact Fisher block of each bias.
-        diagonal: ``{parameter: Σ_i Σ_rows g ∘ g}`` for everything else.
+        diagonal: ``{parameter: Σ_i Σ_rows g ∘ g}`` for everything else (for every
+            parameter with ``structure="diag"``).
+        cov_diagonal: ``{parameter: Σ_i g_i ∘ g_i}`` of the true-label gradients (the
+            diagonal of C, for the diagonal TIC; ``structure="diag"`` only).
     """
 
     grad_norm_sq: float = 0.0
@@ -86,6 +90,7 @@ class BatchTerms:
     kronecker: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     blocks: dict[str, Tensor] = field(default_factory=dict)
     diagonal: dict[str, Tensor] = field(default_factory=dict)
+    cov_diagonal: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,8 @@ class HookedPass:
         kfac_mode: ``"exact"`` (C rows of ``A_i``) or ``"sampled"`` (``mc_samples`` draws).
         trace_estimator: ``"exact"`` (the C rows of ``A_i``) or ``"sampled"`` (the draws).
         generator: draws the sampled labels.
+        structure: ``"kfac"`` (Kronecker weights, exact bias blocks, diagonals for the rest)
+            or ``"diag"`` (the exact diagonal of every parameter, and the diagonal of C).
     """
 
     def __init__(
@@ -125,7 +132,11 @@ class HookedPass:
         mc_samples: int = 1,
         trace_estimator: str = "exact",
         generator: torch.Generator | None = None,
+        structure: str = "kfac",
     ) -> None:
+        if structure not in ("kfac", "diag"):
+            raise ValueError(f"structure must be 'kfac' or 'diag', got {structure!r}.")
+        self.diagonal_only = structure == "diag"
         if kfac_mode not in ("exact", "sampled"):
             raise ValueError(f"kfac_mode must be 'exact' or 'sampled', got {kfac_mode!r}.")
         if trace_estimator not in ("exact", "sampled"):
@@ -247,7 +258,7 @@ class HookedPass:
         kinds = {}
         for rule in self.rules:
             for attr, name in rule.names.items():
-                if isinstance(rule, KroneckerRule):
+                if isinstance(rule, KroneckerRule) and not self.diagonal_only:
                     kinds[name] = "kronecker" if attr == "weight" else "exact block"
                 else:
                     kinds[name] = "diagonal"
@@ -421,21 +432,27 @@ class HookedPass:
         s = rule.output_gradients(grads)
         embedding = rule.is_embedding
         for attr, name in rule.names.items():
-            if attr == "weight":
-                norms = weight_squared_norms(a, s[rows.norms], embedding)
-                terms.grad_norm_sq += float(norms[0])
-                terms.fisher_trace += float(norms[1:].sum())
-                if curvature:
-                    g, factor = kronecker_factors(
-                        a, s[rows.curvature], embedding, rule.parameters()["weight"].shape[0]
-                    )
-                    terms.kronecker[name] = (_f64(g), _f64(factor))
-            else:  # the bias: per-sample gradients Σ_t s_t, an exact (o × o) block
-                bias_grads = s.sum(2)
-                self._add_explicit(terms, {name: bias_grads}, rows, curvature, block=True)
+            if attr != "weight":  # the bias: per-sample gradients Σ_t s_t, an exact block
+                block = not self.diagonal_only
+                self._add_explicit(terms, {name: s.sum(2)}, rows, curvature, block=block)
+                continue
+            norms = weight_squared_norms(a, s[rows.norms], embedding)
+            terms.grad_norm_sq += float(norms[0])
+            terms.fisher_trace += float(norms[1:].sum())
+            if not curvature:
+                continue
+            num_rows = rule.parameters()["weight"].shape[0]
+            if self.diagonal_only:
+                chosen = [0, *range(rows.curvature.start, rows.curvature.stop)]
+                squares = weight_square_sums(a, s[chosen], embedding, num_rows)
+                terms.cov_diagonal[name] = _f64(squares[0])
+                terms.diagonal[name] = _f64(squares[1:].sum(0))
+            else:
+                g, factor = kronecker_factors(a, s[rows.curvature], embedding, num_rows)
+                terms.kronecker[name] = (_f64(g), _f64(factor))
 
-    @staticmethod
     def _add_explicit(
+        self,
         terms: BatchTerms,
         per_sample: dict[str, Tensor],
         rows: _Rows,
@@ -450,6 +467,8 @@ class HookedPass:
             if not curvature:
                 continue
             fisher_rows = flat[rows.curvature].reshape(-1, flat.shape[-1])
+            if self.diagonal_only:
+                terms.cov_diagonal[name] = _f64(flat[0].square().sum(0))
             if block:
                 terms.blocks[name] = _f64(fisher_rows.T @ fisher_rows)
             else:

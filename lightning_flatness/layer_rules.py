@@ -38,6 +38,7 @@ __all__ = [
     "NormRule",
     "Rule",
     "make_rule",
+    "weight_square_sums",
 ]
 
 #: numbers per vectorized chunk when per-sample gradients are materialised
@@ -202,6 +203,35 @@ def weight_batch_gradient(a: Tensor, s0: Tensor, embedding: bool, shape: torch.S
         grad.index_add_(0, flat_a[keep], flat_s[keep])
         return grad
     return torch.einsum("nto,ntd->od", s0, a).reshape(shape)
+
+
+def weight_square_sums(a: Tensor, s: Tensor, embedding: bool, num_rows: int) -> Tensor:
+    """``Σ_i (Σ_t s_kit a_itᵀ)²`` entrywise, per cotangent: (K, o, d) (for an embedding
+    (K, V, E), the squared per-sample gradient rows of each token).
+
+    One position: ``(s²)ᵀ(a²)``; else per-sample gradients a chunk at a time; for an embedding,
+    per-sample sums over the positions of each (sample, token) pair.
+    """
+    k, n, t, o = s.shape
+    if embedding:
+        tokens = a.reshape(-1)
+        keep = tokens >= 0
+        samples = torch.arange(n, device=a.device).repeat_interleave(t)[keep]
+        keys, inverse = torch.unique(samples * num_rows + tokens[keep], return_inverse=True)
+        grouped = s.new_zeros(k, keys.numel(), o)
+        grouped.index_add_(1, inverse, s.reshape(k, n * t, o)[:, keep])
+        out = s.new_zeros(k, num_rows, o)
+        return out.index_add_(1, keys % num_rows, grouped.square())
+    d = a.shape[-1]
+    if t == 1:
+        return torch.einsum("kno,nd->kod", s[:, :, 0].square(), a[:, 0].square())
+    totals = s.new_zeros(k, o, d)
+    per_chunk = max(1, CHUNK_ELEMENTS // (k * o * d))
+    for rows in _chunks(n, per_chunk):
+        s_rows = s[:, rows].permute(1, 0, 3, 2).reshape(-1, k * o, t)
+        grads = torch.bmm(s_rows, a[rows]).reshape(-1, k, o, d)
+        totals += grads.square().sum(0)
+    return totals
 
 
 def kronecker_factors(

@@ -5,9 +5,9 @@ averaged over m samples is a concave function of a sample mean and so is biased 
 (MATH.md, "Sample size"). Every structure runs through one pipeline
 (:func:`~lightning_flatness.pipeline.run_pipeline`: one loop over the batches, one
 cross-process failure check, one reduction, one report) with one of three backends
-(:mod:`lightning_flatness.backends`): layer hooks on the live model for ``kfac``,
-``torch.func`` for the matrix-free ones, and BackPACK on a private extended copy for ``dense``,
-``gram``, ``diag`` and ``diag_mc``. Every one evaluates the model in eval mode; the user's
+(:mod:`lightning_flatness.backends`): layer hooks on the live model for ``kfac``, ``diag`` and
+``diag_mc``, ``torch.func`` for the matrix-free ones, and BackPACK on a private extended copy
+for ``dense`` and ``gram``. Every one evaluates the model in eval mode; the user's
 model, its gradients, its mode, its BatchNorm statistics and the global RNG state are left
 exactly as found, and a ``torch.compile`` wrapper is measured as the module it compiles.
 
@@ -184,8 +184,9 @@ def measure(
         lam: the coupled L2 weight decay λ > 0 of the objective ``mean loss + ½λ‖θ‖²``.
         num_train_samples: n, the size of the training set (scales the predicted gap).
         structure: ``"kfac"`` (block-diagonal with Kronecker-factored layers, from layer hooks,
-            any differentiable model; see ``report.coverage``), ``"dense"``, ``"gram"``,
-            ``"diag"``, ``"diag_mc"`` (BackPACK), or ``"lanczos"`` (stochastic Lanczos
+            any differentiable model; see ``report.coverage``), ``"diag"``, ``"diag_mc"``
+            (the exact or sampled-label diagonal, same hooks), ``"dense"``, ``"gram"``
+            (BackPACK), or ``"lanczos"`` (stochastic Lanczos
             quadrature of the exact F) and
             ``"hutchinson"`` (Hutchinson diagonal with its Eq. 8/9 bounds), matrix-free for any
             differentiable model (options: :mod:`lightning_flatness.matrix_free`).
@@ -221,8 +222,8 @@ def measure(
             ``logits_fn=``).
         TargetError: targets that do not fit ``loss`` (names the loss that fits them).
         MeasurementError: no samples, or a non-finite loss.
-        UnsupportedModelError: a layer BackPACK cannot handle, for its structures (names the
-            module type).
+        UnsupportedModelError: a layer BackPACK cannot handle, for ``dense`` and ``gram``
+            (names the module type).
     """
     lam = check_lam(lam)
     if structure not in STRUCTURES + MATRIX_FREE_STRUCTURES:

@@ -199,7 +199,7 @@ def test_models_backpack_cannot_handle_match_the_dense_reference(data, kind):
             batches(inputs, targets, 16),
             lam=LAM,
             num_train_samples=N_TRAIN,
-            structure="diag",
+            structure="gram",
         )
     fisher = reference.dense_fisher(model.eval(), inputs)
     truth = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)

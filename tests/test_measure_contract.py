@@ -165,7 +165,10 @@ def test_unsupported_layer_is_named():
 
     model = nn.Sequential(tiny_model("mlp"), Scale())
     with pytest.raises(UnsupportedModelError, match="Scale"):
-        measure(model, [random_data(4)], lam=LAM, num_train_samples=10, structure="diag")
+        measure(model, [random_data(4)], lam=LAM, num_train_samples=10, structure="gram")
+    # the layer-hook structures measure it: its parameter is an exact diagonal block
+    report = measure(model, [random_data(4)], lam=LAM, num_train_samples=10, structure="diag")
+    assert report.coverage["1.scale"] == "diagonal"
 
 
 def test_size_guards():

@@ -96,6 +96,18 @@ def test_default_structure_is_exact_where_it_claims_to_be(references, name, batc
 
 
 @pytest.mark.parametrize("name", _models())
+def test_diag_is_the_exact_diagonal_on_every_model(references, name, one_thread):
+    model, inputs, targets, (fisher, cov, _, _) = references[name]
+    report = measure(
+        model, _batches(inputs, targets, 3), lam=LAM, num_train_samples=100, structure="diag"
+    )
+    diag = fisher.diagonal()
+    assert torch.allclose(report.eigenvalues, diag, rtol=1e-9, atol=1e-15)
+    assert report.soft_rank == pytest.approx(spectral.soft_rank(diag, LAM), rel=1e-9)
+    assert report.tic == pytest.approx(float((cov.diagonal() / (diag + LAM)).sum()) / 100, rel=1e-8)
+
+
+@pytest.mark.parametrize("name", _models())
 def test_numbers_do_not_depend_on_the_batch_size(references, name, one_thread):
     model, inputs, targets, _ = references[name]
     whole = measure(model, _batches(inputs, targets, N), lam=LAM, num_train_samples=100)
@@ -165,7 +177,7 @@ def test_compiled_module_is_measured_as_the_module_it_compiles(one_thread):
     assert first.soft_rank == pytest.approx(second.soft_rank, rel=1e-10)
 
 
-@pytest.mark.parametrize("name", ["transformer", "vit", "resnet"])
+@pytest.mark.parametrize("name", ["functional_cnn", "resnet", "transformer", "vit", "tied_mlp"])
 def test_matrix_free_structures_agree_with_the_reference(references, name, one_thread):
     model, inputs, targets, (fisher, _, _, _) = references[name]
     truth = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)

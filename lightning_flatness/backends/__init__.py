@@ -1,6 +1,8 @@
 """The backends of :func:`~lightning_flatness.pipeline.run_pipeline`, and the one place that
-picks a structure's backend: layer hooks for ``kfac``, ``torch.func`` for ``lanczos`` and
-``hutchinson``, BackPACK for ``dense``, ``gram``, ``diag`` and ``diag_mc``."""
+picks a structure's backend: layer hooks for ``kfac``, ``diag`` and ``diag_mc`` (any
+differentiable model, and faster than BackPACK's extensions on the paper's models, see
+docs/RESULTS.md), ``torch.func`` for ``lanczos`` and ``hutchinson``, BackPACK for ``dense`` and
+``gram`` (exact P × P and kernel matrices from its square-root factors)."""
 
 from __future__ import annotations
 
@@ -51,9 +53,10 @@ def make_backend(
             repeatable_train_batches=repeatable_train_batches,
             max_samples=max_samples,
         )
-    if structure == "kfac":
+    if structure in ("kfac", "diag", "diag_mc"):
         return HookBackend(
             model,
+            structure,
             loss=loss,
             kfac_mode=kfac_mode,
             mc_samples=mc_samples,
@@ -65,7 +68,6 @@ def make_backend(
         structure,
         loss=loss,
         trace_estimator=trace_estimator or "exact",
-        mc_samples=mc_samples,
         seed=seed,
         dense_max_parameters=dense_max_parameters,
         gram_max_kernel_size=gram_max_kernel_size,

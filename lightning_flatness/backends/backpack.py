@@ -1,4 +1,4 @@
-"""The BackPACK backend of ``structure="dense"``, ``"gram"``, ``"diag"`` and ``"diag_mc"``.
+"""The BackPACK backend of ``structure="dense"`` and ``"gram"``.
 
 Per batch one forward and one BackPACK backward pass of the summed loss on a private, extended
 copy of the model in eval mode (:func:`~lightning_flatness._backpack.measurement_copy`), under a
@@ -40,11 +40,10 @@ class BackpackBackend(Backend):
 
     Args:
         model: the wrapped model.
-        structure: ``"dense"``, ``"gram"``, ``"diag"`` or ``"diag_mc"``.
+        structure: ``"dense"`` or ``"gram"``.
         loss: the likelihood's name.
         trace_estimator: ``"exact"`` or ``"sampled"`` Tr(F).
-        mc_samples: labels drawn per input by ``diag_mc``.
-        seed: seeds the forked RNG of the Monte-Carlo extensions.
+        seed: seeds the forked RNG of the Monte-Carlo extensions (the sampled trace).
         dense_max_parameters / gram_max_kernel_size: the size guards.
     """
 
@@ -55,7 +54,6 @@ class BackpackBackend(Backend):
         *,
         loss: str,
         trace_estimator: str,
-        mc_samples: int,
         seed: int,
         dense_max_parameters: int | None = None,
         gram_max_kernel_size: int | None = None,
@@ -68,7 +66,6 @@ class BackpackBackend(Backend):
         self.estimator = make_estimator(
             structure,
             ggn_scale=loss_scale(loss),
-            mc_samples=mc_samples,
             dense_max_parameters=dense_max_parameters,
             gram_max_kernel_size=gram_max_kernel_size,
         )

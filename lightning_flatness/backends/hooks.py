@@ -1,9 +1,11 @@
-"""The layer-hook backend of ``structure="kfac"``: any differentiable model, no graph conversion.
+"""The layer-hook backend of ``kfac``, ``diag`` and ``diag_mc``: any differentiable model.
 
 Per batch one forward and one backward pass per cotangent row on the live model
 (:class:`~lightning_flatness.hooked_pass.HookedPass`), in eval mode with every module's mode
 restored, no gradient written and the hooks removed after the measurement; the training
-batches feed :class:`~lightning_flatness.curvature.kfac.KFACFisher`.
+batches feed :class:`~lightning_flatness.curvature.kfac.KFACFisher` (``kfac``) or the exact
+(``diag``) or sampled-label (``diag_mc``) diagonals of F and C, whose spectrum and diagonal TIC
+:class:`~lightning_flatness.curvature.diag.DiagonalFisher` computes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import Tensor
 
 from lightning_flatness.batches import Leaves, LogitsModule
 from lightning_flatness.curvature.base import CurvatureEstimate
+from lightning_flatness.curvature.diag import DiagonalFisher
 from lightning_flatness.curvature.kfac import KFACFisher
 from lightning_flatness.failures import check_finite_loss
 from lightning_flatness.hooked_pass import HookedPass
@@ -28,18 +31,21 @@ __all__ = ["HookBackend"]
 
 
 class HookBackend(Backend):
-    """``kfac`` from layer hooks (module docstring).
+    """``kfac``, ``diag`` or ``diag_mc`` from layer hooks (module docstring).
 
     Args:
         model: the wrapped model.
+        structure: ``"kfac"``, ``"diag"`` or ``"diag_mc"``.
         loss: the likelihood's name.
-        kfac_mode / mc_samples / trace_estimator: see :class:`HookedPass`.
+        kfac_mode / mc_samples / trace_estimator: see :class:`HookedPass` (``diag`` uses the
+            exact rows, ``diag_mc`` ``mc_samples`` sampled ones, whatever ``kfac_mode``).
         seed: seeds the generator of the sampled labels.
     """
 
     def __init__(
         self,
         model: LogitsModule,
+        structure: str = "kfac",
         *,
         loss: str,
         kfac_mode: str,
@@ -48,14 +54,19 @@ class HookBackend(Backend):
         seed: int,
     ) -> None:
         self.model = model
+        self.structure = structure
         self.likelihood = get_likelihood(loss)
+        if structure != "kfac":
+            kfac_mode = "sampled" if structure == "diag_mc" else "exact"
         self.settings = {
             "kfac_mode": kfac_mode,
             "mc_samples": mc_samples,
             "trace_estimator": trace_estimator,
+            "structure": "kfac" if structure == "kfac" else "diag",
         }
         self.seed = seed
         self.estimator = KFACFisher()
+        self.diagonals: dict[str, dict[str, Tensor]] = {"fisher": {}, "cov": {}}
         self.hooked: HookedPass | None = None
 
     @contextmanager
@@ -80,14 +91,30 @@ class HookBackend(Backend):
         training = split == "training"
         terms = hooked.terms(logits, targets, inputs, curvature=training)
         sums.grad_norm_sq, sums.fisher_trace = terms.grad_norm_sq, terms.fisher_trace
-        if training:
+        if training and self.structure == "kfac":
             self.estimator.add(terms)
+        elif training:
+            for kind, source in (("fisher", terms.diagonal), ("cov", terms.cov_diagonal)):
+                store = self.diagonals[kind]
+                for name, value in source.items():
+                    store[name] = store[name] + value if name in store else value.clone()
         return sums
 
     def summable_states(self) -> list[Tensor]:
-        return self.estimator.summable_states()
+        if self.structure == "kfac":
+            return self.estimator.summable_states()
+        order = self.hooked.names
+        return [store[name] for store in self.diagonals.values() for name in order if name in store]
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        curvature = self.estimator.estimate(num_samples, lam, self.hooked.names)
+        names = self.hooked.names
+        if self.structure == "kfac":
+            curvature = self.estimator.estimate(num_samples, lam, names)
+        else:
+            diagonal = DiagonalFisher(sampled=self.structure == "diag_mc")
+            fisher, cov = self.diagonals["fisher"], self.diagonals["cov"]
+            diagonal.diag_sum = torch.cat([fisher[n].reshape(-1) for n in names])
+            diagonal.grad_sq_sum = torch.cat([cov[n].reshape(-1) for n in names])
+            curvature = diagonal.estimate(num_samples, lam)
         curvature.coverage = self.hooked.coverage()
         return curvature

@@ -31,17 +31,17 @@ __all__ = [
     "make_estimator",
 ]
 
-#: every structure that is not matrix-free; ``kfac`` from layer hooks, the others BackPACK's
+#: every structure that is not matrix-free; ``kfac``, ``diag``, ``diag_mc`` from layer hooks,
+#: ``dense`` and ``gram`` from BackPACK
 STRUCTURES = ("dense", "gram", "kfac", "diag", "diag_mc")
 #: the structures :func:`make_estimator` builds on BackPACK's extensions
-BACKPACK_STRUCTURES = ("dense", "gram", "diag", "diag_mc")
+BACKPACK_STRUCTURES = ("dense", "gram")
 
 
 def make_estimator(
     structure: str,
     *,
     ggn_scale: float = 1.0,
-    mc_samples: int = 1,
     dense_max_parameters: int | None = None,
     gram_max_kernel_size: int | None = None,
 ) -> CurvatureEstimator:
@@ -52,6 +52,4 @@ def make_estimator(
     if structure == "gram":
         kwargs = {} if gram_max_kernel_size is None else {"max_kernel_size": gram_max_kernel_size}
         return GramFisher(ggn_scale, **kwargs)
-    if structure in ("diag", "diag_mc"):
-        return DiagonalFisher(ggn_scale, sampled=structure == "diag_mc", mc_samples=mc_samples)
     raise ValueError(f"structure must be one of {BACKPACK_STRUCTURES}, got {structure!r}.")

@@ -111,7 +111,7 @@ def describe_coverage(coverage: dict[str, str]) -> str:
         f"{counts.get('exact block', 0)} exact bias blocks",
         f"{diagonal} exact diagonal blocks",
     ]
-    text = "kfac from layer hooks: " + ", ".join(parts)
+    text = "measured from layer hooks: " + ", ".join(parts)
     slow = [name for name, kind in coverage.items() if kind == "diagonal (whole model)"]
     if slow:
         text += (
