@@ -1,7 +1,7 @@
 """Per-sample gradients of one layer's parameters from its input and its output gradients.
 
-A forward hook records what a layer received; one backward pass, batched over K cotangents on
-the logits, gives the gradient of each cotangent's scalar with respect to the layer's output.
+A forward hook records what a layer received; one backward pass per cotangent on the logits (K
+of them) gives the gradient of each cotangent's scalar with respect to the layer's output.
 From the two, a *rule* knows the per-sample gradient of each of the layer's parameters without
 any per-sample backward pass (docs/math.md, "Kronecker factors from layer hooks"):
 
@@ -92,8 +92,7 @@ class Rule(ABC):
 
 def _positions_first(tensor: Tensor, channel_dim: int) -> Tensor:
     """``(..., C, *spatial)`` → ``(..., T, C)`` with the spatial positions flattened."""
-    moved = tensor.flatten(channel_dim + 1).transpose(-1, -2)
-    return moved
+    return tensor.flatten(channel_dim + 1).transpose(-1, -2)
 
 
 def _conv_padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...]:
