@@ -307,10 +307,13 @@ def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
     assert all(math.isfinite(record[k]) for k in ("soft_rank", "trace_fisher", "trace_cov"))
 
 
-@pytest.mark.parametrize("name", ["resnet", "transformer"])
-def test_regularized_fit_trains_on_batchnorm_and_token_models(name):
+@pytest.mark.parametrize(
+    ("name", "params"), [("resnet", "all"), ("resnet", "last_layer"), ("transformer", "all")]
+)
+def test_regularized_fit_trains_on_batchnorm_and_token_models(name, params):
     plain = _zoo_fit(name, None)
-    regularized = _zoo_fit(name, _quiet_monitor(regularize=True, reg_strength=1.0))
+    monitor = _quiet_monitor(regularize=True, reg_strength=1.0, reg_params=params)
+    regularized = _zoo_fit(name, monitor)
     changed = any(
         not torch.equal(value, regularized.state_dict()[key])
         for key, value in plain.state_dict().items()
