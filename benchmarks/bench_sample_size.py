@@ -1,4 +1,4 @@
-"""How the soft rank depends on the number m of measured samples (MATH.md, "Sample size").
+"""How the soft rank depends on the number m of measured samples (docs/math.md, "Sample size").
 
 The soft rank of a Fisher averaged over m < n samples is biased low (a concave function of a
 sample mean). This benchmark trains the paper's MLP and CNN as ``configs/mlp.yaml`` and
@@ -11,8 +11,8 @@ different subsets. Each row gives the soft rank, its ratio to the full-training-
 (mean, min and max over subsets) and the time of one ``measure()`` call.
 
 ``gram`` is run where its size guard allows (m·C ≤ 8,192, so m ≤ 819) and ``dense`` for every m
-(P ≈ 4.2k / 4.7k). ``--math-case`` repeats the MATH.md example: the MLP trained on n = 1,000
-with λ = 1e-5, measured at m = 100, 200, 400, 1,000.
+(P ≈ 4.2k / 4.7k). ``--math-case`` repeats the example of docs/math.md, "Sample size": the MLP
+trained on n = 1,000 with λ = 1e-5, measured at m = 100, 200, 400, 1,000.
 
 The script ends with the smallest m of the grid whose KFAC soft rank is within ``--tolerance``
 (5%) of the full-set value on every subset and model: the candidate ``max_samples`` default.
@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="subsets per m for cheap structures")
     parser.add_argument("--epochs", type=int, default=None, help="override the configs' epochs")
     parser.add_argument("--tolerance", type=float, default=0.05, help="allowed KFAC bias")
-    parser.add_argument("--math-case", action="store_true", help="also the MATH.md example")
+    parser.add_argument(
+        "--math-case", action="store_true", help="also the example of docs/math.md, Sample size"
+    )
     parser.add_argument("--math-epochs", type=int, default=100, help="epochs of that MLP")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--cache-dir", default=None, help="reuse trained weights from here")
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
             small = mnist7(train_size=1000, val_size=1000)
             trained = train_model("mlp", small, epochs=args.math_epochs, lam=1e-5, cache_dir=cache)
             print(
-                f"\n### MATH.md case: MLP, n = 1000, λ = 1e-5, {trained.epochs} epochs "
+                f"\n### docs/math.md, Sample size case: MLP, n = 1000, λ = 1e-5, "
+                f"{trained.epochs} epochs "
                 f"(train acc {trained.train_accuracy:.3f}, val acc {trained.val_accuracy:.3f})\n"
             )
             case = measure_grid(

@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 #: Optimizers whose ``weight_decay`` adds ``λθ`` to the gradient (coupled L2), i.e. minimise
-#: ``mean loss + ½λ‖θ‖²`` — the λ of the soft rank (MATH.md, "Setting").
+#: ``mean loss + ½λ‖θ‖²`` — the λ of the soft rank (docs/math.md, "Setting").
 COUPLED_DECAY_OPTIMIZERS = ("SGD", "Adam", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "ASGD")
 #: Optimizers whose decay is decoupled from the gradient (not this λ).
 DECOUPLED_DECAY_OPTIMIZERS = ("AdamW", "Lion", "SGDW")

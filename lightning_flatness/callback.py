@@ -123,7 +123,7 @@ class FlatnessMonitor(Callback):
             decays across parameter groups are refused with a message to pass ``lam``.
         every_n_epochs: measure at the end of every n-th training epoch.
         max_samples: training samples the Fisher averages over (``None``: the whole training
-            set, the least biased soft rank; see MATH.md, "Sample size").
+            set, the least biased soft rank; see docs/math.md, "Sample size").
         max_val_samples: held-out samples for the trace ratio and the observed gap.
         use_val: use the validation dataloader (held-out trace ratio, observed gap).
         log_prefix: prefix of every logged name.

@@ -8,9 +8,10 @@ modules that use their own ``nn.Parameter`` functionally, shared weights.
 One pass over the training batches computes the statistics of
 :func:`~lightning_flatness.functional_stats.batch_statistics` (and, for ``"hutchinson"``, the
 probes' gradients); ``"lanczos"`` keeps the prepared inputs (``cache=True``) and then makes one
-more pass per Lanczos step (MATH.md, "Matrix-free"; :mod:`lightning_flatness.curvature.lanczos`).
+more pass per Lanczos step (docs/math.md, "Matrix-free";
+:mod:`lightning_flatness.curvature.lanczos`).
 The Fisher averages every sample given (up to ``max_samples``), since its soft rank is biased
-low on subsets (MATH.md, "Sample size").
+low on subsets (docs/math.md, "Sample size").
 
 The model is left exactly as found: it is evaluated in eval mode through ``functional_call``
 with detached parameters (never modified, no ``.grad`` written) and private copies of its

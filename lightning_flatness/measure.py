@@ -2,7 +2,7 @@
 
 It streams over *all* batches it is given (up to ``max_samples``): the soft rank of a Fisher
 averaged over m samples is a concave function of a sample mean and so is biased low for small m
-(MATH.md, "Sample size"). Every structure runs through one pipeline
+(docs/math.md, "Sample size"). Every structure runs through one pipeline
 (:func:`~lightning_flatness.pipeline.run_pipeline`: one loop over the batches, one
 cross-process failure check, one reduction, one report) with one of three backends
 (:mod:`lightning_flatness.backends`): layer hooks on the live model for ``kfac``, ``diag`` and
@@ -11,7 +11,7 @@ for ``dense`` and ``gram``. Every one evaluates the model in eval mode; the user
 model, its gradients, its mode, its BatchNorm statistics and the global RNG state are left
 exactly as found, and a ``torch.compile`` wrapper is measured as the module it compiles.
 
-The report combines (MATH.md, "Generalization gap"):
+The report combines (docs/math.md, "Generalization gap"):
 
 - ``predicted_gap`` = Eq. (13): ``(1/n) · Tr(C)/Tr(F) · rank_λ(F)``, with the held-out trace
   ratio when validation batches are given (the training one → 0 when the model overfits,

@@ -1,6 +1,6 @@
 """A differentiable soft-rank (or log-det) penalty on one minibatch: the batched upper bound.
 
-"Flatness After All?", Theorem 6.5 (MATH.md, "Batched upper bound (Theorem 6.5) — the
+"Flatness After All?", Theorem 6.5 (docs/math.md, "Batched upper bound (Theorem 6.5) — the
 regularizer"): for a continuous concave ``h`` with ``h(0) = 0`` and PSD matrices ``X_b``,
 ``h(Σ_b X_b) ≤ Σ_b h(X_b)`` for the trace function ``h(X) = Σ_k h(μ_k(X))``. Splitting the
 training Fisher over the minibatches of an epoch, ``F = Σ_b F_b`` with
@@ -14,8 +14,8 @@ what :func:`soft_rank_penalty` returns; adding ``β · penalty`` to the training
 upper bound on ``β · h(F)/n``.
 
 ``h(F_b)`` is computed exactly through the small kernel ``K_b = (1/n) V_b V_bᵀ``, whose nonzero
-eigenvalues are those of ``F_b`` (MATH.md, "Gram trick"; the first step of the proof of
-Theorem 6.5). Two functions (MATH.md, "Spectral functions of F"):
+eigenvalues are those of ``F_b`` (docs/math.md, "Gram trick"; the first step of the proof of
+Theorem 6.5). Two functions (docs/math.md, "Spectral functions of F"):
 
 - ``function="soft_rank"``: ``h(μ) = μ/(μ+λ)``, so ``h(F_b) = Tr(K_b (K_b+λI)⁻¹)``;
 - ``function="logdet"``: ``h(μ) = ½ log(1 + μ/λ)``, so ``h(F_b) = ½ log det(I + K_b/λ)``. The
@@ -25,7 +25,7 @@ Theorem 6.5). Two functions (MATH.md, "Spectral functions of F"):
 
 Rows of ``V_b`` (``labels=``):
 
-- ``"exact"``: all C classes, row ``(i, c)`` is ``√p_ic ∇θ log p_ic`` (MATH.md, "The three
+- ``"exact"``: all C classes, row ``(i, c)`` is ``√p_ic ∇θ log p_ic`` (docs/math.md, "The three
   matrices"), B·C rows, a BC × BC kernel. **p is not detached**: the penalty is the function
   ``θ ↦ h(F_b(θ))/B`` of the exact batch Fisher and its gradient is the true gradient of that
   function, including the dependence of the weights ``√p`` on θ, so central finite
@@ -918,7 +918,7 @@ def gram_trace_function(
 
     With ``A = I + scale · gram / λ = LLᵀ`` (Cholesky, float64): the soft rank is
     ``Σ μ/(μ+λ) = Tr(I − A⁻¹)`` and the log-det complexity ``½ Σ log(1 + μ/λ) = Σ_k log L_kk``
-    (MATH.md, "Spectral functions of F"). Since ``h(0) = 0``, ``VVᵀ`` and ``VᵀV`` give the same
+    (docs/math.md, "Spectral functions of F"). Since ``h(0) = 0``, ``VVᵀ`` and ``VᵀV`` give the same
     value (the first step of the proof of Theorem 6.5). The gradient is closed-form
     (``λ(K+λI)⁻²`` and ``½(K+λI)⁻¹`` in ``K = scale · gram``); it is not twice differentiable.
 
@@ -1039,14 +1039,14 @@ def soft_rank_penalty(
     """The one-batch estimate ``h(F_b)/B`` of the Theorem 6.5 bound ``(1/n) Σ_b h(F_b)``.
 
     ``F_b = (1/n) Σ_{i∈b} V_iᵀ V_i``; ``h(F_b)`` is computed exactly through the kernel
-    ``K_b = (1/n) V_b V_bᵀ`` (MATH.md, "Batched upper bound (Theorem 6.5) — the regularizer").
+    ``K_b = (1/n) V_b V_bᵀ`` (docs/math.md, "Batched upper bound (Theorem 6.5) — the regularizer").
     Add ``β ·`` this to the training loss; ``.backward()`` reaches the selected parameters.
 
     Args:
         model: the classifier, returning logits (batch, classes); BatchNorm is evaluated on
             its running statistics and Dropout switched off inside the penalty (said once).
         inputs: the training minibatch (B inputs); targets are not needed.
-        lam: λ > 0, the coupled L2 weight decay (MATH.md, "Setting").
+        lam: λ > 0, the coupled L2 weight decay (docs/math.md, "Setting").
         num_train_samples: n, the training-set size (n ≥ B).
         function: ``"soft_rank"`` (``h(μ) = μ/(μ+λ)``) or ``"logdet"``
             (``h(μ) = ½ log(1 + μ/λ)``, with the ½ of

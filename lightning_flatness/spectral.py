@@ -2,7 +2,7 @@
 
 All functions take eigenvalues ``μ_k ≥ 0`` of the Fisher ``F`` and the weight decay ``λ > 0``
 and return ``Σ_k h(μ_k)`` for a concave ``h`` with ``h(0) = 0`` ("Flatness After All?",
-Section 3 and Section 6; the table in MATH.md, "Spectral functions of F"):
+Section 3 and Section 6; the table in docs/math.md, "Spectral functions of F"):
 
 ==================  =================================  ===============================
 name                formula                            function
@@ -17,7 +17,7 @@ operator norm       ``max μ``                           :func:`max_eig`
 Computation is in float64; tiny negative eigenvalues (round-off of a PSD matrix) are clamped
 to zero. Kronecker-factored blocks ``A ⊗ G`` have the eigenvalues ``a_i · g_j``; the
 ``kron_*`` helpers evaluate the sums over those products without forming the product matrix
-(MATH.md, "Structured approximations of F", KFAC).
+(docs/math.md, "Structured approximations of F").
 """
 
 from __future__ import annotations
@@ -180,8 +180,9 @@ def kron_summary(factor_eigenvalues: Sequence[Tensor], lam: float) -> SpectralSu
     """Trace functions of ``A ⊗ G ⊗ …`` from the factors' eigenvalues alone.
 
     The eigenvalues of a Kronecker product are all products of the factors' eigenvalues, so
-    ``rank_λ(A ⊗ G) = Σ_i Σ_j a_i g_j / (a_i g_j + λ)`` (MATH.md, KFAC); the product matrix is
-    never formed and the products are visited in chunks of bounded memory.
+    ``rank_λ(A ⊗ G) = Σ_i Σ_j a_i g_j / (a_i g_j + λ)`` (docs/math.md, "Structured
+    approximations of F"); the product matrix is never formed and the products are visited
+    in chunks of bounded memory.
     """
     lam = check_lam(lam)
     largest = 1.0

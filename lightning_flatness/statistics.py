@@ -7,7 +7,7 @@ the same passes that feed its curvature structure (for BackPACK's structures
 - the negative log-likelihood ``Σ_i −log p(y_i | z_i)`` of the model's own likelihood
   (:mod:`lightning_flatness.likelihoods`: cross-entropy, independent Bernoulli, or
   ``½‖y_i − f_i‖²`` for regression), unsmoothed and unregularized;
-- ``Σ_i ‖g_i‖²`` → ``Tr(C)`` (MATH.md, "The three matrices": C is uncentered, true labels);
+- ``Σ_i ‖g_i‖²`` → ``Tr(C)`` (docs/math.md, "The three matrices": C is uncentered, true labels);
 - ``Σ_i Tr(V_iᵀV_i)`` → ``Tr(F)`` (exact, or an unbiased one-sample Monte-Carlo estimate);
 - the error (e.g. ``Σ_i ‖onehot(y_i) − p_i‖²``) and the uncertainty (its expectation under the
   model, e.g. ``Σ_i (1 − ‖p_i‖²)``) whose ratio is the error/uncertainty ratio α*

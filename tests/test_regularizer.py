@@ -1,7 +1,7 @@
 """Tests of the Theorem 6.5 penalty (``lightning_flatness.regularizer``), in float64.
 
-References are the dense definitions of :mod:`lightning_flatness.reference` (MATH.md, "The three
-matrices") and eigenvalues of the P × P matrices, on models small enough to diagonalise.
+References are the dense definitions of :mod:`lightning_flatness.reference` (docs/math.md, "The
+three matrices") and eigenvalues of the P × P matrices, on models small enough to diagonalise.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``structure="dense"``: the full P × P Fisher from BackPACK's square-root factors.
 
-``F = (1/m) Σ_i V_iᵀ V_i`` (MATH.md, "Square-root factor"; ``SqrtGGNExact`` returns the rows of
+``F = (1/m) Σ_i V_iᵀ V_i`` (docs/math.md, "Square-root factor"; ``SqrtGGNExact`` returns the rows of
 ``V_i``), accumulated batch by batch as a P × P sum, then one float64 eigendecomposition. The
 gradient covariance ``C = (1/m) Σ_i g_i g_iᵀ`` is accumulated too, which makes the regularized
-TIC ``Tr(C (F+λI)⁻¹)`` exact (MATH.md, "Generalization gap", baselines).
+TIC ``Tr(C (F+λI)⁻¹)`` exact (docs/math.md, "Generalization gap", baselines).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """``structure="gram"``: the exact nonzero spectrum of F for any number of parameters.
 
 The nonzero eigenvalues of ``F_m = (1/m) Σ_{i≤m} V_iᵀ V_i = (1/m) VᵀV`` are those of the
-(mC × mC) kernel ``K = (1/m) V Vᵀ`` (MATH.md, "Gram trick"), so the cost is bounded by samples ×
-classes, not by P. Whichever of ``VᵀV`` (P × P) and ``VVᵀ`` (mC × mC) is smaller is
+(mC × mC) kernel ``K = (1/m) V Vᵀ`` (docs/math.md, "Gram trick"), so the cost is bounded by
+samples × classes, not by P. Whichever of ``VᵀV`` (P × P) and ``VVᵀ`` (mC × mC) is smaller is
 diagonalised. The rows of ``V`` are kept, so the size guard is on ``mC``.
 
 The regularized TIC is exact too, by the push-through identity

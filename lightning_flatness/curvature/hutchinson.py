@@ -1,6 +1,6 @@
 """``structure="hutchinson"``: one-backward Hutchinson estimates of diag(F) and Tr(F), with bounds.
 
-fim_bounds_hutchinson.txt, Eq. 2 and Prop. 12 (MATH.md, "Hutchinson estimates of F"): with
+fim_bounds_hutchinson.txt, Eq. 2 and Prop. 12 (docs/math.md, "Hutchinson estimates of F"): with
 ``h = Σ_x Σ_c √p̃_xc log p_xc ξ_xc`` (p̃ detached, ξ Rademacher or Gaussian, one entry per
 sample and class) the gradient ``g = ∂h/∂θ`` — one backward pass — satisfies ``E g gᵀ = Σ_x F_x``,
 so ``g∘g`` estimates the diagonal (std ≤ √2 × mean per entry) and ``‖g‖²`` the trace. Two

@@ -1,12 +1,12 @@
 """``structure="lanczos"``: stochastic Lanczos quadrature (SLQ) over Fisher products.
 
-Every trace function of MATH.md, "Spectral functions of F" (soft rank, rank⁽²⁾, log-det,
+Every trace function of docs/math.md, "Spectral functions of F" (soft rank, rank⁽²⁾, log-det,
 trace) is ``Tr h(F) = Σ_k h(μ_k)`` with ``h(0) = 0``; the max eigenvalue is the largest Ritz
-value. MATH.md, "Matrix-free": estimate them from products with F alone.
+value. docs/math.md, "Matrix-free": estimate them from products with F alone.
 
 The probes. With ``V`` the (mC × P) stack of the square-root factors ``V_i = A_i J_i``
 (:class:`~lightning_flatness.functional_stats.OutputCore`), ``F = ṼᵀṼ`` and ``K = ṼṼᵀ``
-(``Ṽ = V/√m``, MATH.md, "Gram trick") have the same nonzero eigenvalues. For a random
+(``Ṽ = V/√m``, docs/math.md, "Gram trick") have the same nonzero eigenvalues. For a random
 ``ξ ∈ R^{mC}`` (one Rademacher or Gaussian entry per sample and class, ``E ξξᵀ = I``),
 ``ξᵀ h(K) ξ`` is an unbiased (Hutchinson) estimate of ``Tr h(K) = Tr h(F)``. It is evaluated by
 Lanczos with full reorthogonalization in whichever space is smaller (``space="auto"``):
@@ -194,7 +194,7 @@ def slq_values(
 ) -> dict[str, float]:
     """``scale · Σ_j τ_j² g(θ_j)`` for each trace function, ``g = h`` or ``h/μ``.
 
-    ``h`` per MATH.md, "Spectral functions of F": ``μ/(μ+λ)``, ``(μ/(μ+λ))²``,
+    ``h`` per docs/math.md, "Spectral functions of F": ``μ/(μ+λ)``, ``(μ/(μ+λ))²``,
     ``½ log(1 + μ/λ)`` and ``μ``.
     """
     mu = nodes

@@ -7,7 +7,7 @@ its traceback. A structure that fails on its own (e.g. a size guard) is recorded
 
 The measured gap is the held-out loss minus the training loss of the final model, both plain
 cross-entropy in eval mode over the *whole* training and held-out sets, as measured by
-:func:`~lightning_flatness.measure` (``observed_gap``; the regularizer cancels, MATH.md,
+:func:`~lightning_flatness.measure` (``observed_gap``; the regularizer cancels, docs/math.md,
 "Generalization gap").
 """
 
