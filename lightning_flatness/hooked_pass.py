@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 
 import torch
@@ -606,9 +606,10 @@ def _plan_key(model: LogitsModule) -> tuple:
 
 def _remember_plan(hooked: HookedPass) -> None:
     covered = {name: rule.batch_dim for rule in hooked.rules for name in rule.names.values()}
-    _PLANS[hooked.model.model] = _Plan(
-        _plan_key(hooked.model), covered, tuple(hooked.tapped), tuple(hooked.fallback)
-    )
+    plan = _Plan(_plan_key(hooked.model), covered, tuple(hooked.tapped), tuple(hooked.fallback))
+    # a module that cannot be weakly referenced is simply checked again next time
+    with suppress(TypeError):
+        _PLANS[hooked.model.model] = plan
 
 
 def _apply_plan(hooked: HookedPass) -> bool:
