@@ -26,7 +26,7 @@ from typing import Any
 
 from lightning_flatness.sweep.config import EXACT, SWEEP_STRUCTURES
 from lightning_flatness.sweep.kendall import kendall_tau_b
-from lightning_flatness.sweep.runner import INVOCATIONS_FILE, RESULTS_FILE, json_safe, read_records
+from lightning_flatness.sweep.records import INVOCATIONS_FILE, RESULTS_FILE, json_safe, read_records
 
 __all__ = [
     "MEASURES",

@@ -14,8 +14,6 @@ pool is restarted for the remaining runs. With one worker, runs execute in this 
 
 from __future__ import annotations
 
-import json
-import math
 import multiprocessing
 import os
 import time
@@ -30,6 +28,14 @@ import yaml
 
 from lightning_flatness.measure import MATRIX_FREE_STRUCTURES
 from lightning_flatness.sweep.config import SweepConfig
+from lightning_flatness.sweep.records import (
+    INVOCATIONS_FILE,
+    RESULTS_FILE,
+    json_line,
+    json_safe,
+    read_records,
+)
+from lightning_flatness.sweep.report import write_report
 from lightning_flatness.sweep.run import execute_run, set_threads
 
 __all__ = [
@@ -42,8 +48,6 @@ __all__ = [
     "run_sweep",
 ]
 
-RESULTS_FILE = "runs.jsonl"
-INVOCATIONS_FILE = "invocations.jsonl"
 CONFIG_FILE = "sweep_config.yaml"
 
 
@@ -88,24 +92,6 @@ def available_structures(structures: Sequence[str]) -> tuple[list[str], list[str
         )
         return [s for s in structures if s not in MATRIX_FREE_STRUCTURES], [note]
     return list(structures), []
-
-
-def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a ``runs.jsonl`` file, in file order; a torn last line is ignored."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    records = []
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:  # a run interrupted while its line was written
-                continue
-    return records
 
 
 def _default_workers() -> int:
@@ -188,22 +174,6 @@ def _progress(total: int, skipped: int, enabled: bool) -> Any:
     )
 
 
-def json_safe(value: Any) -> Any:
-    """``value`` with every NaN or ±inf float (at any depth) replaced by ``None``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def _json_line(record: Mapping[str, Any]) -> str:
-    """One strict JSON line (NaN and ±inf written as ``null``)."""
-    return json.dumps(json_safe(record), allow_nan=False, default=repr)
-
-
 def run_sweep(
     config: SweepConfig,
     *,
@@ -264,7 +234,7 @@ def run_sweep(
     try:
         with results.open("a", encoding="utf-8") as handle:
             for record in execute(*arguments):
-                handle.write(_json_line(record) + "\n")
+                handle.write(json_line(record) + "\n")
                 handle.flush()
                 if record["status"] == "ok":
                     summary.finished += 1
@@ -289,9 +259,7 @@ def run_sweep(
             "notes": notes,
         }
         with (out / INVOCATIONS_FILE).open("a", encoding="utf-8") as handle:
-            handle.write(_json_line(invocation) + "\n")
+            handle.write(json_line(invocation) + "\n")
     if report:
-        from lightning_flatness.sweep.report import write_report
-
         write_report(out)
     return summary

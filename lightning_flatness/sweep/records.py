@@ -1,0 +1,50 @@
+"""The sweep's files: one strict JSON line per run (``runs.jsonl``) and per invocation
+(``invocations.jsonl``), written by :mod:`lightning_flatness.sweep.runner` and read by
+:mod:`lightning_flatness.sweep.report`."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["INVOCATIONS_FILE", "RESULTS_FILE", "json_line", "json_safe", "read_records"]
+
+RESULTS_FILE = "runs.jsonl"
+INVOCATIONS_FILE = "invocations.jsonl"
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a ``runs.jsonl`` file, in file order; a torn last line is ignored."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    with path.open(encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:  # a run interrupted while its line was written
+                continue
+    return records
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or ±inf float (at any depth) replaced by ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def json_line(record: Mapping[str, Any]) -> str:
+    """One strict JSON line (NaN and ±inf written as ``null``)."""
+    return json.dumps(json_safe(record), allow_nan=False, default=repr)
