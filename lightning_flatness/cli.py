@@ -29,12 +29,9 @@ from typing import Any
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
-__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FlatnessCLI", "main"]
+from lightning_flatness.class_paths import DEFAULT_DATA, DEFAULT_MODEL
 
-#: Class path of the default model.
-DEFAULT_MODEL = "lightning_flatness.lightning_module.FlatnessClassifier"
-#: Class path of the default datamodule.
-DEFAULT_DATA = "lightning_flatness.data.MNIST7DataModule"
+__all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FlatnessCLI", "main"]
 
 _SWEEP_MODULE = "lightning_flatness.sweep"
 _DESCRIPTION = (

@@ -4,6 +4,8 @@ that closes a loop counts too: it only hides the cycle)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import lightning_flatness
@@ -68,3 +70,15 @@ def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_sweep_configuration_does_not_load_the_command_line():
+    """Reading a sweep configuration needs two class paths, not LightningCLI and jsonargparse."""
+    code = (
+        "import sys, lightning_flatness.sweep.config; "
+        "print(int('jsonargparse' in sys.modules or 'lightning.pytorch.cli' in sys.modules))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert loaded == "0"

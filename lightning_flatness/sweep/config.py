@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from lightning_flatness.cli import DEFAULT_DATA, DEFAULT_MODEL
+from lightning_flatness.class_paths import DEFAULT_DATA, DEFAULT_MODEL
 from lightning_flatness.curvature import STRUCTURES
 from lightning_flatness.measure import MATRIX_FREE_STRUCTURES
 
