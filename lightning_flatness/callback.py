@@ -143,8 +143,9 @@ class FlatnessMonitor(Callback):
         figure_every_n_measurements: drawing the figure costs about as much as measuring a
             small MLP, so it is redrawn only this often.
         print_summary: print a summary table of the last measurement at fit end.
-        fallback_structure: used (with one info message) when BackPACK cannot extend the model;
-            ``None`` records NaN instead.
+        fallback_structure: used (with one info message) when BackPACK cannot extend the model
+            for ``structure="dense"`` or ``"gram"`` (the other structures run on any
+            differentiable model); ``None`` records NaN instead.
         seed: seeds the sample subset and the Monte-Carlo structures.
         measure_kwargs: further keyword arguments for :func:`~lightning_flatness.measure`
             (e.g. ``{"matrix_free_options": {...}}``); keys the monitor sets itself are refused
