@@ -41,7 +41,6 @@ __all__ = [
 # Attributes objects commonly hold that must be shared, not copied (e.g. a LightningModule's
 # trainer, which owns dataloaders and loggers).
 _SHARED_ATTRIBUTES = ("_trainer", "_fabric")
-_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 class UnsupportedModelError(RuntimeError):

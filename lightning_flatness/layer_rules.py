@@ -160,6 +160,16 @@ class KroneckerRule(Rule):
         raise NotImplementedError("Kronecker rules never materialise weight gradients.")
 
 
+def _per_sample_weight_gradients(a: Tensor, s: Tensor) -> Iterator[Tensor]:
+    """``Σ_t s_kit a_itᵀ`` for chunks of samples: (chunk, K, o, d) each, one batched matrix
+    product per chunk of at most :data:`CHUNK_ELEMENTS` numbers."""
+    k, n, t, o = s.shape
+    d = a.shape[-1]
+    for rows in _chunks(n, max(1, CHUNK_ELEMENTS // (k * o * d))):
+        s_rows = s[:, rows].permute(1, 0, 3, 2).reshape(-1, k * o, t)
+        yield torch.bmm(s_rows, a[rows]).reshape(-1, k, o, d)
+
+
 def weight_squared_norms(a: Tensor, s: Tensor, embedding: bool) -> Tensor:
     """``‖Σ_t s_kit a_itᵀ‖²`` summed over samples, per cotangent: (K,).
 
@@ -176,12 +186,9 @@ def weight_squared_norms(a: Tensor, s: Tensor, embedding: bool) -> Tensor:
         return torch.einsum("kn,n->k", s.square().sum((-1, -2)), a.square().sum((-1, -2)))
     d = a.shape[-1]
     totals = s.new_zeros(k)
-    if o * d <= t * (o + d):  # per-sample gradients, one batched matrix product per chunk
-        per_chunk = max(1, CHUNK_ELEMENTS // (k * o * d))
-        for rows in _chunks(n, per_chunk):
-            s_rows = s[:, rows].permute(1, 0, 3, 2).reshape(-1, k * o, t)
-            grads = torch.bmm(s_rows, a[rows]).reshape(-1, k, o * d)
-            totals += grads.square().sum((0, 2))
+    if o * d <= t * (o + d):
+        for grads in _per_sample_weight_gradients(a, s):
+            totals += grads.square().sum((0, 2, 3))
     else:
         per_chunk = max(1, CHUNK_ELEMENTS // (k * t * t))
         for rows in _chunks(n, per_chunk):
@@ -225,10 +232,7 @@ def weight_square_sums(a: Tensor, s: Tensor, embedding: bool, num_rows: int) -> 
     if t == 1:
         return torch.einsum("kno,nd->kod", s[:, :, 0].square(), a[:, 0].square())
     totals = s.new_zeros(k, o, d)
-    per_chunk = max(1, CHUNK_ELEMENTS // (k * o * d))
-    for rows in _chunks(n, per_chunk):
-        s_rows = s[:, rows].permute(1, 0, 3, 2).reshape(-1, k * o, t)
-        grads = torch.bmm(s_rows, a[rows]).reshape(-1, k, o, d)
+    for grads in _per_sample_weight_gradients(a, s):
         totals += grads.square().sum(0)
     return totals
 
@@ -289,8 +293,13 @@ class LocalRule(Rule):
     module sees each sample with a batch dimension of one.
     """
 
+    @property
+    def _sequence_first(self) -> bool:
+        """Query, key, value and output carry the samples on dimension 1."""
+        return isinstance(self.module, nn.MultiheadAttention) and not self.module.batch_first
+
     def _batch_dims(self, call: LayerCall, batch: int) -> tuple[tuple, dict]:
-        seq_first = isinstance(self.module, nn.MultiheadAttention) and not self.module.batch_first
+        seq_first = self._sequence_first
 
         def dim_of(value: object, position: int | None) -> int | None:
             if not isinstance(value, Tensor):
@@ -317,8 +326,7 @@ class LocalRule(Rule):
         self, call: LayerCall, grad: Tensor, params: dict[str, Tensor]
     ) -> dict[str, Tensor]:
         """Per-sample gradients ``{attribute: (K, N, *shape)}`` of one recorded call."""
-        seq_first = isinstance(self.module, nn.MultiheadAttention) and not self.module.batch_first
-        out_dim = 1 if seq_first else 0
+        out_dim = 1 if self._sequence_first else 0
         batch = grad.shape[out_dim + 1]
         arg_dims, kwarg_dims = self._batch_dims(call, batch)
 

@@ -50,7 +50,7 @@ from lightning_flatness.curvature.base import CurvatureEstimate
 from lightning_flatness.failures import MeasurementError
 from lightning_flatness.likelihoods import get_likelihood
 from lightning_flatness.matrix_free import MATRIX_FREE_STRUCTURES
-from lightning_flatness.model_state import rng_devices, uncompiled
+from lightning_flatness.model_state import per_sample_modes, rng_devices, uncompiled
 from lightning_flatness.pipeline import model_device_dtype, run_pipeline
 from lightning_flatness.spectral import SpectralSummary, check_lam
 from lightning_flatness.statistics import StatisticSums
@@ -308,14 +308,12 @@ def check_batch(
     wrapped, stream, _ = wrap_for_batches(model, [batch], unpack_batch, logits_fn)
     prepared = prepared_batches(stream, None, device, dtype, unpack_batch, wrapped.spec)
     _, inputs, targets = next(iter(prepared))
-    modes = [(module, module.training) for module in model.modules()]
-    try:
-        with torch.random.fork_rng(devices=rng_devices(model)), torch.no_grad():
-            model.eval()
-            logits = wrapped(*inputs)
-    finally:
-        for module, mode in modes:
-            module.training = mode
+    with (
+        torch.random.fork_rng(devices=rng_devices(model)),
+        torch.no_grad(),
+        per_sample_modes(model),
+    ):
+        logits = wrapped(*inputs)
     likelihood.check_outputs(logits, num_samples(inputs))
     likelihood.prepare_targets(targets, logits)
     return num_samples(inputs), int(logits.shape[1])

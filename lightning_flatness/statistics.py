@@ -33,7 +33,6 @@ from backpack.extensions import (
     DiagGGNExact,
     DiagGGNMC,
     SqrtGGNExact,
-    SumGradSquared,
 )
 from torch import Tensor, nn
 
@@ -118,9 +117,9 @@ def _relative_flatness_sum(layer: nn.Linear | None, features: Tensor | None, cor
 class SampleStatistics:
     """The :class:`StatisticSums` of a batch from BackPACK's per-sample quantities.
 
-    The Fisher trace is read from whatever BackPACK quantity the curvature structure already
-    computes (``SqrtGGNExact`` rows or the ``DiagGGNExact`` / ``DiagGGNMC`` diagonal) and only
-    costs an extension of its own when the structure has none.
+    The exact Fisher trace and the per-sample gradients are read from the ``SqrtGGNExact`` rows
+    and ``BatchGrad`` gradients the structure (``dense``, ``gram``) computes anyway; only what
+    it lacks costs an extension of its own (e.g. for the validation split).
 
     Args:
         trace_estimator: ``"exact"`` (``DiagGGNExact``) or ``"sampled"`` (``DiagGGNMC`` with one
@@ -149,27 +148,20 @@ class SampleStatistics:
         self.grad_norm_savefield = self._pick_gradient_source(structure_extensions)
 
     def _pick_gradient_source(self, structure_extensions: Sequence[object]) -> str:
-        """``Σ_i ‖g_i‖²`` from per-sample gradients or their summed squares when the structure
-        computes them anyway (``BatchGrad``, ``SumGradSquared``), else from ``BatchL2Grad``."""
-        present = {type(extension) for extension in structure_extensions}
-        for kind, savefield in ((BatchGrad, "grad_batch"), (SumGradSquared, "sum_grad_squared")):
-            if kind in present:
-                return savefield
+        """``Σ_i ‖g_i‖²`` from the structure's ``BatchGrad``, else from ``BatchL2Grad``."""
+        if any(isinstance(extension, BatchGrad) for extension in structure_extensions):
+            return "grad_batch"
         self._own_extensions.append(BatchL2Grad())
         return "batch_l2"
 
     def _pick_trace_source(self, structure_extensions: Sequence[object]) -> str:
-        present = {type(extension) for extension in structure_extensions}
-        if self.trace_estimator == "exact":
-            sources = ((SqrtGGNExact, "sqrt_ggn_exact"), (DiagGGNExact, "diag_ggn_exact"))
-            for kind, savefield in sources:
-                if kind in present:
-                    return savefield
-            self._own_extensions.append(DiagGGNExact())
-            return "diag_ggn_exact"
-        if DiagGGNMC not in present:  # else share the structure's (unbiased for any mc_samples)
+        if self.trace_estimator == "sampled":
             self._own_extensions.append(DiagGGNMC(mc_samples=1))
-        return "diag_ggn_mc"
+            return "diag_ggn_mc"
+        if any(isinstance(extension, SqrtGGNExact) for extension in structure_extensions):
+            return "sqrt_ggn_exact"
+        self._own_extensions.append(DiagGGNExact())
+        return "diag_ggn_exact"
 
     def extensions(self) -> list[object]:
         """The extensions to add to the structure's for this pass."""
@@ -184,7 +176,7 @@ class SampleStatistics:
         per_sample = [getattr(p, self.grad_norm_savefield).detach() for p in model.parameters]
         if self.grad_norm_savefield == "grad_batch":
             grad_norm_sq = sum(g.to(torch.float64).square().sum() for g in per_sample)
-        else:  # batch_l2 and sum_grad_squared both sum to Σ_i ‖g_i‖²
+        else:  # batch_l2 holds the per-sample ‖g_i‖²
             grad_norm_sq = sum(g.to(torch.float64).sum() for g in per_sample)
         batch.grad_norm_sq = float(grad_norm_sq) * self.scale**2
         quantities = [getattr(p, self.trace_savefield).detach() for p in model.parameters]

@@ -65,7 +65,7 @@ class HookBackend(Backend):
             "structure": "kfac" if structure == "kfac" else "diag",
         }
         self.seed = seed
-        self.estimator = KFACFisher()
+        self.estimator = KFACFisher() if structure == "kfac" else None
         self.diagonals: dict[str, dict[str, Tensor]] = {"fisher": {}, "cov": {}}
         self.hooked: HookedPass | None = None
 
@@ -91,7 +91,7 @@ class HookBackend(Backend):
         training = split == "training"
         terms = hooked.terms(logits, targets, inputs, curvature=training)
         sums.grad_norm_sq, sums.fisher_trace = terms.grad_norm_sq, terms.fisher_trace
-        if training and self.structure == "kfac":
+        if training and self.estimator is not None:
             self.estimator.add(terms)
         elif training:
             for kind, source in (("fisher", terms.diagonal), ("cov", terms.cov_diagonal)):
@@ -101,14 +101,14 @@ class HookBackend(Backend):
         return sums
 
     def summable_states(self) -> list[Tensor]:
-        if self.structure == "kfac":
+        if self.estimator is not None:
             return self.estimator.summable_states()
         order = self.hooked.names
         return [store[name] for store in self.diagonals.values() for name in order if name in store]
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         names = self.hooked.names
-        if self.structure == "kfac":
+        if self.estimator is not None:
             curvature = self.estimator.estimate(num_samples, lam, names)
         else:
             diagonal = DiagonalFisher(sampled=self.structure == "diag_mc")
