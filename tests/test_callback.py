@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
-from lightning_flatness._trainer_facts import LambdaResolutionError, resolve_lam
+from lightning_flatness.lightning.trainer_facts import LambdaResolutionError, resolve_lam
 
 
 def fit(tmp_path, callbacks=(), architecture="mlp", max_epochs=2, optimizer="adam", **trainer_kw):

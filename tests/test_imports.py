@@ -82,3 +82,72 @@ def test_sweep_configuration_does_not_load_the_command_line():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert loaded == "0"
+
+
+def _imported_roots(path: Path) -> set[str]:
+    """Top-level names of every absolute import anywhere in ``path`` (deferred ones too)."""
+    roots: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module)
+        elif isinstance(node, ast.Import):
+            roots.update(alias.name for alias in node.names)
+    return roots
+
+
+def _pure_torch_modules() -> list[Path]:
+    """The core (without its BackPACK part) and the regularizer."""
+    core = [p for p in (PACKAGE / "core").rglob("*.py") if "backpack" not in p.parts]
+    return core + sorted((PACKAGE / "regularizer").rglob("*.py"))
+
+
+def _layer_violations(path: Path) -> list[str]:
+    forbidden = ("lightning", "pytorch_lightning", "backpack")
+    inner = ("lightning_flatness.lightning", "lightning_flatness.sweep")
+    return sorted(
+        name
+        for name in _imported_roots(path)
+        if name.split(".")[0] in forbidden or name.startswith(inner)
+    )
+
+
+def test_the_core_and_the_regularizer_name_neither_lightning_nor_backpack():
+    """Statically: no module of the core (outside ``core/backpack``) or of the regularizer
+    imports Lightning, BackPACK or the package's Lightning layer, not even inside a function."""
+    offenders = {
+        str(path.relative_to(PACKAGE)): found
+        for path in _pure_torch_modules()
+        if (found := _layer_violations(path))
+    }
+    assert offenders == {}
+
+
+def test_the_layer_test_sees_a_forbidden_import(tmp_path):
+    module = tmp_path / "module.py"
+    module.write_text("def f():\n    from lightning.pytorch import Trainer\n", encoding="utf-8")
+    assert _layer_violations(module) == ["lightning.pytorch"]
+    module.write_text("from lightning_flatness.lightning.monitor import FlatnessMonitor\n")
+    assert _layer_violations(module) == ["lightning_flatness.lightning.monitor"]
+    module.write_text("import torch\nfrom lightning_flatness.core import measure\n")
+    assert _layer_violations(module) == []
+
+
+def test_importing_the_core_loads_neither_lightning_nor_backpack():
+    """At run time: the package, every pure-torch module and a kfac measurement load neither."""
+    modules = sorted(_module_name(path) for path in _pure_torch_modules())
+    code = (
+        "import sys, importlib, torch\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "import lightning_flatness as lf\n"
+        "nn = torch.nn\n"
+        "model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))\n"
+        "batches = [(torch.randn(5, 3), torch.tensor([0, 1, 0, 1, 1]))]\n"
+        "lf.measure(model, batches, lam=0.1, num_train_samples=5)\n"
+        "lf.measure(model, batches, lam=0.1, num_train_samples=5, structure='lanczos')\n"
+        "roots = {m.split('.')[0] for m in sys.modules}\n"
+        "print(sorted(roots & {'lightning', 'pytorch_lightning', 'backpack'}))\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert loaded == "[]"

@@ -15,9 +15,9 @@ from conftest import batches, random_data, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_flatness import reference, spectral
-from lightning_flatness.curvature.base import StructureTooLargeError
-from lightning_flatness.curvature.lanczos import (
+from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.backends.matrix_free import stream_matrix_free
+from lightning_flatness.core.curvature.lanczos import (
     FIELDS,
     density_sample,
     gauss_quadrature,
@@ -25,8 +25,8 @@ from lightning_flatness.curvature.lanczos import (
     slq_values,
     truncated,
 )
-from lightning_flatness.matrix_free import stream_matrix_free
-from lightning_flatness.measure import measure
+from lightning_flatness.core.failures import StructureTooLargeError
+from lightning_flatness.core.measure import measure
 
 LAM = 1e-3
 N_TRAIN = 1000

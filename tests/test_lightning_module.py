@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_flatness.data import MNIST7DataModule
-from lightning_flatness.lightning_module import OPTIMIZERS, FlatnessClassifier
+from lightning_flatness.lightning.data import MNIST7DataModule
+from lightning_flatness.lightning.module import OPTIMIZERS, FlatnessClassifier
 
 # Harmless Lightning notices about the deliberately tiny runs below.
 pytestmark = [

@@ -1,7 +1,7 @@
 """``loss="bce"`` and ``loss="mse"`` in every structure, against the dense float64 reference.
 
 The reference writes each likelihood's closed form out by itself (``reference.py``), so these
-tests check :mod:`lightning_flatness.likelihoods`, the BackPACK multi-output BCE derivatives
+tests check :mod:`lightning_flatness.core.likelihoods`, the BackPACK multi-output BCE derivatives
 and the torch.func path at once, at several batch sizes.
 """
 
@@ -13,8 +13,9 @@ import pytest
 import torch
 from conftest import batches, random_data, tiny_model
 
-from lightning_flatness import measure, reference, spectral
-from lightning_flatness.likelihoods import TargetError
+from lightning_flatness import measure
+from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.likelihoods import TargetError
 
 LAM = 1e-3
 N_TRAIN = 1000

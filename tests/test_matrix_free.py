@@ -13,10 +13,10 @@ import torch
 from conftest import batches, random_data, tiny_model
 from torch import nn
 
-from lightning_flatness import reference, spectral
-from lightning_flatness._backpack import UnsupportedModelError
-from lightning_flatness.matrix_free import MatrixFreeOptions, stream_matrix_free
-from lightning_flatness.measure import MeasurementError, measure
+from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.backends.matrix_free import MatrixFreeOptions, stream_matrix_free
+from lightning_flatness.core.failures import MeasurementError, UnsupportedModelError
+from lightning_flatness.core.measure import measure
 
 LAM = 1e-3
 N_TRAIN = 1000

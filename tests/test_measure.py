@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import batches, random_data, tiny_model
 
-from lightning_flatness import reference, spectral
-from lightning_flatness.measure import measure
+from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.measure import measure
 
 LAM = 1e-3
 N_TRAIN = 1000

@@ -9,9 +9,12 @@ import torch
 from conftest import batches, random_data, tiny_model
 from torch import nn
 
-from lightning_flatness._backpack import UnsupportedModelError
-from lightning_flatness.curvature import StructureTooLargeError
-from lightning_flatness.measure import MeasurementError, measure
+from lightning_flatness.core.failures import (
+    MeasurementError,
+    StructureTooLargeError,
+    UnsupportedModelError,
+)
+from lightning_flatness.core.measure import measure
 
 LAM = 1e-3
 

@@ -1,6 +1,6 @@
 """Tests of the Theorem 6.5 penalty (``lightning_flatness.regularizer``), in float64.
 
-References are the dense definitions of :mod:`lightning_flatness.reference` (docs/math.md, "The
+References are the dense definitions of :mod:`lightning_flatness.core.reference` (docs/math.md, "The
 three matrices") and eigenvalues of the P × P matrices, on models small enough to diagonalise.
 """
 
@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from lightning_flatness import spectral
-from lightning_flatness.models import build_model
-from lightning_flatness.reference import dense_fisher, parameter_blocks, per_sample_sqrt_fisher
+from lightning_flatness.core import spectral
+from lightning_flatness.core.models import build_model
+from lightning_flatness.core.reference import dense_fisher, parameter_blocks, per_sample_sqrt_fisher
 from lightning_flatness.regularizer import (
     SoftRankPenalty,
     fisher_gram,

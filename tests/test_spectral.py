@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_flatness import spectral
+from lightning_flatness.core import spectral
 
 eigenvalue_lists = st.lists(
     st.floats(min_value=0.0, max_value=1e4, allow_nan=False), min_size=1, max_size=30

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -14,11 +13,11 @@ import torch
 import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_flatness import cli
+from lightning_flatness.lightning import cli
 from lightning_flatness.sweep.config import SweepConfig, load_config, run_key
 from lightning_flatness.sweep.report import null_standard_deviation, write_report
 from lightning_flatness.sweep.run import execute_run, resolve_exact
-from lightning_flatness.sweep.runner import available_structures, read_records, run_sweep
+from lightning_flatness.sweep.runner import read_records, run_sweep
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*smaller than the logging interval"),
@@ -278,11 +277,3 @@ def test_shipped_configs_parse():
 def test_resolve_exact_picks_the_smaller_matrix():
     assert resolve_exact(4280, 500, 10) == "dense"
     assert resolve_exact(4280, 250, 10) == "gram"
-
-
-def test_matrix_free_structures_are_skipped_when_unavailable(monkeypatch):
-    monkeypatch.setitem(sys.modules, "lightning_flatness.matrix_free", None)
-    structures, notes = available_structures(["exact", "kfac", "lanczos", "hutchinson"])
-    assert structures == ["exact", "kfac"]
-    assert len(notes) == 1 and "lanczos" in notes[0]
-    assert available_structures(["kfac"]) == (["kfac"], [])

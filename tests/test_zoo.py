@@ -19,9 +19,10 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader
 from zoo import ZOO, build, zoo_data
 
-from lightning_flatness import FlatnessMonitor, measure, reference, spectral
-from lightning_flatness.batches import wrap_for_batches
-from lightning_flatness.model_state import left_as_found, original_module
+from lightning_flatness import FlatnessMonitor, measure
+from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.batches import wrap_for_batches
+from lightning_flatness.core.model_state import left_as_found, original_module
 
 LAM = 1e-3
 N = 8

@@ -10,7 +10,7 @@ A sweep file has the sections of a ``lightning-flatness fit`` config (``model``,
     ``model.lr`` is short for ``model.init_args.lr`` (likewise for ``data``); ``trainer.X``,
     ``measure.X`` and the top-level ``seed``, ``steps``, ``lam`` can be varied as well.
 ``structures``
-    The :func:`~lightning_flatness.measure` structures measured at the end of every run;
+    The :func:`~lightning_flatness.core.measure` structures measured at the end of every run;
     ``"exact"`` is ``"dense"`` when the model has at most ``n·C`` parameters and ``"gram"``
     otherwise (both give the exact spectrum; the smaller matrix is cheaper).
 ``seed``
@@ -44,9 +44,9 @@ from typing import Any
 
 import yaml
 
-from lightning_flatness.class_paths import DEFAULT_DATA, DEFAULT_MODEL
-from lightning_flatness.curvature import STRUCTURES
-from lightning_flatness.measure import MATRIX_FREE_STRUCTURES
+from lightning_flatness.core.backends.matrix_free import MATRIX_FREE_STRUCTURES
+from lightning_flatness.core.curvature import STRUCTURES
+from lightning_flatness.lightning.class_paths import DEFAULT_DATA, DEFAULT_MODEL
 
 __all__ = ["EXACT", "SWEEP_STRUCTURES", "SweepConfig", "load_config", "run_key"]
 

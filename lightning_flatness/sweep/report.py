@@ -406,8 +406,7 @@ def write_report(output_dir: str | Path) -> Path:
                 f"| {s.get('started')} | {s.get('wall_seconds') or 0:.0f} | {s.get('finished')} | "
                 f"{s.get('failed')} | {s.get('skipped')} | {s.get('workers')} |"
             )
-        notes = sorted({note for s in invocations for note in s.get("notes") or []})
-        lines += [""] + [f"- {note}" for note in notes] + ([""] if notes else [])
+        lines.append("")
     if failed:
         lines += ["## Failed runs", "", "| run | error |", "|---|---|"]
         for record in failed:

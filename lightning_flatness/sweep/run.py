@@ -7,7 +7,7 @@ its traceback. A structure that fails on its own (e.g. a size guard) is recorded
 
 The measured gap is the held-out loss minus the training loss of the final model, both plain
 cross-entropy in eval mode over the *whole* training and held-out sets, as measured by
-:func:`~lightning_flatness.measure` (``observed_gap``; the regularizer cancels, docs/math.md,
+:func:`~lightning_flatness.core.measure` (``observed_gap``; the regularizer cancels, docs/math.md,
 "Generalization gap").
 """
 
@@ -100,7 +100,7 @@ def _quiet_lightning() -> None:
 
 def _loader_from(owner: Any, hook: str) -> Any:
     """``owner.<hook>()`` (a LightningModule/DataModule loader hook), ``None`` if unavailable."""
-    from lightning_flatness._trainer_facts import first_dataloader
+    from lightning_flatness.lightning.trainer_facts import first_dataloader
 
     if owner is None:
         return None
@@ -133,13 +133,13 @@ def _finite(value: Any) -> Any:
 def _train_and_measure(run: Mapping[str, Any]) -> dict[str, Any]:
     from lightning.pytorch import Trainer, seed_everything
 
-    from lightning_flatness._trainer_facts import (
+    from lightning_flatness.core.measure import measure
+    from lightning_flatness.lightning.trainer_facts import (
         first_dataloader,
         fixed_subset_batches,
         resolve_lam,
         resolve_num_train_samples,
     )
-    from lightning_flatness.measure import measure
 
     _quiet_lightning()
     seed = int(run["seed"])

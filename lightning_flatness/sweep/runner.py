@@ -4,7 +4,7 @@ Results go to ``<output_dir>/runs.jsonl``, one line per finished run, written by
 process only (so lines never interleave) and flushed as each run ends. A rerun reads the file
 and skips every run whose key is already recorded with ``status="ok"`` (failed runs are tried
 again unless ``retry_failed=False``). Each invocation also appends one line to
-``<output_dir>/invocations.jsonl`` (wall time, runs done, workers, notes).
+``<output_dir>/invocations.jsonl`` (wall time, runs done, workers).
 
 With more than one worker, runs execute in ``spawn`` ed processes, at most ``workers`` at a time,
 each limited to ``threads_per_worker`` torch threads. A worker that dies (e.g. killed for
@@ -20,13 +20,12 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from lightning_flatness.measure import MATRIX_FREE_STRUCTURES
 from lightning_flatness.sweep.config import SweepConfig
 from lightning_flatness.sweep.records import (
     INVOCATIONS_FILE,
@@ -42,7 +41,6 @@ __all__ = [
     "RESULTS_FILE",
     "INVOCATIONS_FILE",
     "SweepSummary",
-    "available_structures",
     "json_safe",
     "read_records",
     "run_sweep",
@@ -62,7 +60,6 @@ class SweepSummary:
         finished: Runs finished by this call with ``status="ok"``.
         failed: Runs finished by this call with ``status="failed"``.
         wall_seconds: Wall time of this call (report excluded).
-        notes: Remarks, e.g. structures left out because they are not available.
     """
 
     output_dir: Path
@@ -71,27 +68,6 @@ class SweepSummary:
     finished: int = 0
     failed: int = 0
     wall_seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-
-def available_structures(structures: Sequence[str]) -> tuple[list[str], list[str]]:
-    """Drop the matrix-free structures when ``lightning_flatness.matrix_free`` cannot be imported.
-
-    Returns:
-        ``(structures, notes)``: the structures to measure and a note per structure dropped.
-    """
-    wanted = [s for s in structures if s in MATRIX_FREE_STRUCTURES]
-    if not wanted:
-        return list(structures), []
-    try:
-        import lightning_flatness.matrix_free  # noqa: F401
-    except Exception as error:  # ImportError, or a module still being written
-        note = (
-            f"Structures {wanted} skipped: lightning_flatness.matrix_free is not available "
-            f"({type(error).__name__}: {error})."
-        )
-        return [s for s in structures if s not in MATRIX_FREE_STRUCTURES], [note]
-    return list(structures), []
 
 
 def _default_workers() -> int:
@@ -204,8 +180,7 @@ def run_sweep(
     start, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
     out = Path(output_dir or config.output_dir or "runs/sweep")
     out.mkdir(parents=True, exist_ok=True)
-    structures, notes = available_structures(config.structures)
-    runs = config.runs(structures)
+    runs = config.runs(config.structures)
     cores = _default_workers()
     workers = int(workers or config.workers or cores)
     threads = int(threads_per_worker or config.threads_per_worker or max(1, cores // workers))
@@ -222,11 +197,9 @@ def run_sweep(
         if record.get("status") == "ok" or (not retry_failed and "key" in record)
     }
     todo = [dict(run, root_dir=str(out / "lightning")) for run in runs if run["key"] not in done]
-    summary = SweepSummary(out, total=len(runs), skipped=len(runs) - len(todo), notes=notes)
+    summary = SweepSummary(out, total=len(runs), skipped=len(runs) - len(todo))
     with (out / CONFIG_FILE).open("w", encoding="utf-8") as handle:
         yaml.safe_dump(config.to_dict(), handle, sort_keys=False, allow_unicode=True)
-    for note in notes:
-        print(f"lightning-flatness sweep: {note}", flush=True)
 
     bar = _progress(len(todo), summary.skipped, progress)
     execute = _in_process if workers == 1 else _in_pool
@@ -255,8 +228,7 @@ def run_sweep(
             "failed": summary.failed,
             "workers": workers,
             "threads_per_worker": threads,
-            "structures": structures,
-            "notes": notes,
+            "structures": list(config.structures),
         }
         with (out / INVOCATIONS_FILE).open("a", encoding="utf-8") as handle:
             handle.write(json_line(invocation) + "\n")

@@ -2,15 +2,15 @@
 
 :func:`run_pipeline` makes one loop over the batches of both splits, one cross-process failure
 check, one reduction of every sum across processes, then asks the backend for its estimate. A
-:class:`Backend` turns one batch into its :class:`~lightning_flatness.statistics.StatisticSums`
+:class:`Backend` turns one batch into its :class:`~lightning_flatness.core.statistics.StatisticSums`
 (loss, per-sample gradient norms for Tr(C), Tr(F), accuracy-like scores, relative flatness) and
 accumulates what its structure needs as summable states (Kronecker factors, diagonals, Gram
 sums, Hutchinson probes, cached inputs for Lanczos): sums over samples, reduced across
 processes *before* any eigenvalue is taken (averaging per-process soft ranks would be wrong:
-the soft rank is not linear). Three backends exist: layer hooks (``kfac``,
-:mod:`lightning_flatness.backends.hooks`), BackPACK (``dense``, ``gram``, ``diag``, ``diag_mc``,
-:mod:`lightning_flatness.backends.backpack`) and ``torch.func`` (``lanczos``, ``hutchinson``,
-:mod:`lightning_flatness.matrix_free`).
+the soft rank is not linear). Three backends exist: layer hooks (``kfac``, ``diag``, ``diag_mc``,
+:mod:`lightning_flatness.core.backends.hooks`), BackPACK (``dense``, ``gram``,
+:mod:`lightning_flatness.core.backpack.backend`) and ``torch.func`` (``lanczos``, ``hutchinson``,
+:mod:`lightning_flatness.core.backends.matrix_free`).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from contextlib import AbstractContextManager
 import torch
 from torch import Tensor, nn
 
-from lightning_flatness.batches import Leaves, LogitsModule, UnpackBatch, prepared_batches
-from lightning_flatness.curvature.base import CurvatureEstimate
-from lightning_flatness.failures import MeasurementError, agreed
-from lightning_flatness.statistics import StatisticSums
+from lightning_flatness.core.batches import Leaves, LogitsModule, UnpackBatch, prepared_batches
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.failures import MeasurementError, agreed
+from lightning_flatness.core.statistics import StatisticSums
 
 __all__ = ["SPLITS", "Backend", "model_device_dtype", "run_pipeline"]
 

@@ -33,10 +33,10 @@ from dataclasses import astuple
 import torch
 from torch import Tensor
 
-from lightning_flatness.curvature.base import CurvatureEstimate
-from lightning_flatness.functional_stats import FunctionalModel, probe_vectors
-from lightning_flatness.likelihoods import OutputCore
-from lightning_flatness.spectral import SpectralSummary, check_lam, spectral_summary
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.functional_stats import FunctionalModel, probe_vectors
+from lightning_flatness.core.likelihoods import OutputCore
+from lightning_flatness.core.spectral import SpectralSummary, check_lam, spectral_summary
 
 __all__ = ["VARIANTS", "HutchinsonFisher", "jackknife_summary"]
 

@@ -1,4 +1,4 @@
-"""The backends of :func:`~lightning_flatness.pipeline.run_pipeline`, and the one place that
+"""The backends of :func:`~lightning_flatness.core.pipeline.run_pipeline`, and the one place that
 picks a structure's backend: layer hooks for ``kfac``, ``diag`` and ``diag_mc`` (any
 differentiable model, and faster than BackPACK's extensions on the paper's models, see
 docs/RESULTS.md), ``torch.func`` for ``lanczos`` and ``hutchinson``, BackPACK for ``dense`` and
@@ -10,13 +10,12 @@ from collections.abc import Callable, Iterable, Mapping
 
 from torch import Tensor
 
-from lightning_flatness.backends.backpack import BackpackBackend
-from lightning_flatness.backends.hooks import HookBackend
-from lightning_flatness.batches import LogitsModule, UnpackBatch
-from lightning_flatness.matrix_free import MATRIX_FREE_STRUCTURES, MatrixFreeBackend
-from lightning_flatness.pipeline import Backend
+from lightning_flatness.core.backends.hooks import HookBackend
+from lightning_flatness.core.backends.matrix_free import MATRIX_FREE_STRUCTURES, MatrixFreeBackend
+from lightning_flatness.core.batches import LogitsModule, UnpackBatch
+from lightning_flatness.core.pipeline import Backend
 
-__all__ = ["BackpackBackend", "HookBackend", "MatrixFreeBackend", "make_backend"]
+__all__ = ["HookBackend", "MatrixFreeBackend", "make_backend"]
 
 
 def make_backend(
@@ -63,6 +62,9 @@ def make_backend(
             trace_estimator=trace_estimator or "exact",
             seed=seed,
         )
+    # BackPACK is imported only when one of its structures is measured.
+    from lightning_flatness.core.backpack.backend import BackpackBackend
+
     return BackpackBackend(
         model,
         structure,

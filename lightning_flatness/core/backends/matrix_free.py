@@ -1,15 +1,15 @@
 """Matrix-free measurement: ``structure="lanczos"`` and ``"hutchinson"`` for any classifier.
 
-:func:`stream_matrix_free` is what :func:`lightning_flatness.measure.measure` calls for the
+:func:`stream_matrix_free` is what :func:`lightning_flatness.core.measure.measure` calls for the
 structures of ``MATRIX_FREE_STRUCTURES``. It uses :mod:`torch.func` only (no BackPACK), so it
 needs nothing of the model but a differentiable ``forward``: LayerNorm, attention, custom
 modules that use their own ``nn.Parameter`` functionally, shared weights.
 
 One pass over the training batches computes the statistics of
-:func:`~lightning_flatness.functional_stats.batch_statistics` (and, for ``"hutchinson"``, the
+:func:`~lightning_flatness.core.functional_stats.batch_statistics` (and, for ``"hutchinson"``, the
 probes' gradients); ``"lanczos"`` keeps the prepared inputs (``cache=True``) and then makes one
 more pass per Lanczos step (docs/math.md, "Matrix-free";
-:mod:`lightning_flatness.curvature.lanczos`).
+:mod:`lightning_flatness.core.curvature.lanczos`).
 The Fisher averages every sample given (up to ``max_samples``), since its soft rank is biased
 low on subsets (docs/math.md, "Sample size").
 
@@ -62,7 +62,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor, nn
 
-from lightning_flatness.batches import (
+from lightning_flatness.core.batches import (
     Leaves,
     LogitsModule,
     UnpackBatch,
@@ -72,20 +72,20 @@ from lightning_flatness.batches import (
     take_rows,
     wrap_for_batches,
 )
-from lightning_flatness.curvature.base import CurvatureEstimate
-from lightning_flatness.curvature.hutchinson import VARIANTS, HutchinsonFisher
-from lightning_flatness.curvature.lanczos import LanczosFisher
-from lightning_flatness.failures import MeasurementError, check_finite_loss
-from lightning_flatness.functional_stats import (
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.hutchinson import VARIANTS, HutchinsonFisher
+from lightning_flatness.core.curvature.lanczos import LanczosFisher
+from lightning_flatness.core.failures import MeasurementError, check_finite_loss
+from lightning_flatness.core.functional_stats import (
     FunctionalModel,
     batch_statistics,
     resolve_trace_estimator,
 )
-from lightning_flatness.likelihoods import get_likelihood
-from lightning_flatness.model_state import left_as_found
-from lightning_flatness.pipeline import SPLITS, Backend, run_pipeline
-from lightning_flatness.spectral import SpectralSummary, check_lam
-from lightning_flatness.statistics import StatisticSums
+from lightning_flatness.core.likelihoods import get_likelihood
+from lightning_flatness.core.model_state import left_as_found
+from lightning_flatness.core.pipeline import SPLITS, Backend, run_pipeline
+from lightning_flatness.core.spectral import SpectralSummary, check_lam
+from lightning_flatness.core.statistics import StatisticSums
 
 __all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions", "stream_matrix_free"]
 
@@ -324,7 +324,7 @@ def stream_matrix_free(
 
     Args:
         model: the model, or the model wrapped as a
-            :class:`~lightning_flatness.batches.LogitsModule` (as :func:`measure` passes it);
+            :class:`~lightning_flatness.core.batches.LogitsModule` (as :func:`measure` passes it);
             a plain module is wrapped with the default call and the first batch's input spec.
         train_batches: iterable of training batches; all are used up to ``max_samples``.
         val_batches: held-out batches (statistics only), or None.
@@ -332,13 +332,13 @@ def stream_matrix_free(
             diagonal, Eq. 2, with the Eq. 8 / Eq. 9 bounds).
         lam: the weight decay λ > 0.
         loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"`` (see
-            :mod:`lightning_flatness.likelihoods`).
+            :mod:`lightning_flatness.core.likelihoods`).
         max_samples / max_val_samples: stop after this many training / validation samples.
         seed: seeds the private generators (probes, sampled traces).
         all_reduce: sums a tensor across processes in place and returns it (data parallelism):
             statistics and Hutchinson sums are reduced once, Lanczos products inside every step.
         options: see the table in the module docstring.
-        unpack_batch: ``batch -> (inputs, targets)`` (see :mod:`lightning_flatness.batches`).
+        unpack_batch: ``batch -> (inputs, targets)`` (see :mod:`lightning_flatness.core.batches`).
         repeatable_train_batches: what ``cache=False`` iterates again (default
             ``train_batches``), for callers whose ``train_batches`` is a one-shot iterator.
 

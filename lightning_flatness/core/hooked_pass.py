@@ -12,7 +12,7 @@ The K rows are (docs/math.md, "The three matrices", "Kronecker factors from laye
   ``mc_samples`` scores of labels drawn from the model, divided by ``√mc_samples`` (sampled);
   ``Σ_rows g gᵀ`` is then ``J_iᵀ Λ_i J_i`` exactly, or in expectation.
 
-:mod:`lightning_flatness.layer_rules` turns inputs and output gradients into per-sample
+:mod:`lightning_flatness.core.layer_rules` turns inputs and output gradients into per-sample
 gradients; a weight tied across layers of one type is one Kronecker block whose calls are its
 positions. A parameter of shape ``(1, ...)`` that a module with children uses (a class token, a
 positional embedding) is *tapped*: the forward pass uses N stacked copies of it, and the gradient
@@ -42,14 +42,14 @@ import torch
 from torch import Tensor, nn
 from torch.func import vjp, vmap
 
-from lightning_flatness.batches import (
+from lightning_flatness.core.batches import (
     Leaves,
     LogitsModule,
     num_samples,
     take_rows,
     unsqueeze_leaves,
 )
-from lightning_flatness.layer_rules import (
+from lightning_flatness.core.layer_rules import (
     CHUNK_ELEMENTS,
     KroneckerRule,
     LayerCall,
@@ -60,8 +60,8 @@ from lightning_flatness.layer_rules import (
     weight_square_sums,
     weight_squared_norms,
 )
-from lightning_flatness.likelihoods import Likelihood
-from lightning_flatness.model_state import last_linear
+from lightning_flatness.core.likelihoods import Likelihood
+from lightning_flatness.core.model_state import last_linear
 
 __all__ = ["COVERAGE", "BatchTerms", "HookedPass"]
 

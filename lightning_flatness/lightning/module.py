@@ -1,4 +1,5 @@
-"""A classifier ``LightningModule`` around the architectures of :mod:`lightning_flatness.models`.
+"""A classifier ``LightningModule`` around the architectures of
+:mod:`lightning_flatness.core.models`.
 
 Weight decay. With ``optimizer`` in ``{"adam", "sgd", "rmsprop"}`` the decay is PyTorch's
 *coupled* ``weight_decay``: ``λ θ`` is added to the gradient, i.e. the training objective is
@@ -18,7 +19,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_flatness.models import build_model
+from lightning_flatness.core.models import build_model
 
 __all__ = ["OPTIMIZERS", "FlatnessClassifier"]
 
@@ -33,7 +34,7 @@ class FlatnessClassifier(LightningModule):
     ``test/loss``, ``test/acc``.
 
     Args:
-        architecture: One of :data:`lightning_flatness.models.ARCHITECTURES`.
+        architecture: One of :data:`lightning_flatness.core.models.ARCHITECTURES`.
         input_shape: Shape ``(channels, height, width)`` of one input image.
         num_classes: Number of classes.
         hidden: Width of the hidden layers of the MLPs.

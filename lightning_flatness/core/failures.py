@@ -1,4 +1,4 @@
-"""How a measurement fails: one error type, one non-finite-loss check, and one rule for data
+"""How a measurement fails: its error types, one non-finite-loss check, and one rule for data
 parallelism — when one process fails, every process raises, and none waits in a collective."""
 
 from __future__ import annotations
@@ -10,7 +10,13 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["MeasurementError", "agreed", "check_finite_loss"]
+__all__ = [
+    "MeasurementError",
+    "StructureTooLargeError",
+    "UnsupportedModelError",
+    "agreed",
+    "check_finite_loss",
+]
 
 T = TypeVar("T")
 AllReduce = Callable[[Tensor], Tensor]
@@ -18,6 +24,14 @@ AllReduce = Callable[[Tensor], Tensor]
 
 class MeasurementError(RuntimeError):
     """The data made a measurement impossible (no samples, NaN or inf loss, ...)."""
+
+
+class StructureTooLargeError(ValueError):
+    """The requested structure would need more memory or time than its size guard allows."""
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model has a layer or graph that BackPACK cannot extend for the requested structure."""
 
 
 def check_finite_loss(loss: float, split: str, index: int) -> None:

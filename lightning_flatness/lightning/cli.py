@@ -1,10 +1,10 @@
 """Command line: ``lightning-flatness {fit,validate,test,sweep} --config CONFIG.yaml``.
 
 Built on :class:`lightning.pytorch.cli.LightningCLI`. The model and the data default to
-:class:`~lightning_flatness.lightning_module.FlatnessClassifier` and
-:class:`~lightning_flatness.data.MNIST7DataModule`, so their arguments can be given directly
-(``--model.architecture=cnn``, ``--data.train_size=1000``), but *any* ``LightningModule`` and
-``LightningDataModule`` can be chosen by class path::
+:class:`~lightning_flatness.lightning.module.FlatnessClassifier` and
+:class:`~lightning_flatness.lightning.data.MNIST7DataModule`, so their arguments can be given
+directly (``--model.architecture=cnn``, ``--data.train_size=1000``), but *any*
+``LightningModule`` and ``LightningDataModule`` can be chosen by class path::
 
     model:
       class_path: my_package.MyModule
@@ -29,7 +29,7 @@ from typing import Any
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_flatness.class_paths import DEFAULT_DATA, DEFAULT_MODEL
+from lightning_flatness.lightning.class_paths import DEFAULT_DATA, DEFAULT_MODEL
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FlatnessCLI", "main"]
 

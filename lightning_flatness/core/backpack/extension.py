@@ -25,12 +25,12 @@ from backpack.extensions.secondorder.hbp.losses import HBPLoss
 from backpack.extensions.secondorder.sqrt_ggn.losses import SqrtGGNBaseLossModule
 from torch import Tensor, nn
 
-from lightning_flatness.batches import LogitsModule
-from lightning_flatness.model_state import last_linear
+from lightning_flatness.core.batches import LogitsModule
+from lightning_flatness.core.failures import UnsupportedModelError
+from lightning_flatness.core.model_state import last_linear
 
 __all__ = [
     "ExtendedModel",
-    "UnsupportedModelError",
     "backward_with",
     "extended_loss",
     "loss_scale",
@@ -41,10 +41,6 @@ __all__ = [
 # Attributes objects commonly hold that must be shared, not copied (e.g. a LightningModule's
 # trainer, which owns dataloaders and loggers).
 _SHARED_ATTRIBUTES = ("_trainer", "_fabric")
-
-
-class UnsupportedModelError(RuntimeError):
-    """The model has a layer or graph that BackPACK cannot extend for the requested structure."""
 
 
 @dataclass
@@ -226,7 +222,7 @@ def loss_scale(loss: str) -> float:
 
 def extended_loss(loss: str) -> nn.Module:
     """The summed per-sample loss, extended: sum reduction makes every BackPACK quantity a sum
-    over samples, which :mod:`lightning_flatness.measure` divides by the sample count once.
+    over samples, which :mod:`lightning_flatness.core.measure` divides by the sample count once.
     Multiply its gradients and curvature by :func:`loss_scale`.
     """
     if loss == "cross_entropy":

@@ -1,13 +1,13 @@
 """``structure="kfac"``: a block-diagonal Fisher with Kronecker-factored layers, from layer hooks.
 
-Accumulates the :class:`~lightning_flatness.hooked_pass.BatchTerms` of every batch (sums over
+Accumulates the :class:`~lightning_flatness.core.hooked_pass.BatchTerms` of every batch (sums over
 samples, so the numbers do not depend on the batch size) and turns them into one spectrum, block
 by block (docs/math.md, "Kronecker factors from layer hooks"):
 
 - each weight of a ``Linear``/``Conv1d``/``Conv2d``/``Embedding`` layer: KFC's ``G ⊗ A`` with
   ``A = (1/m) Σ_i Σ_t a aᵀ`` and ``G = (1/m) Σ_i (1/T) Σ_t Σ_rows s sᵀ`` (Grosse & Martens,
   2016, Eq. 22; for one position, T = 1, KFAC). Its eigenvalues are all products ``g_j a_k``
-  (:func:`~lightning_flatness.spectral.kron_summary`): two small eigendecompositions per layer;
+  (:func:`~lightning_flatness.core.spectral.kron_summary`): two small eigendecompositions per layer;
   an embedding's ``A`` is diagonal (token counts);
 - each bias of such a layer: its exact Fisher block ``(1/m) Σ_i Σ_rows b bᵀ``;
 - every other parameter (normalisation scales and shifts, attention projections, class tokens,
@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_flatness.curvature.base import CurvatureEstimate
-from lightning_flatness.hooked_pass import BatchTerms
-from lightning_flatness.spectral import (
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.hooked_pass import BatchTerms
+from lightning_flatness.core.spectral import (
     SpectralSummary,
     clean_eigenvalues,
     kron_eigenvalues,

@@ -1,7 +1,7 @@
 """A ``torch.func`` view of a classifier, and the per-sample statistics computed through it.
 
-This is the BackPACK-free counterpart of :mod:`lightning_flatness._backpack` and
-:mod:`lightning_flatness.statistics` for the matrix-free structures: it needs nothing of the
+This is the BackPACK-free counterpart of :mod:`lightning_flatness.core.backpack.extension` and
+:mod:`lightning_flatness.core.statistics` for the matrix-free structures: it needs nothing of the
 model but a differentiable ``forward``, so LayerNorm, attention, custom modules that use their
 own ``nn.Parameter`` functionally and shared weights all work.
 
@@ -9,7 +9,7 @@ own ``nn.Parameter`` functionally and shared weights all work.
   (``torch.func.functional_call``), with Jacobian-vector products ``J v`` and vector-Jacobian
   products ``Jᵀ u``, each batched over a block of vectors (``vmap``). Buffers are private
   copies, so nothing a forward pass writes reaches the user's model.
-- :class:`~lightning_flatness.likelihoods.OutputCore`: the Fisher of the output distribution,
+- :class:`~lightning_flatness.core.likelihoods.OutputCore`: the Fisher of the output distribution,
   ``Λ = AᵀA`` (docs/math.md, "The three matrices", "Losses"); then
   ``F = (1/m) Σ_i J_iᵀ Λ_i J_i`` and ``V_i = A_i J_i``.
 - :func:`batch_statistics`: the :class:`StatisticSums` of one batch, exact sums over its samples
@@ -27,10 +27,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad, jacrev, jvp, vjp, vmap
 
-from lightning_flatness.batches import Leaves, LogitsModule, take_rows, unsqueeze_leaves
-from lightning_flatness.likelihoods import LOSSES, OutputCore, get_likelihood
-from lightning_flatness.model_state import last_linear
-from lightning_flatness.statistics import StatisticSums, output_sums
+from lightning_flatness.core.batches import Leaves, LogitsModule, take_rows, unsqueeze_leaves
+from lightning_flatness.core.likelihoods import LOSSES, OutputCore, get_likelihood
+from lightning_flatness.core.model_state import last_linear
+from lightning_flatness.core.statistics import StatisticSums, output_sums
 
 __all__ = [
     "LOSSES",

@@ -12,15 +12,15 @@ import torch
 from backpack.extensions import BatchGrad, SqrtGGNExact
 from torch import Tensor
 
-from lightning_flatness._backpack import ExtendedModel
-from lightning_flatness.curvature.base import (
-    CurvatureEstimate,
+from lightning_flatness.core.backpack.estimator import (
     CurvatureEstimator,
-    StructureTooLargeError,
     batch_gradients,
     sqrt_factors,
 )
-from lightning_flatness.spectral import psd_eigenvalues, spectral_summary
+from lightning_flatness.core.backpack.extension import ExtendedModel
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.failures import StructureTooLargeError
+from lightning_flatness.core.spectral import psd_eigenvalues, spectral_summary
 
 __all__ = ["DenseFisher", "regularized_tic_trace"]
 

@@ -1,6 +1,6 @@
 """``structure="diag"`` / ``"diag_mc"``: the Fisher's diagonal, the extreme pinching (Prop. 6.1).
 
-The layer-hook backend (:mod:`lightning_flatness.backends.hooks`) sums, over samples, the
+The layer-hook backend (:mod:`lightning_flatness.core.backends.hooks`) sums, over samples, the
 squared per-sample gradients of the exact Fisher rows (``diag``: ``diag F`` exactly) or of
 ``mc_samples`` labels drawn from the model (``diag_mc``: an unbiased estimate), and of the
 true-label gradients (``C_kk``). The eigenvalues of the diagonal approximation are the
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_flatness.curvature.base import CurvatureEstimate
-from lightning_flatness.spectral import spectral_summary
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.spectral import spectral_summary
 
 __all__ = ["DiagonalFisher"]
 

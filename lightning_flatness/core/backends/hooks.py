@@ -1,11 +1,11 @@
 """The layer-hook backend of ``kfac``, ``diag`` and ``diag_mc``: any differentiable model.
 
 Per batch one forward and one backward pass per cotangent row on the live model
-(:class:`~lightning_flatness.hooked_pass.HookedPass`), in eval mode with every module's mode
+(:class:`~lightning_flatness.core.hooked_pass.HookedPass`), in eval mode with every module's mode
 restored, no gradient written and the hooks removed after the measurement; the training
-batches feed :class:`~lightning_flatness.curvature.kfac.KFACFisher` (``kfac``) or the exact
+batches feed :class:`~lightning_flatness.core.curvature.kfac.KFACFisher` (``kfac``) or the exact
 (``diag``) or sampled-label (``diag_mc``) diagonals of F and C, whose spectrum and diagonal TIC
-:class:`~lightning_flatness.curvature.diag.DiagonalFisher` computes.
+:class:`~lightning_flatness.core.curvature.diag.DiagonalFisher` computes.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from lightning_flatness.batches import Leaves, LogitsModule
-from lightning_flatness.curvature.base import CurvatureEstimate
-from lightning_flatness.curvature.diag import DiagonalFisher
-from lightning_flatness.curvature.kfac import KFACFisher
-from lightning_flatness.failures import check_finite_loss
-from lightning_flatness.hooked_pass import HookedPass
-from lightning_flatness.likelihoods import get_likelihood
-from lightning_flatness.model_state import left_as_found
-from lightning_flatness.pipeline import Backend, model_device_dtype
-from lightning_flatness.statistics import StatisticSums, output_sums
+from lightning_flatness.core.batches import Leaves, LogitsModule
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.diag import DiagonalFisher
+from lightning_flatness.core.curvature.kfac import KFACFisher
+from lightning_flatness.core.failures import check_finite_loss
+from lightning_flatness.core.hooked_pass import HookedPass
+from lightning_flatness.core.likelihoods import get_likelihood
+from lightning_flatness.core.model_state import left_as_found
+from lightning_flatness.core.pipeline import Backend, model_device_dtype
+from lightning_flatness.core.statistics import StatisticSums, output_sums
 
 __all__ = ["HookBackend"]
 

@@ -4,7 +4,7 @@ These are the slow, obviously-correct definitions every estimator in the package
 against (float64, tiny models). They use :mod:`torch.func` on a functional view of the model,
 so they work for any differentiable model and never touch the model's state: parameters are
 passed in explicitly and the model is evaluated in whatever mode it is in (call ``.eval()``
-first, as :func:`lightning_flatness.measure` does).
+first, as :func:`lightning_flatness.core.measure` does).
 
 Definitions (docs/math.md, "The three matrices", "Losses"; "Flatness After All?", Section 2.3),
 over the m samples given, with parameters flattened in ``model.named_parameters()`` order, for
@@ -15,7 +15,7 @@ the likelihood ``loss`` (``"cross_entropy"``, ``"bce"`` or ``"mse"``):
 - ``F = (1/m) Σ_i V_iᵀ V_i = (1/m) Σ_i J_iᵀ Λ_i J_i``;
 - ``C = (1/m) Σ_i g_i g_iᵀ``, ``g_i = ∇θ (−log p(y_i | z_i))`` (true targets, uncentered).
 
-These are written independently of :mod:`lightning_flatness.likelihoods` (the closed forms of
+These are written independently of :mod:`lightning_flatness.core.likelihoods` (the closed forms of
 each loss are spelled out here), so that a mistake there shows up as a disagreement.
 """
 

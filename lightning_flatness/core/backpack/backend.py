@@ -1,10 +1,11 @@
 """The BackPACK backend of ``structure="dense"`` and ``"gram"``.
 
 Per batch one forward and one BackPACK backward pass of the summed loss on a private, extended
-copy of the model in eval mode (:func:`~lightning_flatness._backpack.measurement_copy`), under a
+copy of the model in eval mode
+(:func:`~lightning_flatness.core.backpack.extension.measurement_copy`), under a
 forked RNG seeded by ``seed`` (the Monte-Carlo extensions draw from it); the user's model is
 never touched. BackPACK needs a graph it can convert into a chain of supported modules; when it
-cannot, :class:`~lightning_flatness._backpack.UnsupportedModelError` names the reason.
+cannot, :class:`~lightning_flatness.core.failures.UnsupportedModelError` names the reason.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from lightning_flatness._backpack import (
+from lightning_flatness.core.backpack.dense import DenseFisher
+from lightning_flatness.core.backpack.estimator import CurvatureEstimator
+from lightning_flatness.core.backpack.extension import (
     ExtendedModel,
     backward_with,
     extended_loss,
@@ -23,16 +26,20 @@ from lightning_flatness._backpack import (
     measurement_copy,
     support_loss,
 )
-from lightning_flatness.batches import Leaves, LogitsModule, num_samples
-from lightning_flatness.curvature import make_estimator
-from lightning_flatness.curvature.base import CurvatureEstimate
-from lightning_flatness.failures import check_finite_loss
-from lightning_flatness.likelihoods import get_likelihood
-from lightning_flatness.model_state import rng_devices
-from lightning_flatness.pipeline import Backend
-from lightning_flatness.statistics import SampleStatistics, StatisticSums
+from lightning_flatness.core.backpack.gram import GramFisher
+from lightning_flatness.core.backpack.statistics import SampleStatistics
+from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.failures import check_finite_loss
+from lightning_flatness.core.likelihoods import get_likelihood
+from lightning_flatness.core.model_state import rng_devices
+from lightning_flatness.core.pipeline import Backend
+from lightning_flatness.core.statistics import StatisticSums
 
-__all__ = ["BackpackBackend"]
+__all__ = ["BACKPACK_STRUCTURES", "BackpackBackend", "make_estimator"]
+
+#: the structures :func:`make_estimator` builds on BackPACK's extensions
+BACKPACK_STRUCTURES = ("dense", "gram")
 
 
 class BackpackBackend(Backend):
@@ -107,3 +114,20 @@ class BackpackBackend(Backend):
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         return self.estimator.estimate(num_samples, lam)
+
+
+def make_estimator(
+    structure: str,
+    *,
+    ggn_scale: float = 1.0,
+    dense_max_parameters: int | None = None,
+    gram_max_kernel_size: int | None = None,
+) -> CurvatureEstimator:
+    """The BackPACK estimator for ``structure`` (one of :data:`BACKPACK_STRUCTURES`)."""
+    if structure == "dense":
+        kwargs = {} if dense_max_parameters is None else {"max_parameters": dense_max_parameters}
+        return DenseFisher(ggn_scale, **kwargs)
+    if structure == "gram":
+        kwargs = {} if gram_max_kernel_size is None else {"max_kernel_size": gram_max_kernel_size}
+        return GramFisher(ggn_scale, **kwargs)
+    raise ValueError(f"structure must be one of {BACKPACK_STRUCTURES}, got {structure!r}.")

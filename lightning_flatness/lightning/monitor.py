@@ -1,7 +1,7 @@
 """``FlatnessMonitor``: measure flatness and predict the generalization gap while training.
 
 At the end of every ``every_n_epochs``-th training epoch the callback calls
-:func:`lightning_flatness.measure` on a fixed, deterministic subset of the training set (and of
+:func:`lightning_flatness.core.measure` on a fixed, deterministic subset of the training set (and of
 the validation set), logs every :class:`~lightning_flatness.FlatnessReport` field through
 ``pl_module.log`` under ``log_prefix`` — so every logger, ``EarlyStopping`` and
 ``ModelCheckpoint`` see e.g. ``flatness/predicted_gap`` — and, with a ``TensorBoardLogger``,
@@ -32,24 +32,21 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_flatness._backpack import UnsupportedModelError
-from lightning_flatness._trainer_facts import (
+from lightning_flatness.core.backends.matrix_free import MATRIX_FREE_STRUCTURES
+from lightning_flatness.core.batches import LogitsFn, UnpackBatch, default_unpack_batch
+from lightning_flatness.core.curvature import STRUCTURES, describe_coverage
+from lightning_flatness.core.failures import UnsupportedModelError
+from lightning_flatness.core.likelihoods import LOSSES
+from lightning_flatness.core.measure import check_batch, measure
+from lightning_flatness.core.report import FlatnessReport
+from lightning_flatness.lightning.figures import gap_figure, log10_spectrum, summary_table
+from lightning_flatness.lightning.trainer_facts import (
     all_dataloaders,
     first_dataloader,
     fixed_subset_batches,
     resolve_lam,
     resolve_num_train_samples,
     select_dataloader,
-)
-from lightning_flatness.batches import LogitsFn, UnpackBatch, default_unpack_batch
-from lightning_flatness.curvature import STRUCTURES, describe_coverage
-from lightning_flatness.figures import gap_figure, log10_spectrum, summary_table
-from lightning_flatness.likelihoods import LOSSES
-from lightning_flatness.measure import (
-    MATRIX_FREE_STRUCTURES,
-    FlatnessReport,
-    check_batch,
-    measure,
 )
 from lightning_flatness.regularizer import SoftRankPenalty
 
@@ -115,7 +112,7 @@ class FlatnessMonitor(Callback):
     """Log the soft rank of the Fisher and the predicted generalization gap during training.
 
     Args:
-        structure: curvature structure for :func:`~lightning_flatness.measure` (``"kfac"``,
+        structure: curvature structure for :func:`~lightning_flatness.core.measure` (``"kfac"``,
             ``"dense"``, ``"gram"``, ``"diag"``, ``"diag_mc"``, or matrix-free ``"lanczos"``,
             ``"hutchinson"``).
         lam: λ, the coupled L2 weight decay. ``None`` reads it from the optimizer (SGD, Adam,
@@ -147,7 +144,7 @@ class FlatnessMonitor(Callback):
             for ``structure="dense"`` or ``"gram"`` (the other structures run on any
             differentiable model); ``None`` records NaN instead.
         seed: seeds the sample subset and the Monte-Carlo structures.
-        measure_kwargs: further keyword arguments for :func:`~lightning_flatness.measure`
+        measure_kwargs: further keyword arguments for :func:`~lightning_flatness.core.measure`
             (e.g. ``{"matrix_free_options": {...}}``); keys the monitor sets itself are refused
             with the constructor argument to use instead.
         loss: the likelihood of the model's outputs: ``"cross_entropy"`` (softmax

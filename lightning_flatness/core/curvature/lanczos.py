@@ -5,7 +5,7 @@ trace) is ``Tr h(F) = Σ_k h(μ_k)`` with ``h(0) = 0``; the max eigenvalue is th
 value. docs/math.md, "Matrix-free": estimate them from products with F alone.
 
 The probes. With ``V`` the (mC × P) stack of the square-root factors ``V_i = A_i J_i``
-(:class:`~lightning_flatness.functional_stats.OutputCore`), ``F = ṼᵀṼ`` and ``K = ṼṼᵀ``
+(:class:`~lightning_flatness.core.functional_stats.OutputCore`), ``F = ṼᵀṼ`` and ``K = ṼṼᵀ``
 (``Ṽ = V/√m``, docs/math.md, "Gram trick") have the same nonzero eigenvalues. For a random
 ``ξ ∈ R^{mC}`` (one Rademacher or Gaussian entry per sample and class, ``E ξξᵀ = I``),
 ``ξᵀ h(K) ξ`` is an unbiased (Hutchinson) estimate of ``Tr h(K) = Tr h(F)``. It is evaluated by
@@ -58,10 +58,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_flatness.curvature.base import CurvatureEstimate, StructureTooLargeError
-from lightning_flatness.functional_stats import FunctionalModel, probe_vectors
-from lightning_flatness.likelihoods import OutputCore
-from lightning_flatness.spectral import SpectralSummary, check_lam
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.failures import StructureTooLargeError
+from lightning_flatness.core.functional_stats import FunctionalModel, probe_vectors
+from lightning_flatness.core.likelihoods import OutputCore
+from lightning_flatness.core.spectral import SpectralSummary, check_lam
 
 __all__ = [
     "FIELDS",

@@ -1,4 +1,4 @@
-"""The interface every curvature structure implements, and the result it returns.
+"""The interface of the BackPACK structures (``dense``, ``gram``) and the fields they read.
 
 An estimator streams over batches: after each BackPACK backward pass (per-sample quantities of
 a *summed* loss, so every BackPACK output is a sum over the batch's samples) it adds the batch's
@@ -9,41 +9,15 @@ taken; averaging per-process soft ranks would be wrong (the soft rank is not lin
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from lightning_flatness._backpack import ExtendedModel
-from lightning_flatness.spectral import SpectralSummary
+from lightning_flatness.core.backpack.extension import ExtendedModel
+from lightning_flatness.core.curvature.base import CurvatureEstimate
 
-__all__ = ["CurvatureEstimate", "CurvatureEstimator", "StructureTooLargeError"]
-
-
-class StructureTooLargeError(ValueError):
-    """The requested structure would need more memory or time than its size guard allows."""
-
-
-@dataclass
-class CurvatureEstimate:
-    """Spectral summary of the (approximate) Fisher ``F = (1/m) Σ_i V_iᵀ V_i``.
-
-    Attributes:
-        summary: soft rank, rank⁽²⁾, log-det, trace and max eigenvalue of the approximation.
-        eigenvalues: its nonzero spectrum (float64), for histograms.
-        tic_trace: ``Tr(C (F+λI)⁻¹)`` where the structure supports it, else NaN.
-        blocks: per-parameter summaries for block-structured approximations.
-        coverage: for block-structured approximations, how each parameter enters
-            (``"kronecker"``, ``"exact block"`` or ``"diagonal"``).
-    """
-
-    summary: SpectralSummary
-    eigenvalues: Tensor
-    tic_trace: float = math.nan
-    blocks: dict[str, SpectralSummary] = field(default_factory=dict)
-    coverage: dict[str, str] = field(default_factory=dict)
+__all__ = ["CurvatureEstimator", "batch_gradients", "sqrt_factors"]
 
 
 class CurvatureEstimator(ABC):

@@ -6,6 +6,6 @@ from __future__ import annotations
 __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL"]
 
 #: Class path of the default model.
-DEFAULT_MODEL = "lightning_flatness.lightning_module.FlatnessClassifier"
+DEFAULT_MODEL = "lightning_flatness.lightning.module.FlatnessClassifier"
 #: Class path of the default datamodule.
-DEFAULT_DATA = "lightning_flatness.data.MNIST7DataModule"
+DEFAULT_DATA = "lightning_flatness.lightning.data.MNIST7DataModule"

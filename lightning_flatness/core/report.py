@@ -1,0 +1,154 @@
+"""The :class:`FlatnessReport` of one measurement, and how it is assembled from the curvature
+estimate and the per-sample sums of both splits (docs/math.md, "Generalization gap")."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from torch import Tensor
+
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.spectral import SpectralSummary
+from lightning_flatness.core.statistics import StatisticSums
+
+__all__ = ["FlatnessReport", "build_report"]
+
+
+@dataclass
+class FlatnessReport:
+    """Flatness measures and generalization-gap estimates of one measurement.
+
+    Every float is NaN where it is undefined for the inputs given (e.g. no validation data, or
+    the accuracy of a regressor). ``train_nll`` / ``val_nll`` are the plain negative
+    log-likelihoods of the model's own likelihood, not the user's training loss.
+    ``eigenvalues`` (the structure's spectrum, float64) and ``blocks`` (per-parameter summaries
+    of block-structured approximations, e.g. ``kfac``) are not part of :meth:`as_dict`.
+    """
+
+    soft_rank: float
+    soft_rank2: float
+    logdet: float
+    trace_fisher: float
+    max_eig: float
+    trace_cov: float
+    trace_ratio_train: float
+    trace_ratio_val: float
+    predicted_gap: float
+    predicted_gap_train: float
+    thomas_gap: float
+    tic: float
+    train_nll: float
+    val_nll: float
+    observed_gap: float
+    train_accuracy: float
+    val_accuracy: float
+    error_uncertainty_train: float
+    error_uncertainty_val: float
+    relative_flatness: float
+    trace_fisher_val: float
+    trace_cov_val: float
+    num_samples: int
+    num_val_samples: int
+    num_train_samples: int
+    lam: float
+    structure: str
+    seconds: float
+    eigenvalues: Tensor | None = field(default=None, repr=False, compare=False)
+    blocks: dict[str, SpectralSummary] = field(default_factory=dict, repr=False, compare=False)
+    coverage: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def as_dict(self) -> dict[str, float]:
+        """All scalar fields as floats (``structure`` is the only string)."""
+        values = asdict(self)
+        for structured in ("eigenvalues", "blocks", "coverage"):
+            values.pop(structured)
+        values.update(self._random_estimator_extras())
+        return {k: (v if isinstance(v, str) else float(v)) for k, v in values.items()}
+
+    def _random_estimator_extras(self) -> dict[str, float]:
+        """Standard errors of the random structures and the Hutchinson trace bounds."""
+        extras = {}
+        stderr = self.blocks.get("stderr")
+        if stderr is not None:
+            extras.update(soft_rank_stderr=stderr.soft_rank, logdet_stderr=stderr.logdet)
+        for bound in ("lower", "estimate", "upper"):
+            summary = self.blocks.get(f"hutchinson_{bound}")
+            error = self.blocks.get(f"hutchinson_{bound}_stderr")
+            if summary is not None:
+                extras[f"hutchinson_trace_{bound}"] = summary.trace
+            if error is not None:
+                extras[f"hutchinson_trace_{bound}_stderr"] = error.trace
+        return extras
+
+    @classmethod
+    def failed(cls, structure: str, lam: float, num_train_samples: int) -> FlatnessReport:
+        """A report of NaNs, recorded when a measurement could not be made."""
+        nan_fields = {
+            f: math.nan
+            for f in cls.__dataclass_fields__
+            if f
+            not in ("structure", "eigenvalues", "blocks", "coverage", "lam", "num_train_samples")
+        }
+        nan_fields.update(num_samples=0, num_val_samples=0)
+        return cls(**nan_fields, lam=lam, num_train_samples=num_train_samples, structure=structure)
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    if not denominator or math.isnan(denominator):
+        return math.nan
+    return numerator / denominator
+
+
+def build_report(
+    curvature: CurvatureEstimate,
+    train: StatisticSums,
+    val: StatisticSums,
+    lam: float,
+    n: int,
+    structure: str,
+    seconds: float,
+) -> FlatnessReport:
+    summary = curvature.summary
+    trace_cov = train.mean("grad_norm_sq")
+    trace_fisher = train.mean("fisher_trace")
+    ratio_train = _ratio(trace_cov, trace_fisher)
+    trace_cov_val = val.mean("grad_norm_sq")
+    trace_fisher_val = val.mean("fisher_trace")
+    ratio_val = _ratio(trace_cov_val, trace_fisher_val)
+    predicted_train = ratio_train * summary.soft_rank / n
+    predicted = ratio_val * summary.soft_rank / n if val.count else predicted_train
+    train_nll, val_nll = train.mean("loss"), val.mean("loss")
+    return FlatnessReport(
+        soft_rank=summary.soft_rank,
+        soft_rank2=summary.soft_rank2,
+        logdet=summary.logdet,
+        trace_fisher=trace_fisher,
+        max_eig=summary.max_eig,
+        trace_cov=trace_cov,
+        trace_ratio_train=ratio_train,
+        trace_ratio_val=ratio_val,
+        predicted_gap=predicted,
+        predicted_gap_train=predicted_train,
+        thomas_gap=ratio_train / n,
+        tic=curvature.tic_trace / n,
+        train_nll=train_nll,
+        val_nll=val_nll,
+        observed_gap=val_nll - train_nll,
+        train_accuracy=train.mean("correct"),
+        val_accuracy=val.mean("correct"),
+        error_uncertainty_train=_ratio(train.mean("error"), train.mean("uncertainty")),
+        error_uncertainty_val=_ratio(val.mean("error"), val.mean("uncertainty")),
+        relative_flatness=train.mean("relative_flatness"),
+        trace_fisher_val=trace_fisher_val,
+        trace_cov_val=trace_cov_val,
+        num_samples=int(train.count),
+        num_val_samples=int(val.count),
+        num_train_samples=n,
+        lam=lam,
+        structure=structure,
+        seconds=seconds,
+        eigenvalues=curvature.eigenvalues,
+        blocks=curvature.blocks,
+        coverage=curvature.coverage,
+    )
