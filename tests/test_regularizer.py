@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lightning_flatness.core import spectral
+from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.models import build_model
 from lightning_flatness.core.reference import dense_fisher, parameter_blocks, per_sample_sqrt_fisher
 from lightning_flatness.regularizer import (
@@ -766,3 +767,15 @@ def test_integer_token_inputs_are_differentiated_through_the_parameters():
         return soft_rank_penalty(model, tokens, lam=1e-2, num_train_samples=20, labels="exact")
 
     directional_check(model, value)
+
+
+@pytest.mark.parametrize(("architecture", "head"), [("mlp", nn.Linear), ("cnn", nn.Conv2d)])
+def test_last_layer_has_one_definition(architecture, head):
+    """``params="last_layer"`` selects the parameters of the package's one last layer."""
+    model = build_model(architecture)
+    layer = last_layer(model)
+    assert isinstance(layer, head)
+    selected = select_parameters(model, "last_layer")
+    assert [id(p) for p in selected.values()] == [id(p) for p in layer.parameters()]
+    with pytest.raises(ValueError, match="last_layer"):
+        select_parameters(nn.Sequential(nn.Flatten(), nn.ReLU()), "last_layer")

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_flatness.core import spectral
+from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS, trace_function
 
 eigenvalue_lists = st.lists(
     st.floats(min_value=0.0, max_value=1e4, allow_nan=False), min_size=1, max_size=30
@@ -113,3 +114,41 @@ def test_psd_eigenvalues_of_rank_deficient_matrix():
     assert got.shape == (40,)
     assert torch.allclose(got[-25:].sort().values, expected.sort().values, rtol=1e-9, atol=1e-9)
     assert got[:15].abs().max() < 1e-9 * float(expected.max())
+
+
+# ------------------------------------------------------------------ the trace-function registry
+
+
+@pytest.mark.parametrize("name", list(TRACE_FUNCTIONS))
+def test_each_trace_function_is_consistent_in_every_form(name):
+    """``h(0) = 0``, ``h'`` is the derivative of ``h``, and ``h/μ`` has the limit ``h'(0)``."""
+    h, lam = TRACE_FUNCTIONS[name], 0.3
+    mu = torch.tensor([0.0, 1e-320, 1e-6, 0.2, 3.0, 40.0], dtype=torch.float64)
+    assert float(h.value(mu[:1], lam)) == 0.0
+    points = mu[2:].clone().requires_grad_(True)
+    (autograd,) = torch.autograd.grad(h.value(points, lam).sum(), points)
+    torch.testing.assert_close(h.derivative(points.detach(), lam), autograd)
+    torch.testing.assert_close(h.over_mu(mu[2:], lam) * mu[2:], h.value(mu[2:], lam))
+    limit = h.derivative(torch.zeros(1, dtype=torch.float64), lam)
+    torch.testing.assert_close(h.over_mu(mu[:2], lam), limit.expand(2))
+
+
+@pytest.mark.parametrize("name", [n for n, h in TRACE_FUNCTIONS.items() if h.kernel])
+def test_kernel_form_is_the_trace_function_of_the_kernel_and_its_gradient(name):
+    """From ``A = I + (s/λ)G``: value ``Σ h(eig(sG))`` and ``∂/∂G = c · gradient(A⁻¹)``."""
+    h, lam, scale = TRACE_FUNCTIONS[name], 0.05, 0.25
+    rows = torch.randn(5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    gram = (rows @ rows.T).requires_grad_(True)
+    exact = h.value(torch.linalg.eigvalsh(scale * gram).clamp_min(0.0), lam).sum()
+    (expected_gradient,) = torch.autograd.grad(exact, gram)
+    system = torch.eye(5, dtype=torch.float64) + (scale / lam) * gram.detach()
+    factor = torch.linalg.cholesky(system)
+    inverse = torch.cholesky_inverse(factor)
+    torch.testing.assert_close(h.kernel.value(factor, inverse), exact.detach())
+    torch.testing.assert_close((scale / lam) * h.kernel.gradient(inverse), expected_gradient)
+
+
+def test_unknown_trace_function_names_the_known_ones():
+    with pytest.raises(ValueError, match="soft_rank"):
+        trace_function("rank")
+    assert trace_function("logdet") is TRACE_FUNCTIONS["logdet"]

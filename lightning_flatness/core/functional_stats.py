@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from torch.func import grad, jacrev, jvp, vjp, vmap
 
 from lightning_flatness.core.batches import Leaves, LogitsModule, take_rows, unsqueeze_leaves
+from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.likelihoods import LOSSES, OutputCore, get_likelihood
-from lightning_flatness.core.model_state import last_linear
 from lightning_flatness.core.statistics import StatisticSums, output_sums
 
 __all__ = [
@@ -67,7 +67,7 @@ class FunctionalModel:
     Attributes:
         names: trainable parameter names, in ``named_parameters()`` order (shared weights once).
         num_parameters: P, the length of a flat parameter vector.
-        last_linear: the last ``nn.Linear`` in module order (relative flatness), if any.
+        last_layer: the model's last layer (:func:`~lightning_flatness.core.last_layer.last_layer`).
     """
 
     def __init__(self, model: LogitsModule) -> None:
@@ -86,7 +86,7 @@ class FunctionalModel:
         self.num_parameters = sum(self.sizes)
         first = next(iter(self.params.values()))
         self.dtype, self.device = first.dtype, first.device
-        self.last_linear = last_linear(model.model)
+        self.last_layer = last_layer(model.model)
 
     def logits(self, params: dict[str, Tensor], inputs: Leaves) -> Tensor:
         """``z(θ, x)`` for a batch of inputs, with ``params`` in place of the trainable ones."""
@@ -155,20 +155,20 @@ class FunctionalModel:
         return vmap(jacrev(sample_logits), in_dims=(None, 0))(self.params, inputs)
 
     @contextmanager
-    def capture_last_linear_input(self) -> Iterator[list[Tensor]]:
-        """Record the input of :attr:`last_linear` during the forward passes in this block.
+    def capture_last_layer_input(self) -> Iterator[list[Tensor]]:
+        """Record the input of :attr:`last_layer` during the forward passes in this block.
 
         The hook is removed on exit, so the model is left as found.
         """
         captured: list[Tensor] = []
-        if self.last_linear is None:
+        if self.last_layer is None:
             yield captured
             return
 
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
             captured.append(args[0].detach())
 
-        handle = self.last_linear.register_forward_hook(hook)
+        handle = self.last_layer.register_forward_hook(hook)
         try:
             yield captured
         finally:
@@ -223,12 +223,12 @@ def batch_statistics(
     ``grad_sq_sum`` (P,) is given, ``Σ_i g_i∘g_i`` is added to it (the diagonal of C, for the TIC).
     """
     likelihood = get_likelihood(loss)
-    with torch.no_grad(), model.capture_last_linear_input() as captured:
+    with torch.no_grad(), model.capture_last_layer_input() as captured:
         logits = model.logits(model.params, inputs)
     targets = likelihood.prepare_targets(targets, logits)
     batch, classes = logits.shape
     features = captured[-1] if captured else None
-    sums = output_sums(likelihood, logits, targets, model.last_linear, features)
+    sums = output_sums(likelihood, logits, targets, model.last_layer, features)
     logits64 = logits.detach().to(torch.float64)
     if not math.isfinite(sums.loss):
         return sums, logits64

@@ -49,6 +49,7 @@ from lightning_flatness.core.batches import (
     take_rows,
     unsqueeze_leaves,
 )
+from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.layer_rules import (
     CHUNK_ELEMENTS,
     KroneckerRule,
@@ -61,7 +62,6 @@ from lightning_flatness.core.layer_rules import (
     weight_squared_norms,
 )
 from lightning_flatness.core.likelihoods import Likelihood
-from lightning_flatness.core.model_state import last_linear
 
 __all__ = ["COVERAGE", "BatchTerms", "HookedPass"]
 
@@ -162,7 +162,7 @@ class HookedPass:
             raise ValueError(
                 "The model has no trainable parameters; there is no Fisher to measure."
             )
-        self.last_linear = last_linear(model.model)
+        self.last_layer = last_layer(model.model)
         self._features: list[Tensor] = []
         self._recording = False
         self._checked = _apply_plan(self)
@@ -174,8 +174,8 @@ class HookedPass:
             module.register_forward_hook(self._hook(rules), with_kwargs=True)
             for module, rules in by_module.values()
         ]
-        if self.last_linear is not None:
-            self._handles.append(self.last_linear.register_forward_hook(self._feature_hook))
+        if self.last_layer is not None:
+            self._handles.append(self.last_layer.register_forward_hook(self._feature_hook))
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -330,7 +330,7 @@ class HookedPass:
             return self.model.call(self._taps, inputs)
 
     def features(self) -> Tensor | None:
-        """The input of :attr:`last_linear` in the latest :meth:`forward` (its last call)."""
+        """The input of :attr:`last_layer` in the latest :meth:`forward` (its last call)."""
         return self._features[-1] if self._features else None
 
     def terms(self, logits: Tensor, targets: Tensor, inputs: Leaves, curvature: bool) -> BatchTerms:

@@ -19,23 +19,12 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
-    "last_linear",
     "left_as_found",
     "original_module",
     "per_sample_modes",
     "rng_devices",
     "uncompiled",
 ]
-
-
-def last_linear(model: nn.Module) -> nn.Linear | None:
-    """The last ``nn.Linear`` in module order: the layer of the relative flatness measure
-    (docs/math.md, "Relative flatness"), the one definition every structure uses."""
-    found = None
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            found = module
-    return found
 
 
 def rng_devices(model: nn.Module) -> list[int]:

@@ -17,7 +17,8 @@ operator norm       ``max μ``                           :func:`max_eig`
 Computation is in float64; tiny negative eigenvalues (round-off of a PSD matrix) are clamped
 to zero. Kronecker-factored blocks ``A ⊗ G`` have the eigenvalues ``a_i · g_j``; the
 ``kron_*`` helpers evaluate the sums over those products without forming the product matrix
-(docs/math.md, "Structured approximations of F").
+(docs/math.md, "Structured approximations of F"). Each ``h`` is defined once, in
+:mod:`lightning_flatness.core.trace_functions`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 
 __all__ = [
     "SpectralSummary",
@@ -87,22 +90,25 @@ def psd_eigenvalues(matrix: Tensor) -> Tensor:
     return (torch.linalg.eigvalsh(matrix + shift * eye) - shift).clamp_min(0.0)
 
 
+def _total(name: str, eigenvalues: Tensor, lam: float) -> float:
+    """``Σ_k h(μ_k)`` for the trace function ``name``."""
+    mu = clean_eigenvalues(eigenvalues)
+    return float(TRACE_FUNCTIONS[name].value(mu, check_lam(lam)).sum())
+
+
 def soft_rank(eigenvalues: Tensor, lam: float) -> float:
     """Soft rank ``rank_λ(F) = Tr(F(F+λI)⁻¹) = Σ_k μ_k/(μ_k+λ)`` (paper Eq. 6, Section 3)."""
-    mu = clean_eigenvalues(eigenvalues)
-    return float((mu / (mu + check_lam(lam))).sum())
+    return _total("soft_rank", eigenvalues, lam)
 
 
 def soft_rank2(eigenvalues: Tensor, lam: float) -> float:
     """Squared soft rank ``rank⁽²⁾_λ(F) = Σ_k (μ_k/(μ_k+λ))²`` (paper Section 4)."""
-    mu = clean_eigenvalues(eigenvalues)
-    return float(((mu / (mu + check_lam(lam))) ** 2).sum())
+    return _total("soft_rank2", eigenvalues, lam)
 
 
 def logdet_complexity(eigenvalues: Tensor, lam: float) -> float:
     """Log-det complexity ``½ Σ_k log(1 + μ_k/λ) = ½ log det(I + F/λ)`` (paper Section 3)."""
-    mu = clean_eigenvalues(eigenvalues)
-    return float(0.5 * torch.log1p(mu / check_lam(lam)).sum())
+    return _total("logdet", eigenvalues, lam)
 
 
 def trace(eigenvalues: Tensor) -> float:
@@ -190,10 +196,10 @@ def kron_summary(factor_eigenvalues: Sequence[Tensor], lam: float) -> SpectralSu
         cleaned = clean_eigenvalues(values)
         largest *= float(cleaned.max()) if cleaned.numel() else 0.0
     return SpectralSummary(
-        soft_rank=_kron_reduce(factor_eigenvalues, lambda mu: mu / (mu + lam)),
-        soft_rank2=_kron_reduce(factor_eigenvalues, lambda mu: (mu / (mu + lam)) ** 2),
-        logdet=_kron_reduce(factor_eigenvalues, lambda mu: 0.5 * torch.log1p(mu / lam)),
-        trace=_kron_reduce(factor_eigenvalues, lambda mu: mu),
+        **{
+            name: _kron_reduce(factor_eigenvalues, lambda mu, h=h: h.value(mu, lam))
+            for name, h in TRACE_FUNCTIONS.items()
+        },
         max_eig=largest,
     )
 

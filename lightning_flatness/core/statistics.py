@@ -66,7 +66,7 @@ def output_sums(
     likelihood: Likelihood,
     logits: Tensor,
     targets: Tensor,
-    last_linear: nn.Linear | None,
+    last_layer: nn.Module | None,
     features: Tensor | None,
 ) -> StatisticSums:
     """The sums that depend on the outputs only, for one batch (the module docstring's loss,
@@ -76,7 +76,8 @@ def output_sums(
         likelihood: the loss's likelihood.
         logits: the batch's outputs (B, C); used detached, in float64.
         targets: as prepared by ``likelihood.prepare_targets``.
-        last_linear / features: the model's last ``nn.Linear`` and its input in this forward
+        last_layer / features: the model's last layer (relative flatness when it is an
+            ``nn.Linear``) and its input in this forward
             pass (relative flatness is NaN without them, or when that layer does not produce
             the outputs, e.g. a CNN whose class layer is a convolution).
     """
@@ -90,15 +91,15 @@ def output_sums(
         uncertainty=scores.uncertainty,
         correct=scores.correct,
         relative_flatness=_relative_flatness_sum(
-            last_linear, features, likelihood.fisher_matrices(logits)
+            last_layer, features, likelihood.fisher_matrices(logits)
         ),
     )
 
 
-def _relative_flatness_sum(layer: nn.Linear | None, features: Tensor | None, core: Tensor) -> float:
+def _relative_flatness_sum(layer: nn.Module | None, features: Tensor | None, core: Tensor) -> float:
     """``Σ_i ‖φ_i‖² Tr(W Wᵀ Λ_i)`` for the last linear layer (docs/math.md, "Relative
     flatness"), if it produces the outputs; NaN otherwise."""
-    if layer is None or features is None or layer.out_features != core.shape[-1]:
+    if not isinstance(layer, nn.Linear) or features is None or layer.out_features != core.shape[-1]:
         return math.nan
     features = features.to(torch.float64).reshape(core.shape[0], -1)
     weight = layer.weight.detach().to(torch.float64)

@@ -86,7 +86,7 @@ class HookBackend(Backend):
         hooked = self.hooked
         logits = hooked.forward(inputs)
         targets = self.likelihood.prepare_targets(targets, logits)
-        sums = output_sums(self.likelihood, logits, targets, hooked.last_linear, hooked.features())
+        sums = output_sums(self.likelihood, logits, targets, hooked.last_layer, hooked.features())
         check_finite_loss(sums.loss, split, index)
         training = split == "training"
         terms = hooked.terms(logits, targets, inputs, curvature=training)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_flatness.core.batches import LogitsModule
 from lightning_flatness.core.failures import UnsupportedModelError
-from lightning_flatness.core.model_state import last_linear
+from lightning_flatness.core.last_layer import last_layer
 
 __all__ = [
     "ExtendedModel",
@@ -51,25 +51,25 @@ class ExtendedModel:
         module: the extended copy (eval mode, hooks installed).
         parameters: its trainable parameters in the original ``named_parameters()`` order.
         names: the original names of those parameters.
-        last_linear: the last ``nn.Linear`` in module order (relative flatness), if any.
-        last_linear_input: its input in the latest forward pass.
+        last_layer: the model's last layer (:func:`~lightning_flatness.core.last_layer.last_layer`).
+        last_layer_input: its input in the latest forward pass.
     """
 
     module: nn.Module
     parameters: list[nn.Parameter]
     names: list[str]
-    last_linear: nn.Linear | None = None
-    last_linear_input: Tensor | None = None
+    last_layer: nn.Module | None = None
+    last_layer_input: Tensor | None = None
 
     def record_forward_facts(self) -> None:
         """Install a forward hook (on the private copy) that keeps what BackPACK frees after
         backward: the last linear layer's input."""
-        self.last_linear = last_linear(self.module)
-        if self.last_linear is not None:
-            self.last_linear.register_forward_hook(self._record_features)
+        self.last_layer = last_layer(self.module)
+        if self.last_layer is not None:
+            self.last_layer.register_forward_hook(self._record_features)
 
     def _record_features(self, module: nn.Module, inputs: tuple, output: Tensor) -> None:
-        self.last_linear_input = inputs[0].detach()
+        self.last_layer_input = inputs[0].detach()
 
     def zero_grad(self) -> None:
         for p in self.parameters:

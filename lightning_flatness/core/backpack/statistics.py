@@ -79,7 +79,7 @@ class SampleStatistics:
         """The sums of one batch (after the BackPACK backward pass of its summed loss);
         ``targets`` as prepared by the likelihood."""
         batch = output_sums(
-            self.likelihood, logits, targets, model.last_linear, model.last_linear_input
+            self.likelihood, logits, targets, model.last_layer, model.last_layer_input
         )
         per_sample = [getattr(p, self.grad_norm_savefield).detach() for p in model.parameters]
         if self.grad_norm_savefield == "grad_batch":

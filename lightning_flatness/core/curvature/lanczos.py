@@ -63,6 +63,7 @@ from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.functional_stats import FunctionalModel, probe_vectors
 from lightning_flatness.core.likelihoods import OutputCore
 from lightning_flatness.core.spectral import SpectralSummary, check_lam
+from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 
 __all__ = [
     "FIELDS",
@@ -76,7 +77,7 @@ __all__ = [
 ]
 
 #: Trace functions estimated by SLQ, in :class:`SpectralSummary` order (``max_eig`` separate).
-FIELDS = ("soft_rank", "soft_rank2", "logdet", "trace")
+FIELDS = tuple(TRACE_FUNCTIONS)
 
 Reduce = Callable[[Tensor], Tensor]
 
@@ -184,35 +185,16 @@ def gauss_quadrature(decomposition: LanczosDecomposition, index: int) -> tuple[T
     return nodes.clamp_min(0.0), vectors[0].square()
 
 
-def _over_mu(values: Tensor, mu: Tensor, limit: float) -> Tensor:
-    """``values / mu`` with the limit at ``mu → 0``."""
-    tiny = mu <= 1e-300
-    return torch.where(tiny, limit, values / torch.where(tiny, 1.0, mu))
-
-
 def slq_values(
     nodes: Tensor, weights: Tensor, scale: float, lam: float, divide_by_mu: bool
 ) -> dict[str, float]:
-    """``scale · Σ_j τ_j² g(θ_j)`` for each trace function, ``g = h`` or ``h/μ``.
-
-    ``h`` per docs/math.md, "Spectral functions of F": ``μ/(μ+λ)``, ``(μ/(μ+λ))²``,
-    ``½ log(1 + μ/λ)`` and ``μ``.
-    """
-    mu = nodes
-    h = {
-        "soft_rank": mu / (mu + lam),
-        "soft_rank2": (mu / (mu + lam)).square(),
-        "logdet": 0.5 * torch.log1p(mu / lam),
-        "trace": mu,
+    """``scale · Σ_j τ_j² g(θ_j)`` for each trace function ``h`` of
+    :data:`~lightning_flatness.core.trace_functions.TRACE_FUNCTIONS`, ``g = h`` or ``h/μ``."""
+    values = {
+        name: (h.over_mu if divide_by_mu else h.value)(nodes, lam)
+        for name, h in TRACE_FUNCTIONS.items()
     }
-    if divide_by_mu:
-        h = {
-            "soft_rank": 1.0 / (mu + lam),
-            "soft_rank2": mu / (mu + lam).square(),
-            "logdet": _over_mu(h["logdet"], mu, 0.5 / lam),
-            "trace": torch.ones_like(mu),
-        }
-    return {name: scale * float((weights * values).sum()) for name, values in h.items()}
+    return {name: scale * float((weights * g).sum()) for name, g in values.items()}
 
 
 @dataclass

@@ -1,0 +1,121 @@
+"""The batch kernel ``V_b V_bᵀ``, from whichever assembly applies (``backend=``)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from lightning_flatness.core.batches import (
+    LogitsFn,
+    LogitsModule,
+    num_samples,
+)
+from lightning_flatness.core.likelihoods import get_likelihood
+from lightning_flatness.regularizer.arguments import (
+    BACKENDS,
+    Backend,
+    LabelSpec,
+    ParamSpec,
+    check_choice,
+    check_inputs,
+)
+from lightning_flatness.regularizer.func_rows import func_rows
+from lightning_flatness.regularizer.labels import (
+    resolve_labels,
+)
+from lightning_flatness.regularizer.layerwise import (
+    LayerwiseIncomplete,
+    LayerwiseUnsupported,
+    layerwise_gram,
+)
+from lightning_flatness.regularizer.modes import (
+    penalty_modes,
+)
+from lightning_flatness.regularizer.parameters import (
+    select_parameters,
+)
+from lightning_flatness.regularizer.products import gram_product
+
+__all__ = ["batch_gram", "fisher_gram"]
+
+
+def batch_gram(
+    model: nn.Module,
+    inputs: object,
+    *,
+    labels: object,
+    params: ParamSpec,
+    generator: torch.Generator | None,
+    backend: str,
+    side: Literal["smaller", "kernel"],
+    loss: str,
+    logits_fn: LogitsFn | None,
+) -> Tensor:
+    spec, leaves = check_inputs(inputs)
+    check_choice("backend", backend, BACKENDS)
+    likelihood = get_likelihood(loss)
+    with penalty_modes(model):
+        mode = resolve_labels(labels, generator, num_samples(leaves))
+        selected = select_parameters(model, params)
+        wrapped = LogitsModule(model, spec, logits_fn)
+        if backend != "func":
+            try:
+                return layerwise_gram(wrapped, leaves, mode, selected, generator, side, likelihood)
+            except LayerwiseUnsupported as error:
+                if backend == "layerwise":
+                    raise ValueError(
+                        f"backend='layerwise' cannot handle this model: {error} Use "
+                        "backend='func' (any differentiable model) or 'auto'."
+                    ) from None
+                if isinstance(error, LayerwiseIncomplete):
+                    warnings.warn(
+                        f"backend='auto' uses torch.func for this model: {error}",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+        rows = func_rows(wrapped, leaves, mode, selected, generator, likelihood)
+    if side == "smaller" and rows.shape[1] <= rows.shape[0]:
+        return gram_product(rows.T)
+    return gram_product(rows)
+
+
+def fisher_gram(
+    model: nn.Module,
+    inputs: object,
+    *,
+    labels: LabelSpec = "sampled",
+    params: ParamSpec = "all",
+    generator: torch.Generator | None = None,
+    backend: Backend = "auto",
+    loss: str = "cross_entropy",
+    logits_fn: LogitsFn | None = None,
+) -> Tensor:
+    """The unscaled kernel ``V_b V_bᵀ`` (``K_b`` times n), differentiable in the parameters.
+
+    Args:
+        model: the classifier.
+        inputs: the minibatch (B inputs).
+        labels: ``"exact"`` (BC × BC, sample-major), ``"sampled"`` (B × B) or B fixed labels.
+        params: ``"all"``, ``"last_layer"`` or module names (see :func:`select_parameters`).
+        generator: the private generator for ``labels="sampled"``.
+        backend: ``"auto"``, ``"func"`` or ``"layerwise"`` (package docstring).
+        loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"``.
+        logits_fn: ``(model, inputs) -> logits`` (default: call the model, read its logits).
+
+    Returns:
+        The M × M kernel in the model's dtype, M = B·C or B.
+    """
+    return batch_gram(
+        model,
+        inputs,
+        labels=labels,
+        params=params,
+        generator=generator,
+        backend=backend,
+        side="kernel",
+        loss=loss,
+        logits_fn=logits_fn,
+    )
