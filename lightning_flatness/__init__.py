@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "FlatnessMonitor": "lightning_flatness.lightning.monitor",
+    "SoftRankRegularizer": "lightning_flatness.lightning.regularizer",
     "FlatnessClassifier": "lightning_flatness.lightning.module",
     "MNIST7DataModule": "lightning_flatness.lightning.data",
 }
@@ -58,6 +59,7 @@ __all__ = [
     "spectral_summary",
     # Lightning layer
     "FlatnessMonitor",
+    "SoftRankRegularizer",
     "FlatnessClassifier",
     "MNIST7DataModule",
 ]

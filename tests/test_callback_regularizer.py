@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
+from lightning_flatness.lightning.regularizer import SoftRankRegularizer
 from lightning_flatness.regularizer import SoftRankPenalty
 
 BETA = 50.0
@@ -149,3 +150,61 @@ def test_manual_optimization_uses_the_penalty_once(tmp_path):
     fit(tmp_path / "automatic", automatic, [monitor()])
     for got, expected in zip(weights(manual), weights(automatic), strict=True):
         assert torch.allclose(got, expected, atol=1e-6)
+
+
+def test_the_regularizer_callback_alone_equals_the_monitor_flag(tmp_path):
+    """``SoftRankRegularizer`` beside a watching monitor trains as ``regularize=True`` does,
+    and the flag adds exactly one regularizer callback for the user."""
+    seed_everything(0)
+    flagged = FlatnessClassifier(weight_decay=LAM, lr=1e-2)
+    trainer = fit(tmp_path / "flag", flagged, [monitor()])
+    added = [c for c in trainer.callbacks if isinstance(c, SoftRankRegularizer)]
+    assert len(added) == 1
+
+    seed_everything(0)
+    separate = FlatnessClassifier(weight_decay=LAM, lr=1e-2)
+    watcher = FlatnessMonitor(
+        lam=LAM, every_n_epochs=1000, measure_on_fit_end=False, print_summary=False
+    )
+    fit(tmp_path / "separate", separate, [watcher, SoftRankRegularizer(strength=BETA, lam=LAM)])
+    for got, expected in zip(weights(separate), weights(flagged), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_two_regularizers_are_refused_at_fit_start(tmp_path):
+    with pytest.raises(ValueError, match="added twice"):
+        fit(
+            tmp_path,
+            FlatnessClassifier(weight_decay=LAM),
+            [monitor(), SoftRankRegularizer(strength=BETA, lam=LAM)],
+        )
+
+
+def test_regularizer_state_restores_its_label_generator_and_step_count(tmp_path):
+    seed_everything(0)
+    regularizer = SoftRankRegularizer(strength=BETA, lam=LAM, warmup_steps=1)
+    fit(tmp_path, FlatnessClassifier(weight_decay=LAM), [regularizer], max_steps=3)
+    state = regularizer.state_dict()
+    assert state["penalty_calls"] == 3
+    resumed = SoftRankRegularizer(strength=BETA, lam=LAM, warmup_steps=1)
+    resumed.load_state_dict(state)
+    resumed.resolved_lam, resumed.resolved_num_train_samples = LAM, N
+    assert resumed._calls == 3
+    assert torch.equal(resumed.make_penalty().generator.get_state(), state["penalty_generator"])
+    fresh = torch.Generator().manual_seed(0).get_state()
+    assert not torch.equal(fresh, state["penalty_generator"])  # two penalties drew labels
+
+
+def test_regularizer_callback_arguments_are_validated():
+    for kwargs, match in (
+        ({"strength": -1.0}, "strength"),
+        ({"function": "trace"}, "'trace'"),
+        ({"labels": "some"}, "'some'"),
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"warmup_steps": -2}, "warmup_steps"),
+        ({"params": []}, "params"),
+        ({"lam": 0.0}, "lam"),
+        ({"loss": "hinge"}, "hinge"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SoftRankRegularizer(**kwargs)

@@ -7,8 +7,12 @@ the validation set), logs every :class:`~lightning_flatness.FlatnessReport` fiel
 ``ModelCheckpoint`` see e.g. ``flatness/predicted_gap`` — and, with a ``TensorBoardLogger``,
 draws the Fisher spectrum and a predicted-vs-observed gap figure.
 
-A monitor that only measures does not change training: it works on a private copy of the model,
-draws its samples with its own generator through its own dataloader, and forks the RNG.
+The monitor watches and does not change training: it measures on the live model in eval mode
+and restores every module's mode, draws its samples with its own generator through its own
+dataloader, forks the RNG and writes no gradient. ``regularize=True`` is the one-flag way to
+*also* change training: the monitor then adds a
+:class:`~lightning_flatness.lightning.regularizer.SoftRankRegularizer` (the callback that owns
+the penalty) to the trainer's callbacks for the user.
 
 Two kinds of failure are kept apart. A configuration the monitor cannot handle (a batch it
 cannot unpack, an output it cannot read, targets that do not fit ``loss``, a module without
@@ -33,13 +37,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_flatness.core.backends.matrix_free import MATRIX_FREE_STRUCTURES
-from lightning_flatness.core.batches import LogitsFn, UnpackBatch, default_unpack_batch
+from lightning_flatness.core.batches import LogitsFn, UnpackBatch
 from lightning_flatness.core.curvature import STRUCTURES, describe_coverage
 from lightning_flatness.core.failures import UnsupportedModelError
 from lightning_flatness.core.likelihoods import LOSSES
 from lightning_flatness.core.measure import check_batch, measure
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.figures import gap_figure, log10_spectrum, summary_table
+from lightning_flatness.lightning.regularizer import SoftRankRegularizer
 from lightning_flatness.lightning.trainer_facts import (
     all_dataloaders,
     first_dataloader,
@@ -94,6 +99,17 @@ def _check_measure_kwargs(measure_kwargs: dict[str, Any]) -> None:
             raise ValueError(
                 f"measure_kwargs[{key!r}] collides with what FlatnessMonitor sets itself: {fix}."
             )
+
+
+#: the monitor's ``reg_*`` arguments and the SoftRankRegularizer argument each one sets
+_REGULARIZER_ARGUMENTS = {
+    "reg_strength": "strength",
+    "reg_function": "function",
+    "reg_labels": "labels",
+    "reg_params": "params",
+    "reg_every_n_steps": "every_n_steps",
+    "reg_warmup_steps": "warmup_steps",
+}
 
 
 def _check_nonnegative_int(name: str, value: int) -> None:
@@ -162,10 +178,13 @@ class FlatnessMonitor(Callback):
             ``EarlyStopping(strict=True)`` does for a missing metric), or warns once and
             switches the monitor off (False).
         val_dataloader_idx: which validation dataloader the held-out numbers use.
-        regularize: add ``reg_strength · h(F_b)/B`` (Theorem 6.5, the batched upper bound of
-            the soft rank, :class:`~lightning_flatness.regularizer.SoftRankPenalty`) to every
-            training loss — exactly as writing ``loss + penalty`` in ``training_step``.
-        reg_strength: β, the weight of the penalty.
+        regularize: also train against the soft rank: add a
+            :class:`~lightning_flatness.lightning.regularizer.SoftRankRegularizer` (built from
+            the ``reg_*`` arguments, this monitor's λ, n, loss, batch reading and seed) to the
+            trainer's callbacks when fit starts. It adds ``reg_strength · h(F_b)/B``
+            (Theorem 6.5) to every training loss — exactly as writing ``loss + penalty`` in
+            ``training_step``. Passing the regularizer callback yourself is the same.
+        reg_strength: β, the weight of the penalty (``SoftRankRegularizer(strength=...)``).
         reg_function: ``"soft_rank"`` or ``"logdet"``.
         reg_labels: ``"sampled"`` (one label drawn from the model per input; B × B kernel) or
             ``"exact"`` (all classes; BC × BC kernel).
@@ -238,16 +257,26 @@ class FlatnessMonitor(Callback):
                 raise ValueError(f"`{name}` must be a callable or None, got {value!r}.")
         _check_nonnegative_int("val_dataloader_idx", val_dataloader_idx)
         _check_measure_kwargs(dict(measure_kwargs or {}))
-        if not math.isfinite(float(reg_strength)) or float(reg_strength) < 0:
-            raise ValueError(f"`reg_strength` must be a finite number ≥ 0, got {reg_strength!r}.")
-        if reg_function not in ("soft_rank", "logdet"):
-            raise ValueError(
-                f"`reg_function` must be 'soft_rank' or 'logdet', got {reg_function!r}."
+        #: the callback that owns the penalty when ``regularize=True`` (added at fit start)
+        self.regularizer: SoftRankRegularizer | None = None
+        if regularize:
+            self.regularizer = _make_regularizer(
+                {
+                    "reg_strength": reg_strength,
+                    "reg_function": reg_function,
+                    "reg_labels": reg_labels,
+                    "reg_params": reg_params,
+                    "reg_every_n_steps": reg_every_n_steps,
+                    "reg_warmup_steps": reg_warmup_steps,
+                },
+                lam=lam,
+                num_train_samples=num_train_samples,
+                loss=loss,
+                unpack_batch=unpack_batch,
+                logits_fn=logits_fn,
+                seed=seed,
+                log_prefix=log_prefix,
             )
-        if reg_labels not in ("sampled", "exact"):
-            raise ValueError(f"`reg_labels` must be 'sampled' or 'exact', got {reg_labels!r}.")
-        _check_positive_int("reg_every_n_steps", reg_every_n_steps)
-        _check_nonnegative_int("reg_warmup_steps", reg_warmup_steps)
         self.structure = structure
         self.lam = None if lam is None else float(lam)
         self.every_n_epochs = every_n_epochs
@@ -267,13 +296,7 @@ class FlatnessMonitor(Callback):
         self.fallback_structure = fallback_structure
         self.seed = seed
         self.measure_kwargs = dict(measure_kwargs or {})
-        self.regularize = regularize
-        self.reg_strength = float(reg_strength)
-        self.reg_function = reg_function
-        self.reg_labels = reg_labels
-        self.reg_params = reg_params
-        self.reg_every_n_steps = reg_every_n_steps
-        self.reg_warmup_steps = reg_warmup_steps
+        self.regularize = bool(regularize)
         self.loss = loss
         self.unpack_batch = unpack_batch
         self.logits_fn = logits_fn
@@ -282,10 +305,6 @@ class FlatnessMonitor(Callback):
         #: why the monitor switched itself off at fit start (``strict=False``), or None
         self.disabled_reason: str | None = None
         self._checked = False
-        self._penalty: SoftRankPenalty | None = None
-        self._batch_inputs: Any = None
-        self._penalty_calls = 0
-        self._restored_generator_state: torch.Tensor | None = None
         self.history: list[dict[str, float]] = []
         self.resolved_lam: float | None = None
         self.resolved_num_train_samples: int | None = None
@@ -300,35 +319,82 @@ class FlatnessMonitor(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values only, so checkpoints load with ``torch.load(weights_only=True)``."""
-        state: dict[str, Any] = {
+        return {
             "history": [dict(record) for record in self.history],
             "active_structure": self._active_structure,
-            "penalty_calls": self._penalty_calls,
         }
-        if self._penalty is not None:
-            state["penalty_generator"] = self._penalty.generator.get_state()
-        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [dict(record) for record in state_dict.get("history", [])]
         self._active_structure = state_dict.get("active_structure", self.structure)
-        self._penalty_calls = int(state_dict.get("penalty_calls", 0))
-        self._restored_generator_state = state_dict.get("penalty_generator")
+        if self.regularizer is not None and "penalty_calls" in state_dict:
+            # a checkpoint from before the regularizer was a callback of its own
+            self.regularizer.load_state_dict(state_dict)
+
+    # ------------------------------------------------------------------ the regularizer
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """With ``regularize=True``, add the regularizer callback for the user (once)."""
+        if self.regularizer is None or stage != "fit":
+            return
+        others = [
+            c
+            for c in trainer.callbacks
+            if isinstance(c, SoftRankRegularizer) and c is not self.regularizer
+        ]
+        if others:
+            raise ValueError(
+                "FlatnessMonitor(regularize=True) adds a SoftRankRegularizer, and the trainer "
+                "already has one: the penalty would be added twice. Pass regularize=False to "
+                "the monitor, or drop the SoftRankRegularizer callback."
+            )
+        if self.regularizer not in trainer.callbacks:
+            trainer.callbacks.append(self.regularizer)
+
+    def make_penalty(self) -> SoftRankPenalty:
+        """The regularizer's :class:`SoftRankPenalty` (see
+        :meth:`SoftRankRegularizer.make_penalty`)."""
+        return self._regularizer().make_penalty()
+
+    def penalty(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        """The penalty ``h(F_b)/B`` of one batch (without β), for manual optimization::
+
+            loss = loss + beta * monitor.penalty(self, x)
+            self.manual_backward(loss)
+
+        With automatic optimization the regularizer adds ``β · penalty`` itself when
+        ``regularize=True``; do not add it twice.
+        """
+        return self._regularizer().penalty(model, inputs)
+
+    def _regularizer(self) -> SoftRankRegularizer:
+        if self.regularizer is None:
+            raise RuntimeError(
+                "FlatnessMonitor(regularize=False) has no penalty; pass regularize=True or use "
+                "a SoftRankRegularizer callback."
+            )
+        return self.regularizer
 
     # ------------------------------------------------------------------ setup
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        loader = first_dataloader(trainer.train_dataloader)
-        self.resolved_num_train_samples = resolve_num_train_samples(loader, self.num_train_samples)
+        self._resolve(trainer)
         if not self._checked:
             self._checked = True
             self._check_configuration(trainer, pl_module)
-        if self.regularize and self._penalty is None:
-            self._penalty = self.make_penalty()
-            if self._restored_generator_state is not None:
-                self._penalty.generator.set_state(self._restored_generator_state)
+            if self.regularizer is not None and self.disabled_reason is not None:
+                self.regularizer.disabled = True
+
+    def _resolve(self, trainer: Trainer) -> None:
+        """λ from the optimizers and n from the training dataloader, if not yet read."""
+        if self.resolved_lam is None:
+            self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
+        if self.resolved_num_train_samples is None:
+            loader = first_dataloader(trainer.train_dataloader)
+            self.resolved_num_train_samples = resolve_num_train_samples(
+                loader, self.num_train_samples
+            )
 
     def _check_configuration(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Read one real training (and validation) batch as every measurement will.
@@ -366,74 +432,6 @@ class FlatnessMonitor(Callback):
                 raise ValueError(message) from error
             self.disabled_reason = str(error)
             rank_zero_warn(f"{message} The monitor is switched off for this fit (strict=False).")
-
-    # ------------------------------------------------------------------ regularizer
-    def make_penalty(self) -> SoftRankPenalty:
-        """A :class:`SoftRankPenalty` with this monitor's λ, n and ``reg_*`` options."""
-        if self.resolved_lam is None or self.resolved_num_train_samples is None:
-            raise RuntimeError(
-                "FlatnessMonitor resolves λ and n when fit starts; compute the penalty from "
-                "training_step (or later)."
-            )
-        return SoftRankPenalty(
-            lam=self.resolved_lam,
-            num_train_samples=self.resolved_num_train_samples,
-            function=self.reg_function,
-            labels=self.reg_labels,
-            params=self.reg_params,
-            loss=self.loss,
-            logits_fn=self.logits_fn,
-            seed=self.seed,
-        )
-
-    def penalty(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-        """The penalty ``h(F_b)/B`` of one batch (without β), for manual optimization::
-
-            loss = loss + beta * monitor.penalty(self, x)
-            self.manual_backward(loss)
-
-        With automatic optimization the monitor adds ``β · penalty`` itself when
-        ``regularize=True``; do not add it twice.
-        """
-        if self._penalty is None:
-            self._penalty = self.make_penalty()
-        return self._penalty(model, inputs)
-
-    def _penalty_due(self) -> bool:
-        calls = self._penalty_calls
-        return calls >= self.reg_warmup_steps and (calls % self.reg_every_n_steps == 0)
-
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self.regularize and self.disabled_reason is None:
-            self._batch_inputs = (self.unpack_batch or default_unpack_batch)(batch)[0]
-
-    def on_before_backward(
-        self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
-    ) -> None:
-        """Add ``β · penalty / accumulate_grad_batches`` to the loss about to be backpropagated.
-
-        Lightning hands this hook the very tensor it backpropagates next (the training-step
-        loss already divided by ``accumulate_grad_batches``), so an in-place addition makes the
-        backward pass, DDP's gradient averaging, clipping and the optimizer step see
-        ``loss + penalty`` — the same as writing it in ``training_step``.
-        """
-        if not self.regularize or self._batch_inputs is None:
-            return
-        if not pl_module.automatic_optimization:  # manual: users call monitor.penalty()
-            return
-        due = self._penalty_due()
-        self._penalty_calls += 1
-        inputs, self._batch_inputs = self._batch_inputs, None
-        if not due or self.reg_strength == 0.0:
-            return
-        with trainer.precision_plugin.forward_context():
-            penalty = self.penalty(pl_module, inputs)
-        loss.add_(self.reg_strength / trainer.accumulate_grad_batches * penalty.to(loss.dtype))
-        pl_module.log(
-            f"{self.log_prefix}penalty", penalty.detach(), on_step=True, on_epoch=True, batch_size=1
-        )
 
     # ------------------------------------------------------------------ schedule
     def _due(self, trainer: Trainer) -> bool:
@@ -534,10 +532,7 @@ class FlatnessMonitor(Callback):
 
     def _measure(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
         """One measurement as a plain dict; NaN (and a warning) if it fails."""
-        if self.resolved_lam is None:
-            self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
-        if self.resolved_num_train_samples is None:
-            self.on_train_start(trainer, pl_module)
+        self._resolve(trainer)
         try:
             try:
                 report = self._run_measure(trainer, pl_module)
@@ -611,3 +606,17 @@ class FlatnessMonitor(Callback):
                 return
             writer.add_figure(f"{self.log_prefix}gap", figure, trainer.global_step, close=True)
         self._figure_drawn_at = len(self.history)
+
+
+def _make_regularizer(reg_arguments: dict[str, Any], **shared: Any) -> SoftRankRegularizer:
+    """The monitor's :class:`SoftRankRegularizer`; errors name the monitor's ``reg_*`` argument."""
+    try:
+        return SoftRankRegularizer(
+            **{_REGULARIZER_ARGUMENTS[name]: value for name, value in reg_arguments.items()},
+            **shared,
+        )
+    except ValueError as error:
+        message = str(error)
+        for name, own in _REGULARIZER_ARGUMENTS.items():
+            message = message.replace(f"`{own}`", f"`{name}`")
+        raise ValueError(message) from None

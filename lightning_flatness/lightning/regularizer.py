@@ -1,0 +1,238 @@
+"""``SoftRankRegularizer``: add the batched soft-rank bound to every training loss.
+
+A callback that changes training, as Lightning's ``StochasticWeightAveraging`` does (where
+:class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` only watches, as
+``LearningRateMonitor`` does). Before each backward pass of automatic optimization it adds
+``β · h(F_b)/B / accumulate_grad_batches`` to the loss Lightning is about to backpropagate: the
+one-batch estimate of the Theorem 6.5 upper bound (docs/math.md, "Batched upper bound
+(Theorem 6.5) — the regularizer"), computed by
+:class:`~lightning_flatness.regularizer.SoftRankPenalty`. That is the same as writing
+``loss + β · penalty`` in ``training_step``: DDP's gradient averaging, clipping, accumulation
+and mixed precision all see the sum. With manual optimization it adds nothing; call
+:meth:`SoftRankRegularizer.penalty` in ``training_step`` instead.
+
+λ is read from the optimizers when fit starts and n from the training dataloader when training
+starts: the first hooks at which Lightning has built them. The penalty's private label
+generator and its step count are part of the callback's checkpoint state, so a resumed fit
+draws the labels the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lightning_flatness.core.batches import LogitsFn, UnpackBatch, default_unpack_batch
+from lightning_flatness.lightning.trainer_facts import (
+    first_dataloader,
+    resolve_lam,
+    resolve_num_train_samples,
+)
+from lightning_flatness.regularizer import BACKENDS, FUNCTIONS, LABELS, SoftRankPenalty
+from lightning_flatness.regularizer.arguments import ParamSpec
+
+__all__ = ["SoftRankRegularizer"]
+
+
+def _check_count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer ≥ {minimum}, got {value!r}.")
+    return value
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
+    return str(value)
+
+
+class SoftRankRegularizer(Callback):
+    """Add ``strength · h(F_b)/B`` (Theorem 6.5) to every training loss.
+
+    Example::
+
+        trainer = Trainer(callbacks=[SoftRankRegularizer(strength=1.0), FlatnessMonitor()])
+
+    Args:
+        strength: β, the weight of the penalty (≥ 0; 0 computes nothing).
+        function: ``"soft_rank"`` or ``"logdet"``.
+        labels: ``"sampled"`` (one label drawn from the model per input; B × B kernel) or
+            ``"exact"`` (all classes; BC × BC kernel).
+        params: ``"all"``, ``"last_layer"`` or a list of module names.
+        every_n_steps: add the penalty on every n-th training batch only.
+        warmup_steps: no penalty for the first k training batches.
+        lam: λ, the coupled L2 weight decay; ``None`` reads it from the optimizer.
+        num_train_samples: n; ``None`` reads ``len(train dataset)``.
+        loss: the likelihood whose Fisher is penalised (``"cross_entropy"``, ``"bce"``,
+            ``"mse"``).
+        unpack_batch: ``batch -> (inputs, targets)``; default as for the monitor.
+        logits_fn: ``(pl_module, inputs) -> logits``; default: call the module.
+        backend: ``"auto"``, ``"func"`` or ``"layerwise"`` (see
+            :mod:`lightning_flatness.regularizer`).
+        seed: seed of the penalty's private label generator (the global RNG is never used).
+        log_prefix: the penalty is logged as ``<log_prefix>penalty``.
+    """
+
+    def __init__(
+        self,
+        strength: float = 1.0,
+        function: str = "soft_rank",
+        labels: str = "sampled",
+        params: ParamSpec = "all",
+        every_n_steps: int = 1,
+        warmup_steps: int = 0,
+        lam: float | None = None,
+        num_train_samples: int | None = None,
+        loss: str = "cross_entropy",
+        unpack_batch: UnpackBatch | None = None,
+        logits_fn: LogitsFn | None = None,
+        backend: str = "auto",
+        seed: int = 0,
+        log_prefix: str = "flatness/",
+    ) -> None:
+        if not math.isfinite(float(strength)) or float(strength) < 0:
+            raise ValueError(f"`strength` must be a finite number ≥ 0, got {strength!r}.")
+        if lam is not None and (not math.isfinite(float(lam)) or float(lam) <= 0):
+            raise ValueError(f"`lam` must be a finite positive number or None, got {lam!r}.")
+        if num_train_samples is not None:
+            _check_count("num_train_samples", num_train_samples, 1)
+        self.strength = float(strength)
+        self.function = _check_choice("function", function, FUNCTIONS)
+        self.labels = _check_choice("labels", labels, LABELS)
+        self.backend = _check_choice("backend", backend, BACKENDS)
+        self.params = params
+        self.every_n_steps = _check_count("every_n_steps", every_n_steps, 1)
+        self.warmup_steps = _check_count("warmup_steps", warmup_steps, 0)
+        self.lam = None if lam is None else float(lam)
+        self.num_train_samples = num_train_samples
+        self.loss = loss
+        self.unpack_batch = unpack_batch
+        self.logits_fn = logits_fn
+        self.seed = int(seed)
+        self.log_prefix = log_prefix
+        # Builds (and so validates params, loss and the rest) once, with placeholder λ and n.
+        SoftRankPenalty(**self._penalty_options(lam=1.0, num_train_samples=1))
+        self.resolved_lam: float | None = None
+        self.resolved_num_train_samples: int | None = None
+        self._penalty: SoftRankPenalty | None = None
+        self._restored_generator_state: torch.Tensor | None = None
+        self._calls = 0
+        self._batch_inputs: Any = None
+        #: set by a monitor that switched itself off: no penalty for this fit
+        self.disabled = False
+
+    def _penalty_options(self, **resolved: Any) -> dict[str, Any]:
+        return dict(
+            function=self.function,
+            labels=self.labels,
+            params=self.params,
+            backend=self.backend,
+            loss=self.loss,
+            logits_fn=self.logits_fn,
+            seed=self.seed,
+            **resolved,
+        )
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(function=self.function, params=str(self.params))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values only, so checkpoints load with ``torch.load(weights_only=True)``."""
+        state: dict[str, Any] = {"penalty_calls": self._calls}
+        if self._penalty is not None:
+            state["penalty_generator"] = self._penalty.generator.get_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._calls = int(state_dict.get("penalty_calls", 0))
+        generator_state = state_dict.get("penalty_generator")
+        if generator_state is not None and self._penalty is not None:
+            self._penalty.generator.set_state(generator_state)
+        else:
+            self._restored_generator_state = generator_state
+
+    # ------------------------------------------------------------------ λ and n
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.resolve(trainer)
+
+    def resolve(self, trainer: Trainer) -> None:
+        """Read λ (from the optimizers) and n (from the training dataloader) if not yet read."""
+        if self.resolved_lam is None:
+            self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
+        if self.resolved_num_train_samples is None:
+            loader = first_dataloader(trainer.train_dataloader)
+            self.resolved_num_train_samples = resolve_num_train_samples(
+                loader, self.num_train_samples
+            )
+
+    # ------------------------------------------------------------------ the penalty
+    def make_penalty(self) -> SoftRankPenalty:
+        """A :class:`SoftRankPenalty` with the resolved λ and n and this callback's options."""
+        if self.resolved_lam is None or self.resolved_num_train_samples is None:
+            raise RuntimeError(
+                "SoftRankRegularizer resolves λ and n when fit starts; compute the penalty from "
+                "training_step (or later)."
+            )
+        penalty = SoftRankPenalty(
+            **self._penalty_options(
+                lam=self.resolved_lam, num_train_samples=self.resolved_num_train_samples
+            )
+        )
+        if self._restored_generator_state is not None:
+            penalty.generator.set_state(self._restored_generator_state)
+            self._restored_generator_state = None
+        return penalty
+
+    def penalty(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        """The penalty ``h(F_b)/B`` of one batch (without β), for manual optimization::
+
+            loss = loss + beta * regularizer.penalty(self, x)
+            self.manual_backward(loss)
+
+        With automatic optimization the callback adds ``β · penalty`` itself; do not add it
+        twice.
+        """
+        if self._penalty is None:
+            self._penalty = self.make_penalty()
+        return self._penalty(model, inputs)
+
+    def _due(self) -> bool:
+        return self._calls >= self.warmup_steps and self._calls % self.every_n_steps == 0
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.disabled:
+            self._batch_inputs = (self.unpack_batch or default_unpack_batch)(batch)[0]
+
+    def on_before_backward(
+        self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
+    ) -> None:
+        """Add ``β · penalty / accumulate_grad_batches`` to the loss about to be backpropagated.
+
+        Lightning hands this hook the very tensor it backpropagates next (the training-step
+        loss already divided by ``accumulate_grad_batches``), so an in-place addition makes the
+        backward pass, DDP's gradient averaging, clipping and the optimizer step see
+        ``loss + penalty`` — the same as writing it in ``training_step``.
+        """
+        if self._batch_inputs is None or not pl_module.automatic_optimization:
+            return
+        due = self._due()
+        self._calls += 1
+        inputs, self._batch_inputs = self._batch_inputs, None
+        if not due or self.strength == 0.0:
+            return
+        with trainer.precision_plugin.forward_context():
+            penalty = self.penalty(pl_module, inputs)
+        loss.add_(self.strength / trainer.accumulate_grad_batches * penalty.to(loss.dtype))
+        pl_module.log(
+            f"{self.log_prefix}penalty", penalty.detach(), on_step=True, on_epoch=True, batch_size=1
+        )
