@@ -15,6 +15,14 @@ from lightning_flatness.core.failures import (
     UnsupportedModelError,
 )
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import (
+    DenseOptions,
+    DiagOptions,
+    GramOptions,
+    KFACOptions,
+    MatrixFreeOptions,
+    structure_options,
+)
 
 LAM = 1e-3
 
@@ -143,6 +151,55 @@ def test_bad_arguments_name_the_value():
         measure(model, data, lam=LAM, num_train_samples=10, kfac_mode="fast")
     with pytest.raises(ValueError, match="trace_estimator"):
         measure(model, data, lam=LAM, num_train_samples=10, trace_estimator="approx")
+    with pytest.raises(ValueError, match="mc_samples"):
+        measure(model, data, lam=LAM, num_train_samples=10, structure="diag_mc", mc_samples=0)
+    with pytest.raises(ValueError, match="dense_max_parameters"):
+        measure(
+            model, data, lam=LAM, num_train_samples=10, structure="dense", dense_max_parameters=0
+        )
+    with pytest.raises(ValueError, match="probes"):
+        measure(
+            model,
+            data,
+            lam=LAM,
+            num_train_samples=10,
+            structure="lanczos",
+            matrix_free_options={"probes": 0},
+        )
+
+
+@pytest.mark.parametrize(
+    ("structure", "kind", "field", "value"),
+    [
+        ("kfac", KFACOptions, "kfac_mode", "sampled"),
+        ("diag", DiagOptions, "sampled", False),
+        ("diag_mc", DiagOptions, "sampled", True),
+        ("dense", DenseOptions, "max_parameters", 7),
+        ("gram", GramOptions, "max_kernel_size", 9),
+        ("lanczos", MatrixFreeOptions, "probes", 3),
+        ("hutchinson", MatrixFreeOptions, "trace_estimator", "sampled"),
+    ],
+)
+def test_each_structure_gets_its_own_options(structure, kind, field, value):
+    options = structure_options(
+        structure,
+        kfac_mode="sampled",
+        trace_estimator="sampled" if structure == "hutchinson" else None,
+        dense_max_parameters=7,
+        gram_max_kernel_size=9,
+        matrix_free_options={"probes": 3},
+    )
+    assert type(options) is kind
+    assert getattr(options, field) == value
+
+
+def test_the_monitor_validates_options_with_the_core_when_it_is_built():
+    from lightning_flatness import FlatnessMonitor
+
+    with pytest.raises(ValueError, match="kfac_mode must be one of"):
+        FlatnessMonitor(kfac_mode="fast")
+    with pytest.raises(ValueError, match="Unknown matrix_free_options"):  # of the fallback
+        FlatnessMonitor(structure="dense", measure_kwargs={"matrix_free_options": {"prob": 1}})
 
 
 def test_empty_loader_is_refused():

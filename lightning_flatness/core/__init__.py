@@ -9,14 +9,13 @@ measured.
 
 from __future__ import annotations
 
-from lightning_flatness.core.backends.matrix_free import MATRIX_FREE_STRUCTURES
-from lightning_flatness.core.curvature import STRUCTURES
 from lightning_flatness.core.failures import (
     MeasurementError,
     StructureTooLargeError,
     UnsupportedModelError,
 )
 from lightning_flatness.core.measure import check_batch, measure
+from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, STRUCTURES
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.core.spectral import (
     logdet_complexity,

@@ -137,14 +137,6 @@ class HookedPass:
         if structure not in ("kfac", "diag"):
             raise ValueError(f"structure must be 'kfac' or 'diag', got {structure!r}.")
         self.diagonal_only = structure == "diag"
-        if kfac_mode not in ("exact", "sampled"):
-            raise ValueError(f"kfac_mode must be 'exact' or 'sampled', got {kfac_mode!r}.")
-        if trace_estimator not in ("exact", "sampled"):
-            raise ValueError(
-                f"trace_estimator must be 'exact' or 'sampled', got {trace_estimator!r}."
-            )
-        if int(mc_samples) < 1:
-            raise ValueError(f"mc_samples must be ≥ 1, got {mc_samples!r}.")
         self.model = model
         self.likelihood = likelihood
         self.kfac_mode = kfac_mode

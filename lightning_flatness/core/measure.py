@@ -37,7 +37,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_flatness.core.backends import make_backend
-from lightning_flatness.core.backends.matrix_free import MATRIX_FREE_STRUCTURES
 from lightning_flatness.core.batches import (
     LogitsFn,
     UnpackBatch,
@@ -45,10 +44,10 @@ from lightning_flatness.core.batches import (
     prepared_batches,
     wrap_for_batches,
 )
-from lightning_flatness.core.curvature import STRUCTURES
 from lightning_flatness.core.failures import MeasurementError
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import per_sample_modes, rng_devices, uncompiled
+from lightning_flatness.core.options import structure_options
 from lightning_flatness.core.pipeline import model_device_dtype, run_pipeline
 from lightning_flatness.core.report import FlatnessReport, build_report
 from lightning_flatness.core.spectral import check_lam
@@ -133,10 +132,15 @@ def measure(
             (names the module type).
     """
     lam = check_lam(lam)
-    if structure not in STRUCTURES + MATRIX_FREE_STRUCTURES:
-        raise ValueError(
-            f"structure must be one of {STRUCTURES + MATRIX_FREE_STRUCTURES}, got {structure!r}."
-        )
+    options = structure_options(
+        structure,
+        trace_estimator=trace_estimator,
+        kfac_mode=kfac_mode,
+        mc_samples=mc_samples,
+        dense_max_parameters=dense_max_parameters,
+        gram_max_kernel_size=gram_max_kernel_size,
+        matrix_free_options=matrix_free_options,
+    )
     if int(num_train_samples) < 1:
         raise ValueError(
             f"num_train_samples (n, the training-set size) must be ≥ 1, got {num_train_samples!r}."
@@ -155,18 +159,13 @@ def measure(
         backend = make_backend(
             structure,
             wrapped,
+            options,
             loss=loss,
-            kfac_mode=kfac_mode,
-            mc_samples=mc_samples,
-            trace_estimator=trace_estimator,
             seed=seed,
             all_reduce=all_reduce,
-            matrix_free_options=matrix_free_options,
             unpack_batch=unpack_batch,
             repeatable_train_batches=train_batches,
             max_samples=max_samples,
-            dense_max_parameters=dense_max_parameters,
-            gram_max_kernel_size=gram_max_kernel_size,
         )
         curvature, train_sums, val_sums = run_pipeline(
             backend,

@@ -36,12 +36,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_flatness.core.backends.matrix_free import MATRIX_FREE_STRUCTURES
 from lightning_flatness.core.batches import LogitsFn, UnpackBatch
-from lightning_flatness.core.curvature import STRUCTURES, describe_coverage
+from lightning_flatness.core.curvature import describe_coverage
 from lightning_flatness.core.failures import UnsupportedModelError
 from lightning_flatness.core.likelihoods import LOSSES
 from lightning_flatness.core.measure import check_batch, measure
+from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, structure_options
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.figures import gap_figure, log10_spectrum, summary_table
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
@@ -100,6 +100,9 @@ def _check_measure_kwargs(measure_kwargs: dict[str, Any]) -> None:
                 f"measure_kwargs[{key!r}] collides with what FlatnessMonitor sets itself: {fix}."
             )
 
+
+#: measure_kwargs keys that are options of a structure (core.options.structure_options)
+_OPTION_KEYS = ("mc_samples", "dense_max_parameters", "gram_max_kernel_size", "matrix_free_options")
 
 #: the monitor's ``reg_*`` arguments and the SoftRankRegularizer argument each one sets
 _REGULARIZER_ARGUMENTS = {
@@ -226,9 +229,6 @@ class FlatnessMonitor(Callback):
         strict: bool = True,
         val_dataloader_idx: int = 0,
     ) -> None:
-        structures = STRUCTURES + MATRIX_FREE_STRUCTURES
-        if structure not in structures:
-            raise ValueError(f"`structure` must be one of {structures}, got {structure!r}.")
         if fallback_structure is not None and fallback_structure not in MATRIX_FREE_STRUCTURES:
             raise ValueError(
                 f"`fallback_structure` must be one of {MATRIX_FREE_STRUCTURES} or None, got "
@@ -242,12 +242,6 @@ class FlatnessMonitor(Callback):
         _check_positive_int("num_train_samples", num_train_samples, allow_none=True)
         _check_positive_int("batch_size", batch_size)
         _check_positive_int("figure_every_n_measurements", figure_every_n_measurements)
-        if trace_estimator not in ("exact", "sampled"):
-            raise ValueError(
-                f"`trace_estimator` must be 'exact' or 'sampled', got {trace_estimator!r}."
-            )
-        if kfac_mode not in ("exact", "sampled"):
-            raise ValueError(f"`kfac_mode` must be 'exact' or 'sampled', got {kfac_mode!r}.")
         if not isinstance(log_prefix, str):
             raise ValueError(f"`log_prefix` must be a string, got {log_prefix!r}.")
         if loss not in LOSSES:
@@ -257,6 +251,15 @@ class FlatnessMonitor(Callback):
                 raise ValueError(f"`{name}` must be a callable or None, got {value!r}.")
         _check_nonnegative_int("val_dataloader_idx", val_dataloader_idx)
         _check_measure_kwargs(dict(measure_kwargs or {}))
+        # The structure's options, validated by the code measure() validates them with.
+        chosen = dict(measure_kwargs or {})
+        for name in {structure, fallback_structure} - {None}:
+            structure_options(
+                name,
+                trace_estimator=trace_estimator,
+                kfac_mode=kfac_mode,
+                **{key: chosen[key] for key in _OPTION_KEYS if key in chosen},
+            )
         #: the callback that owns the penalty when ``regularize=True`` (added at fit start)
         self.regularizer: SoftRankRegularizer | None = None
         if regularize:

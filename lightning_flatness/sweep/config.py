@@ -44,8 +44,7 @@ from typing import Any
 
 import yaml
 
-from lightning_flatness.core.backends.matrix_free import MATRIX_FREE_STRUCTURES
-from lightning_flatness.core.curvature import STRUCTURES
+from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, STRUCTURES
 from lightning_flatness.lightning.class_paths import DEFAULT_DATA, DEFAULT_MODEL
 
 __all__ = ["EXACT", "SWEEP_STRUCTURES", "SweepConfig", "load_config", "run_key"]

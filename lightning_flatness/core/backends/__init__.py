@@ -6,13 +6,18 @@ docs/RESULTS.md), ``torch.func`` for ``lanczos`` and ``hutchinson``, BackPACK fo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 
 from torch import Tensor
 
 from lightning_flatness.core.backends.hooks import HookBackend
-from lightning_flatness.core.backends.matrix_free import MATRIX_FREE_STRUCTURES, MatrixFreeBackend
+from lightning_flatness.core.backends.matrix_free import MatrixFreeBackend
 from lightning_flatness.core.batches import LogitsModule, UnpackBatch
+from lightning_flatness.core.options import (
+    HOOK_STRUCTURES,
+    MATRIX_FREE_STRUCTURES,
+    StructureOptions,
+)
 from lightning_flatness.core.pipeline import Backend
 
 __all__ = ["HookBackend", "MatrixFreeBackend", "make_backend"]
@@ -21,26 +26,18 @@ __all__ = ["HookBackend", "MatrixFreeBackend", "make_backend"]
 def make_backend(
     structure: str,
     model: LogitsModule,
+    options: StructureOptions,
     *,
     loss: str,
-    kfac_mode: str,
-    mc_samples: int,
-    trace_estimator: str | None,
     seed: int,
     all_reduce: Callable[[Tensor], Tensor] | None,
-    matrix_free_options: Mapping[str, object] | None,
     unpack_batch: UnpackBatch | None,
     repeatable_train_batches: Iterable,
     max_samples: int | None,
-    dense_max_parameters: int | None,
-    gram_max_kernel_size: int | None,
 ) -> Backend:
-    """The backend that measures ``structure`` (arguments as for ``measure()``)."""
+    """The backend that measures ``structure`` with its validated ``options``
+    (:func:`~lightning_flatness.core.options.structure_options`; the rest as for ``measure()``)."""
     if structure in MATRIX_FREE_STRUCTURES:
-        options = {
-            **({"trace_estimator": trace_estimator} if trace_estimator else {}),
-            **(matrix_free_options or {}),
-        }
         return MatrixFreeBackend(
             model,
             structure,
@@ -52,25 +49,9 @@ def make_backend(
             repeatable_train_batches=repeatable_train_batches,
             max_samples=max_samples,
         )
-    if structure in ("kfac", "diag", "diag_mc"):
-        return HookBackend(
-            model,
-            structure,
-            loss=loss,
-            kfac_mode=kfac_mode,
-            mc_samples=mc_samples,
-            trace_estimator=trace_estimator or "exact",
-            seed=seed,
-        )
+    if structure in HOOK_STRUCTURES:
+        return HookBackend(model, structure, options, loss=loss, seed=seed)
     # BackPACK is imported only when one of its structures is measured.
     from lightning_flatness.core.backpack.backend import BackpackBackend
 
-    return BackpackBackend(
-        model,
-        structure,
-        loss=loss,
-        trace_estimator=trace_estimator or "exact",
-        seed=seed,
-        dense_max_parameters=dense_max_parameters,
-        gram_max_kernel_size=gram_max_kernel_size,
-    )
+    return BackpackBackend(model, structure, options, loss=loss, seed=seed)

@@ -24,6 +24,7 @@ from lightning_flatness.core.failures import check_finite_loss
 from lightning_flatness.core.hooked_pass import HookedPass
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
+from lightning_flatness.core.options import DiagOptions, KFACOptions
 from lightning_flatness.core.pipeline import Backend, model_device_dtype
 from lightning_flatness.core.statistics import StatisticSums, output_sums
 
@@ -36,32 +37,33 @@ class HookBackend(Backend):
     Args:
         model: the wrapped model.
         structure: ``"kfac"``, ``"diag"`` or ``"diag_mc"``.
+        options: its :class:`~lightning_flatness.core.options.KFACOptions` or
+            :class:`~lightning_flatness.core.options.DiagOptions` (``diag`` uses the exact
+            rows, ``diag_mc`` ``mc_samples`` sampled ones).
         loss: the likelihood's name.
-        kfac_mode / mc_samples / trace_estimator: see :class:`HookedPass` (``diag`` uses the
-            exact rows, ``diag_mc`` ``mc_samples`` sampled ones, whatever ``kfac_mode``).
         seed: seeds the generator of the sampled labels.
     """
 
     def __init__(
         self,
         model: LogitsModule,
-        structure: str = "kfac",
+        structure: str,
+        options: KFACOptions | DiagOptions,
         *,
         loss: str,
-        kfac_mode: str,
-        mc_samples: int,
-        trace_estimator: str,
         seed: int,
     ) -> None:
         self.model = model
         self.structure = structure
         self.likelihood = get_likelihood(loss)
-        if structure != "kfac":
-            kfac_mode = "sampled" if structure == "diag_mc" else "exact"
+        if isinstance(options, KFACOptions):
+            rows = options.kfac_mode
+        else:
+            rows = "sampled" if options.sampled else "exact"
         self.settings = {
-            "kfac_mode": kfac_mode,
-            "mc_samples": mc_samples,
-            "trace_estimator": trace_estimator,
+            "kfac_mode": rows,
+            "mc_samples": options.mc_samples,
+            "trace_estimator": options.trace_estimator,
             "structure": "kfac" if structure == "kfac" else "diag",
         }
         self.seed = seed

@@ -57,7 +57,6 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor, nn
@@ -83,79 +82,14 @@ from lightning_flatness.core.functional_stats import (
 )
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
+from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
 from lightning_flatness.core.pipeline import SPLITS, Backend, run_pipeline
 from lightning_flatness.core.spectral import SpectralSummary, check_lam
 from lightning_flatness.core.statistics import StatisticSums
 
 __all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions", "stream_matrix_free"]
 
-#: Structures computed from Fisher-vector products with torch.func (any differentiable model).
-MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson")
-
 AllReduce = Callable[[Tensor], Tensor]
-
-_CHOICES = {
-    "space": ("auto", "parameters", "samples"),
-    "start": ("range", "random"),
-    "distribution": ("rademacher", "gaussian"),
-    "trace_estimator": ("auto", "exact", "sampled"),
-}
-
-
-@dataclass(frozen=True)
-class MatrixFreeOptions:
-    """Validated options of the matrix-free structures (table in the module docstring)."""
-
-    probes: int = 10
-    lanczos_steps: int = 40
-    space: str = "auto"
-    start: str = "range"
-    distribution: str = "rademacher"
-    trace_estimator: str = "auto"
-    chunk_elements: int = 2**25
-    chunk_size: int | None = None
-    power_iterations: int = 50
-    bounds: bool = True
-    cache: bool = True
-    rank: int | None = None
-    max_basis_elements: int = 2**28
-    max_histogram: int = 100_000
-    breakdown_tol: float | None = None
-
-    @classmethod
-    def from_dict(cls, options: Mapping[str, object] | None) -> MatrixFreeOptions:
-        """Build from a mapping, naming any unknown key or bad value.
-
-        Raises:
-            ValueError: unknown key, bad choice, or a count below 1.
-        """
-        options = dict(options or {})
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(
-                f"Unknown matrix_free_options {unknown}; valid keys are {sorted(known)}."
-            )
-        result = cls(**options)
-        for name, choices in _CHOICES.items():
-            if getattr(result, name) not in choices:
-                raise ValueError(
-                    f"matrix_free_options[{name!r}] must be one of {choices}, "
-                    f"got {getattr(result, name)!r}."
-                )
-        for name in ("probes", "lanczos_steps", "chunk_elements", "max_histogram"):
-            if int(getattr(result, name)) < 1:
-                raise ValueError(
-                    f"matrix_free_options[{name!r}] must be ≥ 1, got {getattr(result, name)!r}."
-                )
-        if result.chunk_size is not None and int(result.chunk_size) < 1:
-            raise ValueError(f"chunk_size must be ≥ 1 or None, got {result.chunk_size!r}.")
-        if result.start == "random" and result.space == "samples":
-            raise ValueError(
-                "start='random' draws probes in parameter space; use space='parameters' or "
-                "'auto' with it, or start='range'."
-            )
-        return result
 
 
 def _process_rank(explicit: int | None, all_reduce: AllReduce | None) -> int:
@@ -407,14 +341,18 @@ class MatrixFreeBackend(Backend):
         loss: str,
         seed: int,
         all_reduce: AllReduce | None,
-        options: Mapping[str, object] | None,
+        options: MatrixFreeOptions | Mapping[str, object] | None,
         unpack_batch: UnpackBatch | None,
         repeatable_train_batches: Iterable,
         max_samples: int | None,
     ) -> None:
         self.model, self.structure, self.loss = model, structure, loss
         self.seed, self.all_reduce = seed, all_reduce
-        self.settings = MatrixFreeOptions.from_dict(options)
+        self.settings = (
+            options
+            if isinstance(options, MatrixFreeOptions)
+            else MatrixFreeOptions.from_dict(options)
+        )
         self.unpack_batch = unpack_batch
         self.repeatable_train_batches = repeatable_train_batches
         self.max_samples = max_samples

@@ -33,6 +33,7 @@ from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.failures import check_finite_loss
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import rng_devices
+from lightning_flatness.core.options import DenseOptions, GramOptions
 from lightning_flatness.core.pipeline import Backend
 from lightning_flatness.core.statistics import StatisticSums
 
@@ -48,23 +49,22 @@ class BackpackBackend(Backend):
     Args:
         model: the wrapped model.
         structure: ``"dense"`` or ``"gram"``.
+        options: its :class:`~lightning_flatness.core.options.DenseOptions` or
+            :class:`~lightning_flatness.core.options.GramOptions` (Tr(F) estimator, size guard).
         loss: the likelihood's name.
-        trace_estimator: ``"exact"`` or ``"sampled"`` Tr(F).
         seed: seeds the forked RNG of the Monte-Carlo extensions (the sampled trace).
-        dense_max_parameters / gram_max_kernel_size: the size guards.
     """
 
     def __init__(
         self,
         model: LogitsModule,
         structure: str,
+        options: DenseOptions | GramOptions,
         *,
         loss: str,
-        trace_estimator: str,
         seed: int,
-        dense_max_parameters: int | None = None,
-        gram_max_kernel_size: int | None = None,
     ) -> None:
+        trace_estimator = options.trace_estimator
         self.model = model
         self.loss = loss
         self.likelihood = get_likelihood(loss)
@@ -73,8 +73,8 @@ class BackpackBackend(Backend):
         self.estimator = make_estimator(
             structure,
             ggn_scale=loss_scale(loss),
-            dense_max_parameters=dense_max_parameters,
-            gram_max_kernel_size=gram_max_kernel_size,
+            dense_max_parameters=getattr(options, "max_parameters", None),
+            gram_max_kernel_size=getattr(options, "max_kernel_size", None),
         )
         self.statistics = {
             "training": SampleStatistics(trace_estimator, loss, self.estimator.extensions()),

@@ -42,10 +42,6 @@ class SampleStatistics:
         loss: str = "cross_entropy",
         structure_extensions: Sequence[object] = (),
     ) -> None:
-        if trace_estimator not in ("exact", "sampled"):
-            raise ValueError(
-                f"trace_estimator must be 'exact' or 'sampled', got {trace_estimator!r}."
-            )
         self.trace_estimator = trace_estimator
         self.likelihood = get_likelihood(loss)
         # BackPACK's loss module is loss_scale⁻¹ × the NLL (MSELoss(sum) is ‖y − f‖²), so its

@@ -8,6 +8,7 @@ from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.hutchinson import HutchinsonFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher, describe_coverage
 from lightning_flatness.core.curvature.lanczos import LanczosFisher, SLQEstimate
+from lightning_flatness.core.options import STRUCTURES
 
 __all__ = [
     "STRUCTURES",
@@ -19,7 +20,3 @@ __all__ = [
     "SLQEstimate",
     "describe_coverage",
 ]
-
-#: every structure that is not matrix-free; ``kfac``, ``diag``, ``diag_mc`` from layer hooks,
-#: ``dense`` and ``gram`` from BackPACK
-STRUCTURES = ("dense", "gram", "kfac", "diag", "diag_mc")

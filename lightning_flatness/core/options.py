@@ -1,0 +1,219 @@
+"""The options of each structure, one frozen dataclass per structure, validated once.
+
+:func:`structure_options` turns ``measure()``'s keyword arguments into the options of the one
+structure being measured; the backends read only that object. ``FlatnessMonitor`` calls the
+same function when it is built, so a bad option fails there, with the same message.
+
+===========================  =====================  ==========================================
+structure                    dataclass              options
+===========================  =====================  ==========================================
+``kfac``                     :class:`KFACOptions`   ``kfac_mode``, ``mc_samples``,
+                                                    ``trace_estimator``
+``diag``, ``diag_mc``        :class:`DiagOptions`   ``mc_samples`` (``diag_mc``),
+                                                    ``trace_estimator``
+``dense``                    :class:`DenseOptions`  ``trace_estimator``, ``dense_max_parameters``
+``gram``                     :class:`GramOptions`   ``trace_estimator``, ``gram_max_kernel_size``
+``lanczos``, ``hutchinson``  :class:`MatrixFreeOptions`  ``matrix_free_options`` (table in
+                                                    :mod:`lightning_flatness.core.backends.matrix_free`)
+                                                    and ``trace_estimator``
+===========================  =====================  ==========================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+
+__all__ = [
+    "ALL_STRUCTURES",
+    "HOOK_STRUCTURES",
+    "MATRIX_FREE_STRUCTURES",
+    "STRUCTURES",
+    "DenseOptions",
+    "DiagOptions",
+    "GramOptions",
+    "KFACOptions",
+    "MatrixFreeOptions",
+    "StructureOptions",
+    "structure_options",
+]
+
+#: every structure that is not matrix-free; ``kfac``, ``diag``, ``diag_mc`` from layer hooks,
+#: ``dense`` and ``gram`` from BackPACK
+STRUCTURES = ("dense", "gram", "kfac", "diag", "diag_mc")
+#: the structures measured from layer hooks
+HOOK_STRUCTURES = ("kfac", "diag", "diag_mc")
+#: structures computed from Fisher-vector products with torch.func (any differentiable model)
+MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson")
+ALL_STRUCTURES = STRUCTURES + MATRIX_FREE_STRUCTURES
+
+#: the two ways of getting Tr(F) (and, for kfac, the output-side rows)
+EXACT_OR_SAMPLED = ("exact", "sampled")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
+
+
+def _check_count(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        more = " or None" if allow_none else ""
+        raise ValueError(f"{name} must be an integer ≥ 1{more}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class KFACOptions:
+    """``kfac``: Kronecker factors from ``kfac_mode`` rows (``"exact"``: the C rows of the
+    output Fisher's square root; ``"sampled"``: ``mc_samples`` labels drawn per input)."""
+
+    kfac_mode: str = "exact"
+    mc_samples: int = 1
+    trace_estimator: str = "exact"
+
+    def __post_init__(self) -> None:
+        _check_choice("kfac_mode", self.kfac_mode, EXACT_OR_SAMPLED)
+        _check_count("mc_samples", self.mc_samples)
+        _check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
+
+
+@dataclass(frozen=True)
+class DiagOptions:
+    """``diag`` (the exact diagonal) and ``diag_mc`` (``mc_samples`` sampled labels per input)."""
+
+    sampled: bool = False
+    mc_samples: int = 1
+    trace_estimator: str = "exact"
+
+    def __post_init__(self) -> None:
+        _check_count("mc_samples", self.mc_samples)
+        _check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
+
+
+@dataclass(frozen=True)
+class DenseOptions:
+    """``dense``: the P × P Fisher, refused above ``max_parameters`` (None: the default guard)."""
+
+    trace_estimator: str = "exact"
+    max_parameters: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
+        _check_count("dense_max_parameters", self.max_parameters, allow_none=True)
+
+
+@dataclass(frozen=True)
+class GramOptions:
+    """``gram``: the mC × mC kernel, refused above ``max_kernel_size`` (None: the default)."""
+
+    trace_estimator: str = "exact"
+    max_kernel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
+        _check_count("gram_max_kernel_size", self.max_kernel_size, allow_none=True)
+
+
+_CHOICES = {
+    "space": ("auto", "parameters", "samples"),
+    "start": ("range", "random"),
+    "distribution": ("rademacher", "gaussian"),
+    "trace_estimator": ("auto", "exact", "sampled"),
+}
+
+
+@dataclass(frozen=True)
+class MatrixFreeOptions:
+    """``lanczos`` and ``hutchinson`` (table in
+    :mod:`lightning_flatness.core.backends.matrix_free`)."""
+
+    probes: int = 10
+    lanczos_steps: int = 40
+    space: str = "auto"
+    start: str = "range"
+    distribution: str = "rademacher"
+    trace_estimator: str = "auto"
+    chunk_elements: int = 2**25
+    chunk_size: int | None = None
+    power_iterations: int = 50
+    bounds: bool = True
+    cache: bool = True
+    rank: int | None = None
+    max_basis_elements: int = 2**28
+    max_histogram: int = 100_000
+    breakdown_tol: float | None = None
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, object] | None) -> MatrixFreeOptions:
+        """Build from a mapping, naming any unknown key or bad value.
+
+        Raises:
+            ValueError: unknown key, bad choice, or a count below 1.
+        """
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"Unknown matrix_free_options {unknown}; valid keys are {sorted(known)}."
+            )
+        result = cls(**options)
+        for name, choices in _CHOICES.items():
+            if getattr(result, name) not in choices:
+                raise ValueError(
+                    f"matrix_free_options[{name!r}] must be one of {choices}, "
+                    f"got {getattr(result, name)!r}."
+                )
+        for name in ("probes", "lanczos_steps", "chunk_elements", "max_histogram"):
+            if int(getattr(result, name)) < 1:
+                raise ValueError(
+                    f"matrix_free_options[{name!r}] must be ≥ 1, got {getattr(result, name)!r}."
+                )
+        if result.chunk_size is not None and int(result.chunk_size) < 1:
+            raise ValueError(f"chunk_size must be ≥ 1 or None, got {result.chunk_size!r}.")
+        if result.start == "random" and result.space == "samples":
+            raise ValueError(
+                "start='random' draws probes in parameter space; use space='parameters' or "
+                "'auto' with it, or start='range'."
+            )
+        return result
+
+
+StructureOptions = KFACOptions | DiagOptions | DenseOptions | GramOptions | MatrixFreeOptions
+
+
+def structure_options(
+    structure: str,
+    *,
+    trace_estimator: str | None = None,
+    kfac_mode: str = "exact",
+    mc_samples: int = 1,
+    dense_max_parameters: int | None = None,
+    gram_max_kernel_size: int | None = None,
+    matrix_free_options: Mapping[str, object] | None = None,
+) -> StructureOptions:
+    """The validated options of ``structure`` from ``measure()``'s keyword arguments.
+
+    ``trace_estimator=None`` is each structure's default (exact; ``"auto"`` for the matrix-free
+    ones). Arguments that do not concern ``structure`` are ignored.
+
+    Raises:
+        ValueError: an unknown structure, or a bad option of this one (naming it).
+    """
+    _check_choice("structure", structure, ALL_STRUCTURES)
+    exact_default = trace_estimator or "exact"
+    if structure == "kfac":
+        return KFACOptions(kfac_mode, mc_samples, exact_default)
+    if structure in ("diag", "diag_mc"):
+        return DiagOptions(structure == "diag_mc", mc_samples, exact_default)
+    if structure == "dense":
+        return DenseOptions(exact_default, dense_max_parameters)
+    if structure == "gram":
+        return GramOptions(exact_default, gram_max_kernel_size)
+    options = MatrixFreeOptions.from_dict(matrix_free_options)
+    if trace_estimator is not None and "trace_estimator" not in (matrix_free_options or {}):
+        _check_choice("trace_estimator", trace_estimator, _CHOICES["trace_estimator"])
+        options = replace(options, trace_estimator=trace_estimator)
+    return options
