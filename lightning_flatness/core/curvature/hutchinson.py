@@ -20,8 +20,13 @@ are the only state and add up across processes.
 
 The structure's spectrum is the estimated diagonal, as for ``structure="diag"``: its spectral
 summary is the trace functions of ``diag F`` (pinching, an upper bound of the soft rank,
-Prop. 6.1 of the flatness paper). Every variant is averaged over ``probes`` independent probes;
-its standard errors are jackknife estimates over probes (for the trace, exactly std/√probes).
+Prop. 6.1 of the flatness paper). Every variant is averaged over ``probes`` independent probes.
+The soft rank, rank⁽²⁾ and log-det of a noisy diagonal are biased low (``h`` is concave:
+``E h(d̂) < h(E d̂)``), the more so the noisier each probe — and a probe is noisier for bigger
+batches, since each batch gets one. The reported values are therefore the jackknife
+bias-corrected ones over probes, which remove the ``O(1/probes)`` term of that bias (docs/math.md,
+"Hutchinson estimates of F"); the trace, linear in the diagonal, is unbiased as it is. Standard
+errors are jackknife estimates over probes (for the trace, exactly std/√probes).
 The bounds' summaries sit in ``blocks`` (see :meth:`HutchinsonFisher.estimate`).
 """
 
@@ -42,16 +47,21 @@ __all__ = ["VARIANTS", "HutchinsonFisher", "jackknife_summary"]
 
 #: The three Hutchinson variants: Eq. 2 (unbiased), Eq. 8 (upper bound), Eq. 9 (lower bound).
 VARIANTS = ("estimate", "upper", "lower")
+#: summary fields left as they are: the trace (linear, unbiased) and max_eig (not smooth)
+_UNCORRECTED = [list(SpectralSummary.__dataclass_fields__).index(f) for f in ("trace", "max_eig")]
 
 
 def jackknife_summary(
     per_probe: list[Tensor], lam: float
 ) -> tuple[SpectralSummary, SpectralSummary]:
-    """Summary of the mean of per-probe diagonals and its jackknife standard errors.
+    """Jackknife summary of the mean of per-probe diagonals, and its standard errors.
 
-    With K probes ``d_k`` and leave-one-out means ``d₋ₖ``, the standard error of a function s
-    of the mean is ``√((K−1)/K · Σ_k (s(d₋ₖ) − mean_k s(d₋ₖ))²)``; for the (linear) trace it is
-    the plain ``std/√K``. NaN for a single probe.
+    With K probes ``d_k``, their mean ``d̄`` and leave-one-out means ``d₋ₖ``, a nonlinear trace
+    function s (soft rank, rank⁽²⁾, log-det) is reported bias-corrected,
+    ``K·s(d̄) − (K−1)·mean_k s(d₋ₖ)``, which removes the ``O(1/K)`` term of the bias of
+    ``s(d̄)``; the trace and the largest entry are ``s(d̄)``. The standard error is
+    ``√((K−1)/K · Σ_k (s(d₋ₖ) − mean_k s(d₋ₖ))²)``; for the (linear) trace it is the plain
+    ``std/√K``. With a single probe: ``s(d̄)`` and NaN errors.
     """
     num = len(per_probe)
     mean = torch.stack(per_probe).mean(0) if num > 1 else per_probe[0]
@@ -63,7 +73,12 @@ def jackknife_summary(
         dtype=torch.float64,
     )
     spread = ((num - 1) / num * (values - values.mean(0)).square().sum(0)).sqrt()
-    return summary, SpectralSummary(*(float(v) for v in spread))
+    plain = torch.tensor(astuple(summary), dtype=torch.float64)
+    corrected = num * plain - (num - 1) * values.mean(0)
+    corrected[_UNCORRECTED] = plain[_UNCORRECTED]
+    return SpectralSummary(*(float(v) for v in corrected)), SpectralSummary(
+        *(float(v) for v in spread)
+    )
 
 
 class HutchinsonFisher:
