@@ -1,0 +1,59 @@
+"""The ``kfac`` structure's Kronecker factors follow one convention — KFC's "expand" (Grosse &
+Martens 2016; docs/math.md, "Kronecker factors from layer hooks") — checked in float64 against
+an independent, maintained implementation of it: curvlinops' ``KFACLinearOperator`` with the
+exact (type-2) Fisher and ``kfac_approx="expand"``.
+
+Weights must agree block for block. Biases are not compared with it: ``kfac`` measures every
+bias block exactly (tests/test_measure.py checks those against the dense Fisher), where
+curvlinops Kronecker-factors them too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_data, tiny_model
+from curvlinops import KFACLinearOperator
+
+from lightning_flatness.core import spectral
+from lightning_flatness.core.measure import measure
+
+LAM = 1e-3
+
+
+@pytest.mark.parametrize("architecture", ["mlp", "cnn", "resmlp"])
+@pytest.mark.parametrize("batch_size", [8, 64])
+def test_kronecker_blocks_equal_curvlinops_expand(architecture, batch_size):
+    model = tiny_model(architecture).eval()
+    inputs, targets = random_data(64)
+    data = [
+        (inputs[i : i + batch_size], targets[i : i + batch_size]) for i in range(0, 64, batch_size)
+    ]
+    params = list(model.parameters())
+    independent = KFACLinearOperator(
+        model,
+        torch.nn.CrossEntropyLoss(reduction="mean"),
+        params,
+        data,
+        fisher_type="type-2",
+        kfac_approx="expand",
+        check_deterministic=False,
+    )
+    size = sum(p.numel() for p in params)
+    dense = independent @ torch.eye(size, dtype=torch.float64)
+    report = measure(
+        model, data, lam=LAM, num_train_samples=1000, structure="kfac", kfac_mode="exact"
+    )
+    start, compared = 0, 0
+    for name, p in model.named_parameters():
+        block = slice(start, start + p.numel())
+        start += p.numel()
+        if report.coverage[name] != "kronecker":
+            continue
+        expected = spectral.spectral_summary(spectral.psd_eigenvalues(dense[block, block]), LAM)
+        got = report.blocks[name]
+        assert got.soft_rank == pytest.approx(expected.soft_rank, rel=1e-9), name
+        assert got.logdet == pytest.approx(expected.logdet, rel=1e-9), name
+        assert got.trace == pytest.approx(expected.trace, rel=1e-9), name
+        compared += 1
+    assert compared == sum(1 for name, _ in model.named_parameters() if name.endswith("weight"))
