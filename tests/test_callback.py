@@ -23,10 +23,9 @@ def fit(tmp_path, callbacks=(), architecture="mlp", max_epochs=2, optimizer="ada
         default_root_dir=tmp_path,
         max_epochs=max_epochs,
         callbacks=list(callbacks),
-        enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=True,
-        **trainer_kw,
+        **{"enable_progress_bar": False, **trainer_kw},
     )
     trainer.fit(model, data)
     return trainer, model, data
@@ -231,3 +230,18 @@ def test_unsupported_model_switches_to_matrix_free_with_one_message(tmp_path, ca
     assert "ScaledClassifier" in switches[0].getMessage()  # names what forced the switch
     assert monitor._active_structure == "lanczos"
     assert all(math.isfinite(record["soft_rank"]) for record in monitor.history)
+
+
+def test_progress_shows_the_gaps_on_the_bar_or_in_a_line_per_measurement(tmp_path, caplog):
+    """The main job is not silent: the predicted and observed gap are on the progress bar,
+    and without a bar each measurement prints one line."""
+    monitor = FlatnessMonitor(max_samples=64, max_val_samples=64, print_summary=False)
+    trainer, _, _ = fit(tmp_path / "bar", [monitor], max_epochs=1, enable_progress_bar=True)
+    shown = trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)
+    assert {"flatness/predicted_gap", "flatness/observed_gap"} <= set(shown)
+    assert "flatness/soft_rank" not in shown
+    quiet = FlatnessMonitor(max_samples=64, max_val_samples=64, print_summary=False)
+    with caplog.at_level("INFO"):
+        fit(tmp_path / "line", [quiet], max_epochs=2)
+    lines = [r.getMessage() for r in caplog.records if "predicted gap" in r.getMessage()]
+    assert len(lines) == 2 and "observed gap" in lines[0] and "(kfac)" in lines[0]

@@ -101,6 +101,9 @@ def _check_measure_kwargs(measure_kwargs: dict[str, Any]) -> None:
             )
 
 
+#: metrics also shown on the progress bar (or, without one, in a line per measurement)
+_PROGRESS_BAR_KEYS = ("predicted_gap", "observed_gap")
+
 #: measure_kwargs keys that are options of a structure (core.options.structure_options)
 _OPTION_KEYS = ("mc_samples", "dense_max_parameters", "gram_max_kernel_size", "matrix_free_options")
 
@@ -575,7 +578,21 @@ class FlatnessMonitor(Callback):
         record["epoch"] = float(trainer.current_epoch)
         self.history.append(record)
         metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
+        on_bar = {key: metrics.pop(self.log_prefix + key) for key in _PROGRESS_BAR_KEYS}
         pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+        pl_module.log_dict(
+            {self.log_prefix + key: value for key, value in on_bar.items()},
+            on_step=False,
+            on_epoch=True,
+            batch_size=1,
+            prog_bar=True,
+        )
+        if trainer.progress_bar_callback is None:  # no bar to show them: one line instead
+            rank_zero_info(
+                f"FlatnessMonitor, epoch {trainer.current_epoch}: predicted gap "
+                f"{on_bar['predicted_gap']:.4g} ({self._active_structure}), observed gap "
+                f"{on_bar['observed_gap']:.4g}, soft rank {record['soft_rank']:.4g}"
+            )
         self._draw(trainer)
 
     def _tensorboard_writers(self, trainer: Trainer) -> list:
