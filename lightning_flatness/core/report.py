@@ -11,6 +11,7 @@ from torch import Tensor
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.spectral import SpectralSummary
 from lightning_flatness.core.statistics import StatisticSums
+from lightning_flatness.core.trust import trusted
 
 __all__ = ["FlatnessReport", "build_report"]
 
@@ -24,6 +25,9 @@ class FlatnessReport:
     log-likelihoods of the model's own likelihood, not the user's training loss.
     ``eigenvalues`` (the structure's spectrum, float64) and ``blocks`` (per-parameter summaries
     of block-structured approximations, e.g. ``kfac``) are not part of :meth:`as_dict`.
+    ``trust_score`` is the training error/uncertainty ratio and ``trusted`` is 1.0 while it is
+    at least :data:`~lightning_flatness.core.trust.TRUST_THRESHOLD` (the predicted gap is then
+    to be trusted), else 0.0 (:mod:`lightning_flatness.core.trust`).
     """
 
     soft_rank: float
@@ -45,6 +49,8 @@ class FlatnessReport:
     val_accuracy: float
     error_uncertainty_train: float
     error_uncertainty_val: float
+    trust_score: float
+    trusted: float
     relative_flatness: float
     trace_fisher_val: float
     trace_cov_val: float
@@ -119,6 +125,7 @@ def build_report(
     predicted_train = ratio_train * summary.soft_rank / n
     predicted = ratio_val * summary.soft_rank / n if val.count else predicted_train
     train_nll, val_nll = train.mean("loss"), val.mean("loss")
+    alpha_train = _ratio(train.mean("error"), train.mean("uncertainty"))
     return FlatnessReport(
         soft_rank=summary.soft_rank,
         soft_rank2=summary.soft_rank2,
@@ -137,8 +144,10 @@ def build_report(
         observed_gap=val_nll - train_nll,
         train_accuracy=train.mean("correct"),
         val_accuracy=val.mean("correct"),
-        error_uncertainty_train=_ratio(train.mean("error"), train.mean("uncertainty")),
+        error_uncertainty_train=alpha_train,
         error_uncertainty_val=_ratio(val.mean("error"), val.mean("uncertainty")),
+        trust_score=alpha_train,
+        trusted=trusted(alpha_train),
         relative_flatness=train.mean("relative_flatness"),
         trace_fisher_val=trace_fisher_val,
         trace_cov_val=trace_cov_val,

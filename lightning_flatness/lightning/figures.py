@@ -8,7 +8,9 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["gap_figure", "log10_spectrum", "summary_table"]
+from lightning_flatness.core.trust import TRUST_THRESHOLD
+
+__all__ = ["STRUCTURE_KINDS", "describe_structure", "gap_figure", "log10_spectrum", "summary_table"]
 
 
 def log10_spectrum(eigenvalues: Tensor, floor: float = 1e-30) -> Tensor:
@@ -17,15 +19,45 @@ def log10_spectrum(eigenvalues: Tensor, floor: float = 1e-30) -> Tensor:
     return torch.log10(values[values > floor])
 
 
-def gap_figure(history: Sequence[Mapping[str, float]]):
-    """Matplotlib figure: predicted (held-out and training trace ratio) vs observed gap."""
+#: what each structure's soft rank is, relative to the exact one (summary table, figure title)
+STRUCTURE_KINDS = {
+    "dense": "exact",
+    "gram": "exact",
+    "lanczos": "exact F, stochastic ± stderr",
+    "kfac": "Kronecker approximation, usually above exact",
+    "diag": "upper estimate: diagonal, Prop. 6.1",
+    "diag_mc": "sampled-label diagonal",
+    "hutchinson": "upper estimate: estimated diagonal ± stderr",
+}
+
+
+def describe_structure(structure: str) -> str:
+    """``"kfac (Kronecker approximation, …)"``: the structure and what its soft rank is."""
+    kind = STRUCTURE_KINDS.get(structure)
+    return f"{structure} ({kind})" if kind else structure
+
+
+def _untrusted_epochs(history: Sequence[Mapping[str, float]]) -> list[float]:
+    return [record["epoch"] for record in history if record.get("trusted") == 0.0]
+
+
+def gap_figure(history: Sequence[Mapping[str, float]], structure: str = ""):
+    """Matplotlib figure: predicted (held-out and training trace ratio) vs observed gap.
+
+    Epochs whose estimate is not to be trusted (``trusted == 0``, the training
+    error/uncertainty ratio below :data:`~lightning_flatness.core.trust.TRUST_THRESHOLD`) are
+    shaded; random structures show their standard error as error bars.
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=False)
     from matplotlib import pyplot as plt
 
     epochs = [record["epoch"] for record in history]
-    figure, axis = plt.subplots(figsize=(6, 4), dpi=100)
+    figure, axis = plt.subplots(figsize=(6.4, 4.2), dpi=100)
+    for index, epoch in enumerate(_untrusted_epochs(history)):
+        label = f"not to be trusted (α_train < {TRUST_THRESHOLD:g})" if index == 0 else None
+        axis.axvspan(epoch - 0.5, epoch + 0.5, color="0.85", zorder=0, label=label)
     series = (
         ("observed_gap", "observed gap (val − train loss)", "k-o"),
         ("predicted_gap", "predicted gap, Eq. 13", "C0-s"),
@@ -33,16 +65,36 @@ def gap_figure(history: Sequence[Mapping[str, float]]):
     )
     for key, label, style in series:
         values = [record.get(key, math.nan) for record in history]
-        if any(math.isfinite(v) for v in values):
+        if not any(math.isfinite(v) for v in values):
+            continue
+        errors = _predicted_gap_errors(history, key)
+        if errors is not None:
+            axis.errorbar(epochs, values, yerr=errors, fmt=style, label=label, markersize=4)
+        else:
             axis.plot(epochs, values, style, label=label, markersize=4)
     axis.set_xlabel("epoch")
     axis.set_ylabel("generalization gap (nats)")
-    axis.set_title("Predicted vs observed generalization gap")
+    title = "Predicted vs observed generalization gap"
+    if structure:
+        title += f"\n{describe_structure(structure)}"
+    axis.set_title(title, fontsize=10)
     axis.grid(alpha=0.3)
     if axis.get_legend_handles_labels()[0]:
         axis.legend(fontsize=8)
     figure.tight_layout()
     return figure
+
+
+def _predicted_gap_errors(history: Sequence[Mapping[str, float]], key: str) -> list[float] | None:
+    """Standard errors of a predicted gap from the soft rank's (random structures only)."""
+    if key == "observed_gap" or not any("soft_rank_stderr" in r for r in history):
+        return None
+    errors = []
+    for record in history:
+        rank, stderr = record.get("soft_rank", math.nan), record.get("soft_rank_stderr", math.nan)
+        value = record.get(key, math.nan)
+        errors.append(abs(value) * stderr / rank if rank and math.isfinite(stderr) else 0.0)
+    return errors
 
 
 SUMMARY_ROWS = (
@@ -52,16 +104,34 @@ SUMMARY_ROWS = (
     ("soft_rank", "soft rank rank_λ(F)"),
     ("trace_ratio_val", "trace ratio Tr(C)/Tr(F), val"),
     ("trace_ratio_train", "trace ratio Tr(C)/Tr(F), train"),
+    ("trust_score", "trust score α_train"),
     ("lam", "λ"),
     ("num_samples", "samples in F"),
 )
 
 
 def summary_table(record: Mapping[str, float], structure: str) -> str:
-    """A short fixed-width table of the last measurement."""
+    """A short fixed-width table of the last measurement, with the structure, what its soft rank
+    is, the standard error of a random structure and the trust verdict."""
     width = max(len(label) for _, label in SUMMARY_ROWS)
-    lines = [f"Flatness summary (epoch {int(record.get('epoch', -1))}, structure={structure})"]
+    lines = [
+        f"Flatness summary (epoch {int(record.get('epoch', -1))}, "
+        f"structure={describe_structure(structure)})"
+    ]
     for key, label in SUMMARY_ROWS:
         value = record.get(key, math.nan)
-        lines.append(f"  {label:<{width}}  {value:.6g}")
+        line = f"  {label:<{width}}  {value:.6g}"
+        stderr = record.get(f"{key}_stderr")
+        if stderr is not None and math.isfinite(stderr):
+            line += f" ± {stderr:.3g}"
+        lines.append(line)
+    verdict = record.get("trusted", math.nan)
+    if math.isfinite(verdict):
+        advice = (
+            "yes"
+            if verdict
+            else f"no — α_train < {TRUST_THRESHOLD:g}: the model is over-confident on its "
+            "training data (Prop. 5.4)"
+        )
+        lines.append(f"  {'predicted gap trusted':<{width}}  {advice}")
     return "\n".join(lines)

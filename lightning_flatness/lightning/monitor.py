@@ -618,7 +618,7 @@ class FlatnessMonitor(Callback):
             return
         for writer in writers:
             try:
-                figure = gap_figure(self.history)
+                figure = gap_figure(self.history, self._active_structure)
             except Exception as error:  # drawing must never stop training either
                 warnings.warn(
                     f"FlatnessMonitor could not draw the gap figure: {error}", stacklevel=2

@@ -5,7 +5,9 @@ Written into the sweep's folder by :func:`write_report`:
 - ``report.md``: τ per measure (rows) and structure (columns) as in Table 4 of "Flatness After
   All?", each measure as is and divided by ``n`` (the gap scales as ``rank_λ(F)/n``, Eq. 13, so
   across training-set sizes the ratio is the comparable quantity); the paper's numbers next to
-  ours; run costs; failed runs;
+  ours; each structure's soft rank against the exact one and its Eq. 13 against the measured
+  gap (:mod:`lightning_flatness.sweep.accuracy`), split by the trust diagnostic; run costs;
+  failed runs;
 - ``kendall.json``: the same numbers, machine-readable;
 - ``scatter_<structure>.png``: predicted vs measured gap per structure, one panel per estimator
   (regularized TIC, Thomas et al., Eq. 13 with the held-out and with the training trace ratio),
@@ -24,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_flatness.sweep.accuracy import accuracy_rows, accuracy_table, trust_rows, trust_table
 from lightning_flatness.sweep.config import EXACT, SWEEP_STRUCTURES
 from lightning_flatness.sweep.kendall import kendall_tau_b
 from lightning_flatness.sweep.records import INVOCATIONS_FILE, RESULTS_FILE, json_safe, read_records
@@ -389,6 +392,25 @@ def write_report(output_dir: str | Path) -> Path:
         _paper_table(rows, structures) if structures else "(no finished runs)",
         "",
     ]
+    accuracy = accuracy_rows(records, structures)
+    if records:
+        lines += [
+            "## Accuracy: soft rank against the exact one, Eq. 13 against the measured gap",
+            "",
+            "Soft rank ÷ the exact full-training-set soft rank of the same run, and Eq. 13 "
+            "(held-out trace ratio) ÷ the measured gap; a run with a measured gap ≤ 0 counts as "
+            "outside 2×.",
+            "",
+            accuracy_table(accuracy),
+            "",
+            "## Trust diagnostic",
+            "",
+            "Calibration of Eq. 13 among the runs whose training error/uncertainty ratio α_train "
+            "is at or above a threshold (trusted) and below it (untrusted).",
+            "",
+        ]
+        for structure in [s for s in (EXACT, "kfac") if s in structures]:
+            lines += [f"{structure}:", "", trust_table(trust_rows(records, structure)), ""]
     if figures:
         lines += ["## Predicted vs measured gap", ""]
         lines += [f"![{name}]({name})" for name in figures] + [""]
@@ -429,6 +451,7 @@ def write_report(output_dir: str | Path) -> Path:
         "failed": len(failed),
         "structures": structures,
         "rows": rows,
+        "accuracy": accuracy,
         "paper_table4": [{"measure": m, "structure": s, "tau": t} for m, s, t in PAPER_TABLE4],
         "figures": figures,
     }

@@ -1,0 +1,69 @@
+"""The trust diagnostic: computed as documented, shown in the summary and the gap figure."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import batches, random_data, tiny_model
+
+from lightning_flatness import measure
+from lightning_flatness.core.trust import TRUST_THRESHOLD, trusted
+from lightning_flatness.lightning.figures import describe_structure, gap_figure, summary_table
+
+
+def test_trust_score_is_the_training_error_uncertainty_ratio():
+    model = tiny_model("mlp")
+    inputs, targets = random_data(32)
+    report = measure(model, batches(inputs, targets, 8), lam=1e-3, num_train_samples=100)
+    assert report.trust_score == report.error_uncertainty_train
+    assert math.isfinite(report.trust_score)
+    assert report.trusted == float(report.trust_score >= TRUST_THRESHOLD)
+    values = report.as_dict()
+    assert values["trust_score"] == report.trust_score and values["trusted"] == report.trusted
+
+
+@pytest.mark.parametrize(
+    ("score", "expected"),
+    [(TRUST_THRESHOLD, 1.0), (TRUST_THRESHOLD * 0.999, 0.0), (2.0, 1.0), (0.0, 0.0)],
+)
+def test_trusted_is_the_score_against_the_threshold(score, expected):
+    assert trusted(score) == expected
+    assert math.isnan(trusted(math.nan))  # a regression has no error/uncertainty ratio
+
+
+def _record(epoch, score, **extra):
+    return {
+        "epoch": float(epoch),
+        "observed_gap": 0.1,
+        "predicted_gap": 0.2,
+        "predicted_gap_train": 0.15,
+        "soft_rank": 100.0,
+        "trust_score": score,
+        "trusted": trusted(score),
+        **extra,
+    }
+
+
+def test_summary_names_the_structure_and_says_when_not_to_trust():
+    trusting = summary_table(_record(3, 0.8), "diag")
+    assert "upper estimate" in trusting and trusting.splitlines()[-1].split() == [
+        "predicted",
+        "gap",
+        "trusted",
+        "yes",
+    ]
+    doubting = summary_table(_record(4, 0.01, soft_rank_stderr=2.5), "lanczos")
+    assert "± 2.5" in doubting and "no — α_train <" in doubting
+    assert describe_structure("kfac").startswith("kfac (Kronecker")
+
+
+def test_gap_figure_shades_untrusted_epochs_and_shows_error_bars():
+    history = [_record(e, s, soft_rank_stderr=5.0) for e, s in enumerate((0.9, 0.5, 0.1, 0.05))]
+    figure = gap_figure(history, "lanczos")
+    (axis,) = figure.axes
+    shaded = [p for p in axis.patches if p.get_facecolor()[:3] == pytest.approx((0.85,) * 3)]
+    assert len(shaded) == 2  # epochs 2 and 3
+    assert any("not to be trusted" in text.get_text() for text in axis.get_legend().get_texts())
+    assert len(axis.containers) == 2  # error bars on both predicted gaps
+    assert "lanczos" in axis.get_title()
