@@ -22,7 +22,7 @@ import math
 __all__ = ["TRUST_THRESHOLD", "trusted"]
 
 #: the training error/uncertainty ratio below which the predicted gap is flagged untrusted
-TRUST_THRESHOLD = 0.3
+TRUST_THRESHOLD = 0.5
 
 
 def trusted(score: float, threshold: float = TRUST_THRESHOLD) -> float:
