@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -277,3 +278,27 @@ def test_shipped_configs_parse():
 def test_resolve_exact_picks_the_smaller_matrix():
     assert resolve_exact(4280, 500, 10) == "dense"
     assert resolve_exact(4280, 250, 10) == "gram"
+
+
+def test_the_monitor_default_is_measured_with_the_monitor_options(monkeypatch):
+    """``kfac_sampled`` is kfac with one sampled label per input for the factors and Tr(F)."""
+    # the package exports the function measure(), which shadows its module's name
+    measure_module = sys.modules["lightning_flatness.core.measure"]
+    calls = []
+    real = measure_module.measure
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(measure_module, "measure", recording)
+    raw = {**user_config(), "structures": ["kfac", "kfac_sampled"]}
+    raw["measure"] = {"kfac_mode": "exact"}
+    (run,) = SweepConfig.from_dict(raw).runs()
+    record = execute_run(run, threads=1)
+    assert record["status"] == "ok", record.get("error")
+    plain, sampled = calls
+    assert plain["structure"] == sampled["structure"] == "kfac"
+    assert plain["kfac_mode"] == "exact" and "trace_estimator" not in plain
+    assert sampled["kfac_mode"] == sampled["trace_estimator"] == "sampled"
+    assert set(record["measures"]) == {"kfac", "kfac_sampled"}

@@ -12,7 +12,9 @@ A sweep file has the sections of a ``lightning-flatness fit`` config (``model``,
 ``structures``
     The :func:`~lightning_flatness.core.measure` structures measured at the end of every run;
     ``"exact"`` is ``"dense"`` when the model has at most ``n·C`` parameters and ``"gram"``
-    otherwise (both give the exact spectrum; the smaller matrix is cheaper).
+    otherwise (both give the exact spectrum; the smaller matrix is cheaper);
+    ``"kfac_sampled"`` is ``kfac`` as ``FlatnessMonitor`` measures it by default (one sampled
+    label per input for the factors and for Tr(F)).
 ``seed``
     ``seed_everything`` seed of every run (vary it through the grid).
 ``lam``
@@ -47,12 +49,32 @@ import yaml
 from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, STRUCTURES
 from lightning_flatness.lightning.class_paths import DEFAULT_DATA, DEFAULT_MODEL
 
-__all__ = ["EXACT", "SWEEP_STRUCTURES", "SweepConfig", "load_config", "run_key"]
+__all__ = [
+    "EXACT",
+    "MONITOR_DEFAULT",
+    "SWEEP_STRUCTURES",
+    "VARIANTS",
+    "SweepConfig",
+    "load_config",
+    "run_key",
+]
 
 #: Pseudo-structure: ``"dense"`` or ``"gram"``, whichever matrix is smaller for the run.
 EXACT = "exact"
+#: Pseudo-structure: the structure and options ``FlatnessMonitor`` measures with by default.
+MONITOR_DEFAULT = "kfac_sampled"
+#: pseudo-structure → (structure, measure() options that override the sweep's ``measure``)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    MONITOR_DEFAULT: ("kfac", {"kfac_mode": "sampled", "trace_estimator": "sampled"}),
+}
 #: Structures a sweep accepts.
-SWEEP_STRUCTURES = (EXACT, *STRUCTURES, *MATRIX_FREE_STRUCTURES)
+SWEEP_STRUCTURES = (
+    EXACT,
+    *STRUCTURES[:3],
+    MONITOR_DEFAULT,
+    *STRUCTURES[3:],
+    *MATRIX_FREE_STRUCTURES,
+)
 
 _KEYS = {
     "model",

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_flatness.sweep.accuracy import accuracy_rows, accuracy_table, trust_rows, trust_table
-from lightning_flatness.sweep.config import EXACT, SWEEP_STRUCTURES
+from lightning_flatness.sweep.config import EXACT, MONITOR_DEFAULT, SWEEP_STRUCTURES
 from lightning_flatness.sweep.kendall import kendall_tau_b
 from lightning_flatness.sweep.records import INVOCATIONS_FILE, RESULTS_FILE, json_safe, read_records
 
@@ -409,7 +409,7 @@ def write_report(output_dir: str | Path) -> Path:
             "is at or above a threshold (trusted) and below it (untrusted).",
             "",
         ]
-        for structure in [s for s in (EXACT, "kfac") if s in structures]:
+        for structure in [s for s in (EXACT, "kfac", MONITOR_DEFAULT) if s in structures]:
             lines += [f"{structure}:", "", trust_table(trust_rows(records, structure)), ""]
     if figures:
         lines += ["## Predicted vs measured gap", ""]

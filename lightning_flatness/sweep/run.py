@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lightning_flatness.sweep.config import EXACT
+from lightning_flatness.sweep.config import EXACT, VARIANTS
 
 __all__ = ["TRAINER_DEFAULTS", "execute_run", "instantiate", "resolve_exact", "set_threads"]
 
@@ -172,6 +172,9 @@ def _train_and_measure(run: Mapping[str, Any]) -> dict[str, Any]:
     measures: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     for structure in run["structures"]:
+        measured, overrides = VARIANTS.get(structure, (structure, {}))
+        measured = exact if structure == EXACT else measured
+        options = {**(run.get("measure") or {}), **overrides}
         try:
             with torch.inference_mode(False), torch.enable_grad():
                 report = measure(
@@ -179,10 +182,10 @@ def _train_and_measure(run: Mapping[str, Any]) -> dict[str, Any]:
                     train_batches,
                     lam=lam,
                     num_train_samples=n,
-                    structure=exact if structure == EXACT else structure,
+                    structure=measured,
                     val_batches=val_batches,
                     seed=seed,
-                    **(run.get("measure") or {}),
+                    **options,
                 )
         except Exception as error:  # one structure failing must not lose the others
             errors[structure] = f"{type(error).__name__}: {error}"
