@@ -256,7 +256,7 @@ class FlatnessMonitor(Callback):
         _check_measure_kwargs(dict(measure_kwargs or {}))
         # The structure's options, validated by the code measure() validates them with.
         chosen = dict(measure_kwargs or {})
-        for name in {structure, fallback_structure} - {None}:
+        for name in [structure] + ([fallback_structure] if fallback_structure else []):
             structure_options(
                 name,
                 trace_estimator=trace_estimator,
