@@ -37,6 +37,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "kfac",
         {"kfac_mode": "sampled", "trace_estimator": "sampled"},
     ),
+    "kfac (probe)": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
     "diag": ("diag", {}),
     "hutchinson": ("hutchinson", {}),
     **{

@@ -9,8 +9,13 @@ The K rows are (docs/math.md, "The three matrices", "Kronecker factors from laye
 
 - the residual ``∂ℓ_i/∂z_i`` of the true labels (per-sample gradients → ``Tr(C)``);
 - the rows of ``A_i`` with ``A_iᵀA_i = Λ_i`` (exact Fisher, ``kfac_mode="exact"``: C rows), or
-  ``mc_samples`` scores of labels drawn from the model, divided by ``√mc_samples`` (sampled);
-  ``Σ_rows g gᵀ`` is then ``J_iᵀ Λ_i J_i`` exactly, or in expectation.
+  ``mc_samples`` scores of labels drawn from the model (``"sampled"``), or ``mc_samples``
+  Rademacher probes through the square root, ``A_iᵀξ`` with ``ξ ∈ {±1}^C`` (``"probe"``, the
+  Hutchinson estimate of Eq. 2 of the Hutchinson-Fisher paper), each divided by
+  ``√mc_samples``; ``Σ_rows g gᵀ`` is then ``J_iᵀ Λ_i J_i`` exactly, or in expectation. A
+  probe's rows stay as small as the Fisher of an over-confident sample, where a drawn label is
+  almost always the predicted one and the rare other draws carry nearly all of the Fisher
+  (docs/math.md, "Kronecker factors from layer hooks").
 
 :mod:`lightning_flatness.core.layer_rules` turns inputs and output gradients into per-sample
 gradients; a weight tied across layers of one type is one Kronecker block whose calls are its
@@ -116,9 +121,11 @@ class HookedPass:
     Args:
         model: the wrapped model (its parameters are read, never changed).
         likelihood: the output likelihood.
-        kfac_mode: ``"exact"`` (C rows of ``A_i``) or ``"sampled"`` (``mc_samples`` draws).
-        trace_estimator: ``"exact"`` (the C rows of ``A_i``) or ``"sampled"`` (the draws).
-        generator: draws the sampled labels.
+        kfac_mode: ``"exact"`` (C rows of ``A_i``), ``"sampled"`` (``mc_samples`` drawn labels)
+            or ``"probe"`` (``mc_samples`` Rademacher probes ``A_iᵀξ``).
+        trace_estimator: ``"exact"``, ``"sampled"`` or ``"probe"``: which of those rows give
+            Tr(F).
+        generator: draws the sampled labels and the probes.
         structure: ``"kfac"`` (Kronecker weights, exact bias blocks, diagonals for the rest)
             or ``"diag"`` (the exact diagonal of every parameter, and the diagonal of C).
     """
@@ -286,9 +293,22 @@ class HookedPass:
                 scores.append(score / math.sqrt(self.mc_samples))
             rows.append(torch.stack(scores))
             sampled = slice(start, start + self.mc_samples)
-        chosen = exact if factors == "exact" else sampled if factors else None
-        trace = exact if self.trace_estimator == "exact" else sampled
-        return torch.cat(rows).detach(), _Rows(chosen, trace)
+        probe = None
+        if "probe" in (factors, self.trace_estimator):
+            start = sum(r.shape[0] for r in rows)
+            core = self.likelihood.output_core(logits.detach())
+            signs = torch.randint(
+                0,
+                2,
+                (self.mc_samples, *z.shape),
+                generator=self.generator,
+                device=self.generator.device,
+            ).to(device=z.device, dtype=z.dtype)
+            rows.append(core.sqrt_transpose(2 * signs - 1) / math.sqrt(self.mc_samples))
+            probe = slice(start, start + self.mc_samples)
+        kinds = {"exact": exact, "sampled": sampled, "probe": probe}
+        chosen = kinds[factors] if factors else None
+        return torch.cat(rows).detach(), _Rows(chosen, kinds[self.trace_estimator])
 
     @contextmanager
     def _recorded(self) -> Iterator[None]:

@@ -98,12 +98,16 @@ def measure(
             differentiable model (options: :mod:`lightning_flatness.core.backends.matrix_free`).
         val_batches: held-out batches for the trace ratio, validation loss and observed gap.
         max_samples / max_val_samples: stop after this many training / validation samples.
-        trace_estimator: ``"exact"`` Tr(F), or ``"sampled"`` (unbiased, cheaper). Default:
-            exact; for the matrix-free structures exact only when the per-sample Jacobians are
-            small (``C·P ≤ 2²⁵``), else sampled.
-        kfac_mode: ``"exact"`` (the C rows of the output Fisher's square root) or
-            ``"sampled"`` (``mc_samples`` labels drawn from the model per input).
-        mc_samples: labels sampled per input for the Monte-Carlo structures.
+        trace_estimator: ``"exact"`` Tr(F), or ``"sampled"`` (unbiased, cheaper); for
+            ``kfac``, ``diag`` and ``diag_mc`` also ``"probe"`` (Rademacher probes, unbiased).
+            Default: exact; for the matrix-free structures exact only when the per-sample
+            Jacobians are small (``C·P ≤ 2²⁵``), else sampled.
+        kfac_mode: ``"exact"`` (the C rows of the output Fisher's square root), ``"sampled"``
+            (``mc_samples`` labels drawn from the model per input) or ``"probe"``
+            (``mc_samples`` Rademacher probes through that square root per input: unbiased like
+            drawn labels, and not starved on confident samples; docs/math.md, "Kronecker
+            factors from layer hooks").
+        mc_samples: labels drawn (or probes) per input for the Monte-Carlo structures.
         loss: ``"cross_entropy"`` (softmax classification), ``"bce"`` (independent sigmoid
             outputs: multi-label, or binary with one logit; ``Λ = diag σ(1−σ)``) or ``"mse"``
             (Gaussian regression, F = JᵀJ); see :mod:`lightning_flatness.core.likelihoods`.

@@ -47,8 +47,11 @@ HOOK_STRUCTURES = ("kfac", "diag", "diag_mc")
 MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson")
 ALL_STRUCTURES = STRUCTURES + MATRIX_FREE_STRUCTURES
 
-#: the two ways of getting Tr(F) (and, for kfac, the output-side rows)
+#: the two ways of getting Tr(F) for BackPACK's structures
 EXACT_OR_SAMPLED = ("exact", "sampled")
+#: the Fisher rows of the layer-hook structures (kfac_mode, and their trace_estimator):
+#: exact, drawn labels, or Rademacher probes through the output Fisher's square root
+HOOK_ROWS = ("exact", "sampled", "probe")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -67,16 +70,17 @@ def _check_count(name: str, value: object, allow_none: bool = False) -> None:
 @dataclass(frozen=True)
 class KFACOptions:
     """``kfac``: Kronecker factors from ``kfac_mode`` rows (``"exact"``: the C rows of the
-    output Fisher's square root; ``"sampled"``: ``mc_samples`` labels drawn per input)."""
+    output Fisher's square root; ``"sampled"``: ``mc_samples`` labels drawn per input;
+    ``"probe"``: ``mc_samples`` Rademacher probes through that square root)."""
 
     kfac_mode: str = "exact"
     mc_samples: int = 1
     trace_estimator: str = "exact"
 
     def __post_init__(self) -> None:
-        _check_choice("kfac_mode", self.kfac_mode, EXACT_OR_SAMPLED)
+        _check_choice("kfac_mode", self.kfac_mode, HOOK_ROWS)
         _check_count("mc_samples", self.mc_samples)
-        _check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
+        _check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,7 @@ class DiagOptions:
 
     def __post_init__(self) -> None:
         _check_count("mc_samples", self.mc_samples)
-        _check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
+        _check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ A sweep file has the sections of a ``lightning-flatness fit`` config (``model``,
     The :func:`~lightning_flatness.core.measure` structures measured at the end of every run;
     ``"exact"`` is ``"dense"`` when the model has at most ``n·C`` parameters and ``"gram"``
     otherwise (both give the exact spectrum; the smaller matrix is cheaper);
-    ``"kfac_sampled"`` is ``kfac`` as ``FlatnessMonitor`` measures it by default (one sampled
-    label per input for the factors and for Tr(F)).
+    ``"kfac_sampled"`` is ``kfac`` with one sampled label per input for the factors and for
+    Tr(F), ``"kfac_probe"`` the same with one Rademacher probe per input.
 ``seed``
     ``seed_everything`` seed of every run (vary it through the grid).
 ``lam``
@@ -66,12 +66,14 @@ MONITOR_DEFAULT = "kfac_sampled"
 #: pseudo-structure → (structure, measure() options that override the sweep's ``measure``)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     MONITOR_DEFAULT: ("kfac", {"kfac_mode": "sampled", "trace_estimator": "sampled"}),
+    "kfac_probe": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
 }
 #: Structures a sweep accepts.
 SWEEP_STRUCTURES = (
     EXACT,
     *STRUCTURES[:3],
     MONITOR_DEFAULT,
+    "kfac_probe",
     *STRUCTURES[3:],
     *MATRIX_FREE_STRUCTURES,
 )
