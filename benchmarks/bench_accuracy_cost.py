@@ -5,8 +5,8 @@ For the paper's MLP and CNN trained on n images of the bundled 7×7 MNIST in two
 training set:
 
 - the exact soft rank and log-det (``dense`` or ``gram``, whichever matrix is smaller);
-- ``kfac`` with exact rows (``measure()``'s default) and with one sampled label per input
-  (``FlatnessMonitor``'s default), ``diag``, ``hutchinson``;
+- ``kfac`` with exact rows (``measure()``'s default), with one sampled label per input and with
+  one Rademacher probe per input (``FlatnessMonitor``'s default), ``diag``, ``hutchinson``;
 - ``lanczos`` at several budgets (probes × Lanczos steps);
 
 and prints each one's soft rank and log-det ÷ exact, and its time ÷ the time of one training
@@ -33,11 +33,11 @@ from lightning_flatness.core.models import build_model
 #: variant → (structure, measure() options)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "kfac (exact rows)": ("kfac", {}),
-    "kfac (sampled, monitor default)": (
+    "kfac (sampled)": (
         "kfac",
         {"kfac_mode": "sampled", "trace_estimator": "sampled"},
     ),
-    "kfac (probe)": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
+    "kfac (probe, monitor default)": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
     "diag": ("diag", {}),
     "hutchinson": ("hutchinson", {}),
     **{

@@ -7,8 +7,9 @@ interleaved and repeated:
 - a training pass over m samples (train mode, forward, cross-entropy, backward, SGD step with
   weight decay) at the measurement's batch size;
 - ``measure()`` over the same m samples for the default structure ``kfac`` (layer hooks) with
-  exact Fisher rows and exact Tr(F) (``measure()``'s defaults) and with one sampled label per
-  input for the factors and the trace (``FlatnessMonitor``'s defaults), the exact diagonal
+  exact Fisher rows and exact Tr(F) (``measure()``'s defaults), with one sampled label per
+  input for the factors and the trace, and with one Rademacher probe per input
+  (``FlatnessMonitor``'s defaults), the exact diagonal
   ``diag``, ``hutchinson``, and (``--lanczos``) ``lanczos`` at its default options;
 - with ``--regularizer``, one regularized step (``SoftRankPenalty`` added to the loss) ÷ one
   plain step.
@@ -46,9 +47,13 @@ LAM = 1e-3
 #: variant → (structure, measure() keyword arguments)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "kfac exact (measure() default)": ("kfac", {}),
-    "kfac sampled (monitor default)": (
+    "kfac sampled": (
         "kfac",
         {"kfac_mode": "sampled", "trace_estimator": "sampled"},
+    ),
+    "kfac probe (monitor default)": (
+        "kfac",
+        {"kfac_mode": "probe", "trace_estimator": "probe"},
     ),
     "diag": ("diag", {}),
     "hutchinson": ("hutchinson", {}),

@@ -81,15 +81,28 @@ def test_probe_rows_are_far_less_noisy_than_drawn_labels_on_a_confident_model():
     assert float(probe.std()) < 0.5 * float(sampled.std())
 
 
-def test_probe_is_a_choice_of_the_hook_structures_only():
+def test_every_structure_accepts_probe_for_its_trace():
+    """Hook structures draw probe rows; for the matrix-free ones "probe" is their (Hutchinson)
+    "sampled" trace, and dense/gram, which compute the exact rows anyway, give the exact one."""
     model, data = confident("mlp", 1.0)
-    diag = measure(model, data, lam=LAM, num_train_samples=N, structure="diag")
-    probed = measure(
-        model, data, lam=LAM, num_train_samples=N, structure="diag", trace_estimator="probe"
-    )
-    assert probed.soft_rank == diag.soft_rank  # the diagonal itself is exact either way
-    assert probed.trace_fisher == pytest.approx(diag.trace_fisher, rel=0.5)
-    with pytest.raises(ValueError, match="trace_estimator must be one of"):
-        measure(
-            model, data, lam=LAM, num_train_samples=N, structure="dense", trace_estimator="probe"
+
+    def run(structure, estimator):
+        return measure(
+            model,
+            data,
+            lam=LAM,
+            num_train_samples=N,
+            structure=structure,
+            trace_estimator=estimator,
+            seed=3,
+            matrix_free_options={"probes": 2, "lanczos_steps": 5},
         )
+
+    diag, probed = run("diag", "exact"), run("diag", "probe")
+    assert probed.soft_rank == diag.soft_rank  # the diagonal itself is exact either way
+    assert probed.trace_fisher != diag.trace_fisher
+    assert probed.trace_fisher == pytest.approx(diag.trace_fisher, rel=0.5)
+    assert run("dense", "probe").trace_fisher == run("dense", "exact").trace_fisher
+    assert run("lanczos", "probe").trace_fisher == run("lanczos", "sampled").trace_fisher
+    with pytest.raises(ValueError, match="trace_estimator must be one of"):
+        run("kfac", "rademacher")

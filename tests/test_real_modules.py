@@ -172,8 +172,8 @@ def _plain_measurement(module, kind, **kwargs):
         lam=LAM,
         num_train_samples=N_TRAIN,
         structure="kfac",
-        trace_estimator="sampled",
-        kfac_mode="sampled",
+        trace_estimator="probe",  # the monitor's defaults
+        kfac_mode="probe",
         **kwargs,
     )
 

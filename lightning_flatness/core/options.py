@@ -201,12 +201,17 @@ def structure_options(
     """The validated options of ``structure`` from ``measure()``'s keyword arguments.
 
     ``trace_estimator=None`` is each structure's default (exact; ``"auto"`` for the matrix-free
-    ones). Arguments that do not concern ``structure`` are ignored.
+    ones). ``"probe"`` (Rademacher probes through the output Fisher's square root) is accepted
+    by every structure: the matrix-free structures' ``"sampled"`` Tr(F) *is* that estimate,
+    and ``dense`` and ``gram`` compute the exact rows anyway, so their exact Tr(F) costs
+    nothing more. Arguments that do not concern ``structure`` are ignored.
 
     Raises:
         ValueError: an unknown structure, or a bad option of this one (naming it).
     """
     _check_choice("structure", structure, ALL_STRUCTURES)
+    if trace_estimator == "probe" and structure not in HOOK_STRUCTURES:
+        trace_estimator = "exact" if structure in ("dense", "gram") else "sampled"
     exact_default = trace_estimator or "exact"
     if structure == "kfac":
         return KFACOptions(kfac_mode, mc_samples, exact_default)

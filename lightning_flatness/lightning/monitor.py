@@ -149,13 +149,14 @@ class FlatnessMonitor(Callback):
         measure_on_fit_end: also measure after the last epoch if it was not measured.
         num_train_samples: n for the predicted gap; default ``len(train dataset)``.
         batch_size: batch size of the measurement passes (does not change any number).
-        trace_estimator: ``"sampled"`` (default: unbiased, one backward vector per sample; moves
-            Tr(F) by < 1% on the paper's models at half the cost of a CNN measurement, see
-            docs/RESULTS.md) or ``"exact"`` Tr(F).
-        kfac_mode: ``"sampled"`` (default: output-side factors from one label drawn from the
-            model per input, one backward pass; within a few percent of ``"exact"`` on the
-            paper's models at the callback's ``max_samples``, docs/RESULTS.md) or ``"exact"``
-            (the C rows of the output Fisher's square root: C backward passes).
+        trace_estimator: ``"probe"`` (default: Tr(F) from the probe rows below, unbiased, no
+            extra backward pass), ``"sampled"`` (from drawn labels) or ``"exact"``.
+        kfac_mode: ``"probe"`` (default: output-side factors from one Rademacher probe through
+            the output Fisher's square root per input, one backward pass; on two sweeps within
+            a few percent of ``"exact"`` rows at the cost of ``"sampled"``, docs/RESULTS.md),
+            ``"sampled"`` (one label drawn from the model per input: as cheap, but starved on
+            over-confident models, where it falls to a fraction of the exact rows' soft rank)
+            or ``"exact"`` (the C rows of the output Fisher's square root: C backward passes).
         log_spectrum: write the log10 eigenvalue histogram (every measurement) and the gap
             figure (every ``figure_every_n_measurements``-th measurement and at fit end) to
             TensorBoard.
@@ -211,8 +212,8 @@ class FlatnessMonitor(Callback):
         measure_on_fit_end: bool = True,
         num_train_samples: int | None = None,
         batch_size: int = 256,
-        trace_estimator: str = "sampled",
-        kfac_mode: str = "sampled",
+        trace_estimator: str = "probe",
+        kfac_mode: str = "probe",
         log_spectrum: bool = True,
         figure_every_n_measurements: int = 5,
         print_summary: bool = True,

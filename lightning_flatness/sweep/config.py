@@ -14,7 +14,8 @@ A sweep file has the sections of a ``lightning-flatness fit`` config (``model``,
     ``"exact"`` is ``"dense"`` when the model has at most ``n·C`` parameters and ``"gram"``
     otherwise (both give the exact spectrum; the smaller matrix is cheaper);
     ``"kfac_sampled"`` is ``kfac`` with one sampled label per input for the factors and for
-    Tr(F), ``"kfac_probe"`` the same with one Rademacher probe per input.
+    Tr(F), ``"kfac_probe"`` the same with one Rademacher probe per input (``FlatnessMonitor``'s
+    default).
 ``seed``
     ``seed_everything`` seed of every run (vary it through the grid).
 ``lam``
@@ -62,18 +63,18 @@ __all__ = [
 #: Pseudo-structure: ``"dense"`` or ``"gram"``, whichever matrix is smaller for the run.
 EXACT = "exact"
 #: Pseudo-structure: the structure and options ``FlatnessMonitor`` measures with by default.
-MONITOR_DEFAULT = "kfac_sampled"
+MONITOR_DEFAULT = "kfac_probe"
 #: pseudo-structure → (structure, measure() options that override the sweep's ``measure``)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    MONITOR_DEFAULT: ("kfac", {"kfac_mode": "sampled", "trace_estimator": "sampled"}),
-    "kfac_probe": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
+    "kfac_sampled": ("kfac", {"kfac_mode": "sampled", "trace_estimator": "sampled"}),
+    MONITOR_DEFAULT: ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
 }
 #: Structures a sweep accepts.
 SWEEP_STRUCTURES = (
     EXACT,
     *STRUCTURES[:3],
+    "kfac_sampled",
     MONITOR_DEFAULT,
-    "kfac_probe",
     *STRUCTURES[3:],
     *MATRIX_FREE_STRUCTURES,
 )

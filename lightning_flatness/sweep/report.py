@@ -409,7 +409,8 @@ def write_report(output_dir: str | Path) -> Path:
             "is at or above a threshold (trusted) and below it (untrusted).",
             "",
         ]
-        for structure in [s for s in (EXACT, "kfac", MONITOR_DEFAULT) if s in structures]:
+        kfacs = (EXACT, "kfac", "kfac_sampled", MONITOR_DEFAULT)
+        for structure in [s for s in kfacs if s in structures]:
             lines += [f"{structure}:", "", trust_table(trust_rows(records, structure)), ""]
     if figures:
         lines += ["## Predicted vs measured gap", ""]
