@@ -106,3 +106,29 @@ def test_every_structure_accepts_probe_for_its_trace():
     assert run("lanczos", "probe").trace_fisher == run("lanczos", "sampled").trace_fisher
     with pytest.raises(ValueError, match="trace_estimator must be one of"):
         run("kfac", "rademacher")
+
+
+def test_probe_error_shrinks_with_its_budget():
+    """More probes per input (``mc_samples``) bring the probe soft rank closer to the exact
+    rows' one, which the dense reference pins elsewhere (tests/test_measure.py)."""
+    model, data = confident("cnn", 40.0)
+    exact = measure(model, data, lam=LAM, num_train_samples=N, structure="kfac").soft_rank
+
+    def error(probes: int) -> float:
+        values = [
+            measure(
+                model,
+                data,
+                lam=LAM,
+                num_train_samples=N,
+                structure="kfac",
+                kfac_mode="probe",
+                mc_samples=probes,
+                seed=seed,
+            ).soft_rank
+            for seed in range(4)
+        ]
+        return max(abs(v / exact - 1.0) for v in values)
+
+    one, sixteen = error(1), error(16)
+    assert sixteen < 0.5 * one and sixteen < 5e-3
