@@ -12,10 +12,10 @@ The K rows are (docs/math.md, "The three matrices", "Kronecker factors from laye
   ``mc_samples`` scores of labels drawn from the model (``"sampled"``), or ``mc_samples``
   Rademacher probes through the square root, ``A_iᵀξ`` with ``ξ ∈ {±1}^C`` (``"probe"``, the
   Hutchinson estimate of Eq. 2 of the Hutchinson-Fisher paper), each divided by
-  ``√mc_samples``; ``Σ_rows g gᵀ`` is then ``J_iᵀ Λ_i J_i`` exactly, or in expectation. A
-  probe's rows stay as small as the Fisher of an over-confident sample, where a drawn label is
-  almost always the predicted one and the rare other draws carry nearly all of the Fisher
-  (docs/math.md, "Kronecker factors from layer hooks").
+  ``√mc_samples``; ``Σ_rows g gᵀ`` is then ``J_iᵀ Λ_i J_i`` exactly, or in expectation.
+  Probes do not starve on over-confident samples, where a drawn label is almost always the
+  predicted one and the rare other draws carry nearly all of the Fisher (docs/math.md,
+  "Kronecker factors from layer hooks").
 
 :mod:`lightning_flatness.core.layer_rules` turns inputs and output gradients into per-sample
 gradients; a weight tied across layers of one type is one Kronecker block whose calls are its
