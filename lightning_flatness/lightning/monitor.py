@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -50,7 +51,7 @@ from lightning_flatness.lightning.trainer_facts import (
     first_dataloader,
     fixed_subset_batches,
     resolve_lam,
-    resolve_num_train_samples,
+    resolve_missing,
     select_dataloader,
 )
 from lightning_flatness.regularizer import SoftRankPenalty
@@ -395,13 +396,12 @@ class FlatnessMonitor(Callback):
 
     def _resolve(self, trainer: Trainer) -> None:
         """λ from the optimizers and n from the training dataloader, if not yet read."""
-        if self.resolved_lam is None:
-            self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
-        if self.resolved_num_train_samples is None:
-            loader = first_dataloader(trainer.train_dataloader)
-            self.resolved_num_train_samples = resolve_num_train_samples(
-                loader, self.num_train_samples
-            )
+        self.resolved_lam, self.resolved_num_train_samples = resolve_missing(
+            trainer,
+            self.lam,
+            self.num_train_samples,
+            (self.resolved_lam, self.resolved_num_train_samples),
+        )
 
     def _check_configuration(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Read one real training (and validation) batch as every measurement will.
@@ -639,5 +639,5 @@ def _make_regularizer(reg_arguments: dict[str, Any], **shared: Any) -> SoftRankR
     except ValueError as error:
         message = str(error)
         for name, own in _REGULARIZER_ARGUMENTS.items():
-            message = message.replace(f"`{own}`", f"`{name}`")
+            message = re.sub(rf"\b{own}\b", name, message)
         raise ValueError(message) from None

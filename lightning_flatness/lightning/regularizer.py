@@ -26,12 +26,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_flatness.core.batches import LogitsFn, UnpackBatch, default_unpack_batch
-from lightning_flatness.lightning.trainer_facts import (
-    first_dataloader,
-    resolve_lam,
-    resolve_num_train_samples,
-)
-from lightning_flatness.regularizer import BACKENDS, FUNCTIONS, LABELS, SoftRankPenalty
+from lightning_flatness.lightning.trainer_facts import resolve_lam, resolve_missing
+from lightning_flatness.regularizer import SoftRankPenalty
 from lightning_flatness.regularizer.arguments import ParamSpec
 
 __all__ = ["SoftRankRegularizer"]
@@ -41,12 +37,6 @@ def _check_count(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`{name}` must be an integer ≥ {minimum}, got {value!r}.")
     return value
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}.")
-    return str(value)
 
 
 class SoftRankRegularizer(Callback):
@@ -100,9 +90,9 @@ class SoftRankRegularizer(Callback):
         if num_train_samples is not None:
             _check_count("num_train_samples", num_train_samples, 1)
         self.strength = float(strength)
-        self.function = _check_choice("function", function, FUNCTIONS)
-        self.labels = _check_choice("labels", labels, LABELS)
-        self.backend = _check_choice("backend", backend, BACKENDS)
+        self.function = function
+        self.labels = labels
+        self.backend = backend
         self.params = params
         self.every_n_steps = _check_count("every_n_steps", every_n_steps, 1)
         self.warmup_steps = _check_count("warmup_steps", warmup_steps, 0)
@@ -113,7 +103,8 @@ class SoftRankRegularizer(Callback):
         self.logits_fn = logits_fn
         self.seed = int(seed)
         self.log_prefix = log_prefix
-        # Builds (and so validates params, loss and the rest) once, with placeholder λ and n.
+        # Builds the penalty once with placeholder λ and n: SoftRankPenalty validates function,
+        # labels, backend, params and loss, so they are checked where the penalty checks them.
         SoftRankPenalty(**self._penalty_options(lam=1.0, num_train_samples=1))
         self.resolved_lam: float | None = None
         self.resolved_num_train_samples: int | None = None
@@ -165,13 +156,12 @@ class SoftRankRegularizer(Callback):
 
     def resolve(self, trainer: Trainer) -> None:
         """Read λ (from the optimizers) and n (from the training dataloader) if not yet read."""
-        if self.resolved_lam is None:
-            self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
-        if self.resolved_num_train_samples is None:
-            loader = first_dataloader(trainer.train_dataloader)
-            self.resolved_num_train_samples = resolve_num_train_samples(
-                loader, self.num_train_samples
-            )
+        self.resolved_lam, self.resolved_num_train_samples = resolve_missing(
+            trainer,
+            self.lam,
+            self.num_train_samples,
+            (self.resolved_lam, self.resolved_num_train_samples),
+        )
 
     # ------------------------------------------------------------------ the penalty
     def make_penalty(self) -> SoftRankPenalty:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Subset
@@ -18,6 +19,7 @@ __all__ = [
     "first_dataloader",
     "fixed_subset_batches",
     "resolve_lam",
+    "resolve_missing",
     "resolve_num_train_samples",
     "select_dataloader",
 ]
@@ -176,3 +178,22 @@ def fixed_subset_batches(
         num_workers=0,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def resolve_missing(
+    trainer: Any,
+    lam: float | None,
+    num_train_samples: int | None,
+    resolved: tuple[float | None, int | None],
+) -> tuple[float, int]:
+    """``resolved`` = (λ, n) with what is still None read off ``trainer``: λ from its optimizers
+    (:func:`resolve_lam`, ``lam`` if given), n from its training dataloader
+    (:func:`resolve_num_train_samples`, ``num_train_samples`` if given)."""
+    known_lam, known_n = resolved
+    if known_lam is None:
+        known_lam = resolve_lam(trainer.optimizers, lam)
+    if known_n is None:
+        known_n = resolve_num_train_samples(
+            first_dataloader(trainer.train_dataloader), num_train_samples
+        )
+    return known_lam, known_n
