@@ -72,15 +72,21 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+def fresh_python(code: str) -> str:
+    """What ``code`` prints, run in a new interpreter (nothing imported beforehand)."""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    return result.stdout.strip()
+
+
 def test_sweep_configuration_does_not_load_the_command_line():
     """Reading a sweep configuration needs two class paths, not LightningCLI and jsonargparse."""
     code = (
         "import sys, lightning_flatness.sweep.config; "
         "print(int('jsonargparse' in sys.modules or 'lightning.pytorch.cli' in sys.modules))"
     )
-    loaded = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    loaded = fresh_python(code)
     assert loaded == "0"
 
 
@@ -147,7 +153,5 @@ def test_importing_the_core_loads_neither_lightning_nor_backpack():
         "roots = {m.split('.')[0] for m in sys.modules}\n"
         "print(sorted(roots & {'lightning', 'pytorch_lightning', 'backpack'}))\n"
     )
-    loaded = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    loaded = fresh_python(code)
     assert loaded == "[]"

@@ -27,25 +27,28 @@ def confident(architecture: str, scale: float) -> tuple[torch.nn.Module, list]:
     return model, batches(inputs, labels, 32)
 
 
+def kfac(model: torch.nn.Module, data: list, rows: str = "exact", seed: int = 0, **options):
+    """``kfac`` with ``rows`` as its Fisher rows, for the factors and for Tr(F)."""
+    return measure(
+        model,
+        data,
+        lam=LAM,
+        num_train_samples=N,
+        structure="kfac",
+        kfac_mode=rows,
+        trace_estimator=rows,
+        seed=seed,
+        **options,
+    )
+
+
 @pytest.mark.parametrize("architecture", ["mlp", "cnn"])
 def test_probe_rows_are_unbiased_for_the_trace_and_the_factors(architecture):
     """Tr(F) and every block's trace (linear in the factors) average to the exact rows' values
     over seeds, within four standard errors."""
     model, data = confident(architecture, 1.0)
-    exact = measure(model, data, lam=LAM, num_train_samples=N, structure="kfac")
-    runs = [
-        measure(
-            model,
-            data,
-            lam=LAM,
-            num_train_samples=N,
-            structure="kfac",
-            kfac_mode="probe",
-            trace_estimator="probe",
-            seed=seed,
-        )
-        for seed in range(24)
-    ]
+    exact = kfac(model, data)
+    runs = [kfac(model, data, "probe", seed) for seed in range(24)]
     traces = torch.tensor([r.trace_fisher for r in runs], dtype=torch.float64)
     error = float(traces.std() / len(runs) ** 0.5)
     assert abs(float(traces.mean()) - exact.trace_fisher) <= 4 * error
@@ -57,22 +60,10 @@ def test_probe_rows_are_unbiased_for_the_trace_and_the_factors(architecture):
 
 def test_probe_rows_are_far_less_noisy_than_drawn_labels_on_a_confident_model():
     model, data = confident("cnn", 40.0)
-    exact = measure(model, data, lam=LAM, num_train_samples=N, structure="kfac").soft_rank
+    exact = kfac(model, data).soft_rank
 
     def ratios(mode: str) -> torch.Tensor:
-        values = [
-            measure(
-                model,
-                data,
-                lam=LAM,
-                num_train_samples=N,
-                structure="kfac",
-                kfac_mode=mode,
-                trace_estimator=mode,
-                seed=seed,
-            ).soft_rank
-            for seed in range(6)
-        ]
+        values = [kfac(model, data, mode, seed).soft_rank for seed in range(6)]
         return torch.tensor(values, dtype=torch.float64) / exact
 
     probe, sampled = ratios("probe"), ratios("sampled")
@@ -112,21 +103,11 @@ def test_probe_error_shrinks_with_its_budget():
     """More probes per input (``mc_samples``) bring the probe soft rank closer to the exact
     rows' one, which the dense reference pins elsewhere (tests/test_measure.py)."""
     model, data = confident("cnn", 40.0)
-    exact = measure(model, data, lam=LAM, num_train_samples=N, structure="kfac").soft_rank
+    exact = kfac(model, data).soft_rank
 
     def error(probes: int) -> float:
         values = [
-            measure(
-                model,
-                data,
-                lam=LAM,
-                num_train_samples=N,
-                structure="kfac",
-                kfac_mode="probe",
-                mc_samples=probes,
-                seed=seed,
-            ).soft_rank
-            for seed in range(4)
+            kfac(model, data, "probe", seed, mc_samples=probes).soft_rank for seed in range(4)
         ]
         return max(abs(v / exact - 1.0) for v in values)
 

@@ -268,17 +268,19 @@ class HookedPass:
     # -- one batch ---------------------------------------------------------------------------
 
     def _cotangents(self, logits: Tensor, targets: Tensor, curvature: bool) -> tuple[Tensor, _Rows]:
-        """The K rows ``(K, N, C)``: residual, then exact and/or sampled Fisher rows (only
-        those of the trace when ``curvature`` is False)."""
+        """The K rows ``(K, N, C)``: residual, then exact, sampled and/or probe Fisher rows
+        (only those of the trace when ``curvature`` is False)."""
         z = logits.detach().requires_grad_(True)
         with torch.enable_grad():
             (residual,) = torch.autograd.grad(self.likelihood.nll(z, targets).sum(), z)
         rows = [residual.unsqueeze(0)]
         exact = sampled = None
         factors = self.kfac_mode if curvature else None
+        wanted = {factors, self.trace_estimator}
+        # the square root A_i of the output Fisher, for the exact rows and the probes
+        core = self.likelihood.output_core(logits.detach()) if {"exact", "probe"} & wanted else None
         if "exact" in (factors, self.trace_estimator):
             classes = logits.shape[1]
-            core = self.likelihood.output_core(logits.detach())
             identity = torch.eye(classes, dtype=logits.dtype, device=logits.device)
             rows.append(core.sqrt_transpose(identity.unsqueeze(1).expand(-1, z.shape[0], -1)))
             exact = slice(1, 1 + classes)
@@ -296,7 +298,6 @@ class HookedPass:
         probe = None
         if "probe" in (factors, self.trace_estimator):
             start = sum(r.shape[0] for r in rows)
-            core = self.likelihood.output_core(logits.detach())
             signs = torch.randint(
                 0,
                 2,
