@@ -1,8 +1,9 @@
-"""Cost of a training step regularized by the Theorem 6.5 penalty, relative to a plain step.
+"""Cost of a training step regularized by the soft-rank penalty, relative to a plain step.
 
 For each model (the paper's MLP and CNN on 7×7 inputs, 10 classes) and each option combination
-of :func:`lightning_flatness.regularizer.soft_rank_penalty` (function × labels × params), one
-step is: forward, ``cross_entropy + β · penalty``, backward, Adam step. The plain step drops the
+of :class:`lightning_flatness.regularizer.SoftRankPenalty` (estimator × function × labels ×
+params; the compositional estimator's rows are one Rademacher probe per step), one step is:
+forward, ``cross_entropy + β · penalty``, backward, Adam step. The plain step drops the
 penalty. Plain and regularized steps are interleaved in one run (same threads, same data) and
 the table reports medians over ``--steps`` steps after ``--warmup`` steps, as markdown, plus
 the ratio of the fastest steps (robust when other processes share the cores).
@@ -25,7 +26,13 @@ import torch
 from torch import Tensor, nn
 
 from lightning_flatness.core.models import build_model
-from lightning_flatness.regularizer import BACKENDS, FUNCTIONS, LABELS, SoftRankPenalty
+from lightning_flatness.regularizer import (
+    BACKENDS,
+    ESTIMATORS,
+    FUNCTIONS,
+    LABELS,
+    SoftRankPenalty,
+)
 
 
 def _step_fn(
@@ -97,6 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
     parser.add_argument("--labels", nargs="+", default=list(LABELS), choices=LABELS)
+    parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS)
     parser.add_argument("--backend", default="auto", choices=BACKENDS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -120,13 +128,16 @@ def main(argv: list[str] | None = None) -> None:
         "fastest plain step\n"
     )
     print(
-        "| model | function | labels | params | plain (ms) | regularized (ms) | ratio "
-        "(median) | ratio (min) |"
+        "| model | estimator | function | labels | params | plain (ms) | regularized (ms) | "
+        "ratio (median) | ratio (min) |"
     )
-    print("|---|---|---|---|---:|---:|---:|---:|")
+    print("|---|---|---|---|---|---:|---:|---:|---:|")
+    rows = [("batched", labels) for labels in args.labels if "batched" in args.estimators]
+    if "compositional" in args.estimators:
+        rows.append(("compositional", "sampled"))
     for architecture in args.models:
-        for function, labels, params in itertools.product(
-            FUNCTIONS, args.labels, ("all", "last_layer")
+        for (estimator, labels), function, params in itertools.product(
+            rows, FUNCTIONS, ("all", "last_layer")
         ):
             torch.manual_seed(args.seed)
             model = build_model(architecture)
@@ -140,11 +151,13 @@ def main(argv: list[str] | None = None) -> None:
                 params=params,
                 backend=args.backend,
                 seed=args.seed,
+                estimator=estimator,
             )
             regularized = _step_fn(model, inputs, targets, penalty, beta=1.0)
             timing = _interleaved(plain, regularized, args.steps, args.warmup)
+            shown = "probe" if estimator == "compositional" else labels
             print(
-                f"| {architecture} | {function} | {labels} | {params} | "
+                f"| {architecture} | {estimator} | {function} | {shown} | {params} | "
                 f"{statistics.median(timing.plain) * 1e3:.2f} | "
                 f"{statistics.median(timing.regularized) * 1e3:.2f} | "
                 f"{timing.median_ratio:.1f}× | {timing.min_ratio:.1f}× |",

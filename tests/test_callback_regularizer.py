@@ -18,10 +18,21 @@ N = 128
 class HandWritten(FlatnessClassifier):
     """The user's own version: the penalty added in training_step."""
 
-    def __init__(self, function: str = "soft_rank", labels: str = "sampled", **kwargs) -> None:
+    def __init__(
+        self,
+        function: str = "soft_rank",
+        labels: str = "sampled",
+        estimator: str = "batched",
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         self.penalty = SoftRankPenalty(
-            lam=LAM, num_train_samples=N, function=function, labels=labels, seed=0
+            lam=LAM,
+            num_train_samples=N,
+            function=function,
+            labels=labels,
+            seed=0,
+            estimator=estimator,
         )
 
     def training_step(self, batch, batch_idx):
@@ -62,22 +73,33 @@ def weights(model) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("function", "labels", "trainer_kwargs"),
+    ("function", "labels", "estimator", "trainer_kwargs"),
     [
-        ("soft_rank", "sampled", {}),
-        ("logdet", "exact", {}),
-        ("soft_rank", "sampled", {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
-        ("soft_rank", "exact", {"precision": "bf16-mixed"}),
+        ("soft_rank", "sampled", "batched", {}),
+        ("logdet", "exact", "batched", {}),
+        (
+            "soft_rank",
+            "sampled",
+            "batched",
+            {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
+        ),
+        ("soft_rank", "exact", "batched", {"precision": "bf16-mixed"}),
+        ("soft_rank", "sampled", "compositional", {}),
+        ("logdet", "sampled", "compositional", {"accumulate_grad_batches": 2}),
     ],
 )
-def test_regularized_fit_equals_hand_written_penalty(tmp_path, function, labels, trainer_kwargs):
+def test_regularized_fit_equals_hand_written_penalty(
+    tmp_path, function, labels, estimator, trainer_kwargs
+):
     seed_everything(0)
-    reference = HandWritten(function=function, labels=labels, weight_decay=LAM, lr=1e-2)
+    reference = HandWritten(
+        function=function, labels=labels, estimator=estimator, weight_decay=LAM, lr=1e-2
+    )
     fit(tmp_path / "hand", reference, **trainer_kwargs)
 
     seed_everything(0)
     plain = FlatnessClassifier(weight_decay=LAM, lr=1e-2)
-    callback = monitor(reg_function=function, reg_labels=labels)
+    callback = monitor(reg_function=function, reg_labels=labels, reg_estimator=estimator)
     fit(tmp_path / "callback", plain, [callback], **trainer_kwargs)
 
     seed_everything(0)
@@ -117,6 +139,9 @@ def test_regularizer_arguments_are_validated():
         ({"reg_labels": "some"}, "'some'"),
         ({"reg_every_n_steps": 0}, "reg_every_n_steps"),
         ({"reg_warmup_steps": -2}, "reg_warmup_steps"),
+        ({"reg_estimator": "scgd"}, "reg_estimator"),
+        ({"reg_decay": 1.5}, "reg_decay"),
+        ({"reg_estimator": "compositional", "reg_labels": "exact"}, "reg_estimator"),
     ):
         with pytest.raises(ValueError, match=match):
             FlatnessMonitor(regularize=True, **kwargs)
@@ -208,3 +233,23 @@ def test_regularizer_callback_arguments_are_validated():
     ):
         with pytest.raises(ValueError, match=match):
             SoftRankRegularizer(**kwargs)
+
+
+def test_compositional_state_checkpoints_the_running_fisher(tmp_path):
+    """The running Fisher goes into the Trainer checkpoint (loadable with weights_only) and a
+    restored callback's penalty continues from it."""
+    seed_everything(0)
+    regularizer = SoftRankRegularizer(strength=BETA, lam=LAM, estimator="compositional")
+    trainer = fit(tmp_path, FlatnessClassifier(weight_decay=LAM), [regularizer], max_steps=3)
+    trainer.save_checkpoint(tmp_path / "last.ckpt")
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    (state,) = [v for k, v in checkpoint["callbacks"].items() if "SoftRankRegularizer" in k]
+    running = regularizer._penalty.running_fisher
+    assert int(state["running_fisher"]["updates"]) == 3 == running.updates
+    resumed = SoftRankRegularizer(strength=BETA, lam=LAM, estimator="compositional")
+    resumed.load_state_dict(state)
+    resumed.resolved_lam, resumed.resolved_num_train_samples = LAM, N
+    model = trainer.lightning_module
+    inputs = next(iter(trainer.train_dataloader))[0]
+    assert torch.equal(resumed.penalty(model, inputs), regularizer.penalty(model, inputs))
+    assert torch.equal(resumed._penalty.running_fisher.dense(), running.dense())

@@ -58,13 +58,24 @@ def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure):
 
 
 @pytest.mark.ddp
-def test_regularized_fit_keeps_ranks_identical(tmp_path):
-    rank0, rank1 = run_ddp(tmp_path, "kfac", "regularize")
+@pytest.mark.parametrize("estimator", ["batched", "compositional"])
+def test_regularized_fit_keeps_ranks_identical(tmp_path, estimator):
+    mode = "regularize" if estimator == "batched" else "compositional"
+    rank0, rank1 = run_ddp(tmp_path, "kfac", mode)
     assert_records_equal(rank0, rank1)
     first = torch.load(tmp_path / "weights0.pt", weights_only=True)
     second = torch.load(tmp_path / "weights1.pt", weights_only=True)
     for name, value in first.items():
         assert torch.equal(value, second[name]), name
+    if estimator == "compositional":  # every rank holds the same running Fisher
+        states = [
+            torch.load(tmp_path / f"regularizer{r}.pt", weights_only=True)["running_fisher"]
+            for r in range(2)
+        ]
+        assert int(states[0]["updates"]) == 4  # 256 samples / 2 ranks / batch 32
+        assert states[0].keys() == states[1].keys()
+        for key, value in states[0].items():
+            assert torch.equal(value, states[1][key]), key
 
 
 @pytest.mark.ddp

@@ -309,11 +309,21 @@ def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
 
 
 @pytest.mark.parametrize(
-    ("name", "params"), [("resnet", "all"), ("resnet", "last_layer"), ("transformer", "all")]
+    ("name", "params", "estimator"),
+    [
+        ("resnet", "all", "batched"),
+        ("resnet", "last_layer", "batched"),
+        ("transformer", "all", "batched"),
+        ("resnet", "all", "compositional"),
+        ("transformer", "all", "compositional"),
+        ("vit", "all", "compositional"),
+    ],
 )
-def test_regularized_fit_trains_on_batchnorm_and_token_models(name, params):
+def test_regularized_fit_trains_on_batchnorm_and_token_models(name, params, estimator):
     plain = _zoo_fit(name, None)
-    monitor = _quiet_monitor(regularize=True, reg_strength=1.0, reg_params=params)
+    monitor = _quiet_monitor(
+        regularize=True, reg_strength=1.0, reg_params=params, reg_estimator=estimator
+    )
     regularized = _zoo_fit(name, monitor)
     changed = any(
         not torch.equal(value, regularized.state_dict()[key])

@@ -116,6 +116,8 @@ _REGULARIZER_ARGUMENTS = {
     "reg_params": "params",
     "reg_every_n_steps": "every_n_steps",
     "reg_warmup_steps": "warmup_steps",
+    "reg_estimator": "estimator",
+    "reg_decay": "decay",
 }
 
 
@@ -189,8 +191,8 @@ class FlatnessMonitor(Callback):
         regularize: also train against the soft rank: add a
             :class:`~lightning_flatness.lightning.regularizer.SoftRankRegularizer` (built from
             the ``reg_*`` arguments, this monitor's λ, n, loss, batch reading and seed) to the
-            trainer's callbacks when fit starts. It adds ``reg_strength · h(F_b)/B``
-            (Theorem 6.5) to every training loss — exactly as writing ``loss + penalty`` in
+            trainer's callbacks when fit starts. It adds ``reg_strength ·`` the penalty to
+            every training loss — exactly as writing ``loss + penalty`` in
             ``training_step``. Passing the regularizer callback yourself is the same.
         reg_strength: β, the weight of the penalty (``SoftRankRegularizer(strength=...)``).
         reg_function: ``"soft_rank"`` or ``"logdet"``.
@@ -199,6 +201,9 @@ class FlatnessMonitor(Callback):
         reg_params: ``"all"``, ``"last_layer"`` or a list of module names.
         reg_every_n_steps: add the penalty on every n-th training batch only.
         reg_warmup_steps: no penalty for the first k training batches.
+        reg_estimator: ``"batched"`` (``h(F_b)/B``, the Theorem 6.5 bound) or
+            ``"compositional"`` (gradient of ``h(F)/n`` at a running estimate ``F̂``).
+        reg_decay: ρ, the moving-average decay of the compositional estimator's ``F̂``.
     """
 
     def __init__(
@@ -228,6 +233,8 @@ class FlatnessMonitor(Callback):
         reg_params: str | list[str] = "all",
         reg_every_n_steps: int = 1,
         reg_warmup_steps: int = 0,
+        reg_estimator: str = "batched",
+        reg_decay: float = 0.95,
         loss: str = "cross_entropy",
         unpack_batch: UnpackBatch | None = None,
         logits_fn: LogitsFn | None = None,
@@ -276,6 +283,8 @@ class FlatnessMonitor(Callback):
                     "reg_params": reg_params,
                     "reg_every_n_steps": reg_every_n_steps,
                     "reg_warmup_steps": reg_warmup_steps,
+                    "reg_estimator": reg_estimator,
+                    "reg_decay": reg_decay,
                 },
                 lam=lam,
                 num_train_samples=num_train_samples,

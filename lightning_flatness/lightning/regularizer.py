@@ -1,20 +1,22 @@
-"""``SoftRankRegularizer``: add the batched soft-rank bound to every training loss.
+"""``SoftRankRegularizer``: add a soft-rank penalty to every training loss.
 
 A callback that changes training, as Lightning's ``StochasticWeightAveraging`` does (where
 :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` only watches, as
 ``LearningRateMonitor`` does). Before each backward pass of automatic optimization it adds
-``β · h(F_b)/B / accumulate_grad_batches`` to the loss Lightning is about to backpropagate: the
-one-batch estimate of the Theorem 6.5 upper bound (docs/math.md, "Batched upper bound
-(Theorem 6.5) — the regularizer"), computed by
-:class:`~lightning_flatness.regularizer.SoftRankPenalty`. That is the same as writing
+``β · penalty / accumulate_grad_batches`` to the loss Lightning is about to backpropagate,
+computed by :class:`~lightning_flatness.regularizer.SoftRankPenalty`: with
+``estimator="batched"`` the one-batch estimate ``h(F_b)/B`` of the Theorem 6.5 upper bound
+(docs/math.md, "Batched upper bound (Theorem 6.5) — the regularizer"), with
+``estimator="compositional"`` the compositional gradient of ``h(F)/n`` at a running estimate
+``F̂`` (docs/math.md, "Compositional gradient of h(F)"). That is the same as writing
 ``loss + β · penalty`` in ``training_step``: DDP's gradient averaging, clipping, accumulation
 and mixed precision all see the sum. With manual optimization it adds nothing; call
 :meth:`SoftRankRegularizer.penalty` in ``training_step`` instead.
 
 λ is read from the optimizers when fit starts and n from the training dataloader when training
-starts: the first hooks at which Lightning has built them. The penalty's private label
-generator and its step count are part of the callback's checkpoint state, so a resumed fit
-draws the labels the uninterrupted one would.
+starts: the first hooks at which Lightning has built them. The penalty's private generator,
+its step count and the compositional estimator's running Fisher are part of the callback's
+checkpoint state, so a resumed fit continues as the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _check_count(name: str, value: object, minimum: int) -> int:
 
 
 class SoftRankRegularizer(Callback):
-    """Add ``strength · h(F_b)/B`` (Theorem 6.5) to every training loss.
+    """Add ``strength ·`` the soft-rank penalty of each training batch to its loss.
 
     Example::
 
@@ -49,8 +51,10 @@ class SoftRankRegularizer(Callback):
     Args:
         strength: β, the weight of the penalty (≥ 0; 0 computes nothing).
         function: ``"soft_rank"`` or ``"logdet"``.
-        labels: ``"sampled"`` (one label drawn from the model per input; B × B kernel) or
-            ``"exact"`` (all classes; BC × BC kernel).
+        estimator: ``"batched"`` (``h(F_b)/B``, the Theorem 6.5 bound) or
+            ``"compositional"`` (gradient of ``h(F)/n`` at a running estimate ``F̂``).
+        labels: rows of the batched estimator: ``"sampled"`` (one label drawn from the model
+            per input; B × B kernel) or ``"exact"`` (all classes; BC × BC kernel).
         params: ``"all"``, ``"last_layer"`` or a list of module names.
         every_n_steps: add the penalty on every n-th training batch only.
         warmup_steps: no penalty for the first k training batches.
@@ -62,7 +66,10 @@ class SoftRankRegularizer(Callback):
         logits_fn: ``(pl_module, inputs) -> logits``; default: call the module.
         backend: ``"auto"``, ``"func"`` or ``"layerwise"`` (see
             :mod:`lightning_flatness.regularizer`).
-        seed: seed of the penalty's private label generator (the global RNG is never used).
+        seed: seed of the penalty's private generator (the global RNG is never used).
+        decay: ρ, the moving-average decay of the compositional estimator's ``F̂``.
+        probes: Rademacher probes per step of the compositional estimator.
+        max_samples: samples of each batch the compositional estimator uses (None: all).
         log_prefix: the penalty is logged as ``<log_prefix>penalty``.
     """
 
@@ -82,6 +89,10 @@ class SoftRankRegularizer(Callback):
         backend: str = "auto",
         seed: int = 0,
         log_prefix: str = "flatness/",
+        estimator: str = "batched",
+        decay: float = 0.95,
+        probes: int = 1,
+        max_samples: int | None = 32,
     ) -> None:
         if not math.isfinite(float(strength)) or float(strength) < 0:
             raise ValueError(f"`strength` must be a finite number ≥ 0, got {strength!r}.")
@@ -103,13 +114,17 @@ class SoftRankRegularizer(Callback):
         self.logits_fn = logits_fn
         self.seed = int(seed)
         self.log_prefix = log_prefix
+        self.estimator = estimator
+        self.decay = decay
+        self.probes = probes
+        self.max_samples = max_samples
         # Builds the penalty once with placeholder λ and n: SoftRankPenalty validates function,
-        # labels, backend, params and loss, so they are checked where the penalty checks them.
+        # labels, backend, params, loss, estimator, decay and probes where it checks them.
         SoftRankPenalty(**self._penalty_options(lam=1.0, num_train_samples=1))
         self.resolved_lam: float | None = None
         self.resolved_num_train_samples: int | None = None
         self._penalty: SoftRankPenalty | None = None
-        self._restored_generator_state: torch.Tensor | None = None
+        self._restored_penalty_state: dict[str, Any] | None = None
         self._calls = 0
         self._batch_inputs: Any = None
         #: set by a monitor that switched itself off: no penalty for this fit
@@ -124,6 +139,10 @@ class SoftRankRegularizer(Callback):
             loss=self.loss,
             logits_fn=self.logits_fn,
             seed=self.seed,
+            estimator=self.estimator,
+            decay=self.decay,
+            probes=self.probes,
+            max_samples=self.max_samples,
             **resolved,
         )
 
@@ -133,19 +152,29 @@ class SoftRankRegularizer(Callback):
         return self._generate_state_key(function=self.function, params=str(self.params))
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain values only, so checkpoints load with ``torch.load(weights_only=True)``."""
+        """Plain values and tensors only, so checkpoints load with
+        ``torch.load(weights_only=True)``."""
         state: dict[str, Any] = {"penalty_calls": self._calls}
-        if self._penalty is not None:
-            state["penalty_generator"] = self._penalty.generator.get_state()
+        penalty = self._penalty
+        penalty_state = penalty.state_dict() if penalty else self._restored_penalty_state
+        if penalty_state is not None:
+            state["penalty_generator"] = penalty_state["generator"]
+            if "running_fisher" in penalty_state:
+                state["running_fisher"] = penalty_state["running_fisher"]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._calls = int(state_dict.get("penalty_calls", 0))
         generator_state = state_dict.get("penalty_generator")
-        if generator_state is not None and self._penalty is not None:
-            self._penalty.generator.set_state(generator_state)
+        if generator_state is None:
+            return
+        penalty_state = {"generator": generator_state}
+        if "running_fisher" in state_dict:
+            penalty_state["running_fisher"] = state_dict["running_fisher"]
+        if self._penalty is not None:
+            self._penalty.load_state_dict(penalty_state)
         else:
-            self._restored_generator_state = generator_state
+            self._restored_penalty_state = penalty_state
 
     # ------------------------------------------------------------------ λ and n
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -176,13 +205,13 @@ class SoftRankRegularizer(Callback):
                 lam=self.resolved_lam, num_train_samples=self.resolved_num_train_samples
             )
         )
-        if self._restored_generator_state is not None:
-            penalty.generator.set_state(self._restored_generator_state)
-            self._restored_generator_state = None
+        if self._restored_penalty_state is not None:
+            penalty.load_state_dict(self._restored_penalty_state)
+            self._restored_penalty_state = None
         return penalty
 
     def penalty(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-        """The penalty ``h(F_b)/B`` of one batch (without β), for manual optimization::
+        """The penalty of one batch (without β), for manual optimization::
 
             loss = loss + beta * regularizer.penalty(self, x)
             self.manual_backward(loss)

@@ -1,4 +1,15 @@
-"""A differentiable soft-rank (or log-det) penalty on one minibatch: the batched upper bound.
+"""A differentiable soft-rank (or log-det) penalty on one minibatch.
+
+Two estimators (``SoftRankPenalty(estimator=...)``):
+
+- ``"batched"`` (default): the batched upper bound of Theorem 6.5, below;
+- ``"compositional"``: the gradient of ``h(F)/n`` itself at a running estimate ``F̂`` of the
+  training Fisher (Kronecker factors kept as moving averages), "Flatness After All?",
+  Section 6.3; see :mod:`lightning_flatness.regularizer.compositional` (docs/math.md,
+  "Compositional gradient of h(F)"). Same options except ``labels`` (it draws Rademacher
+  probes) and ``backend`` (it needs one backward pass with graph through any model).
+
+The batched bound:
 
 "Flatness After All?", Theorem 6.5 (docs/math.md, "Batched upper bound (Theorem 6.5) — the
 regularizer"): for a continuous concave ``h`` with ``h(0) = 0`` and PSD matrices ``X_b``,
@@ -87,7 +98,7 @@ optimisation::
 
 from __future__ import annotations
 
-from lightning_flatness.regularizer.arguments import BACKENDS, FUNCTIONS, LABELS
+from lightning_flatness.regularizer.arguments import BACKENDS, ESTIMATORS, FUNCTIONS, LABELS
 from lightning_flatness.regularizer.func_rows import fisher_rows
 from lightning_flatness.regularizer.kernel import fisher_gram
 from lightning_flatness.regularizer.labels import sample_labels
@@ -97,6 +108,7 @@ from lightning_flatness.regularizer.trace_function import gram_trace_function
 
 __all__ = [
     "BACKENDS",
+    "ESTIMATORS",
     "FUNCTIONS",
     "LABELS",
     "SoftRankPenalty",

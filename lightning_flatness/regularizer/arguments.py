@@ -16,7 +16,9 @@ from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 
 __all__ = [
     "BACKENDS",
+    "ESTIMATORS",
     "Backend",
+    "EstimatorName",
     "FUNCTIONS",
     "FunctionName",
     "LABELS",
@@ -35,6 +37,10 @@ FUNCTIONS = tuple(name for name, h in TRACE_FUNCTIONS.items() if h.kernel is not
 #: how the rows of ``V_b`` are formed
 LABELS = ("sampled", "exact")
 
+#: how the gradient of h(F) is estimated: the Theorem 6.5 bound, or the compositional gradient
+#: at a running estimate of F (see the package docstring)
+ESTIMATORS = ("batched", "compositional")
+
 #: how the kernel is computed (see the package docstring)
 BACKENDS = ("auto", "func", "layerwise")
 
@@ -43,6 +49,8 @@ FunctionName = Literal["soft_rank", "logdet"]
 LabelMode = Literal["sampled", "exact"]
 
 Backend = Literal["auto", "func", "layerwise"]
+
+EstimatorName = Literal["batched", "compositional"]
 
 ParamSpec = str | Sequence[str]
 

@@ -1,4 +1,5 @@
-"""The penalty ``h(F_b)/B`` of Theorem 6.5, as a function and as a configured object."""
+"""The penalty: ``h(F_b)/B`` of Theorem 6.5 as a function, and a configured object that
+computes it or the compositional estimate (:mod:`~lightning_flatness.regularizer.compositional`)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,20 @@ from torch import Tensor, nn
 
 from lightning_flatness.core.batches import (
     LogitsFn,
+    LogitsModule,
     num_samples,
+    take_rows,
 )
 from lightning_flatness.core.likelihoods import get_likelihood
+from lightning_flatness.core.model_state import original_module
 from lightning_flatness.core.spectral import check_lam
 from lightning_flatness.regularizer.arguments import (
     BACKENDS,
+    ESTIMATORS,
     FUNCTIONS,
     LABELS,
     Backend,
+    EstimatorName,
     FunctionName,
     LabelMode,
     ParamSpec,
@@ -25,7 +31,13 @@ from lightning_flatness.regularizer.arguments import (
     check_inputs,
     check_num_train_samples,
 )
+from lightning_flatness.regularizer.compositional import (
+    compositional_penalty,
+    compositional_surrogate,
+)
 from lightning_flatness.regularizer.kernel import batch_gram
+from lightning_flatness.regularizer.parameters import select_parameters
+from lightning_flatness.regularizer.running_fisher import RunningFisher
 from lightning_flatness.regularizer.trace_function import gram_trace_function
 
 __all__ = ["SoftRankPenalty", "soft_rank_penalty"]
@@ -101,7 +113,14 @@ def soft_rank_penalty(
 
 
 class SoftRankPenalty:
-    """Configured :func:`soft_rank_penalty`, owning a private generator for sampled labels.
+    """The soft-rank (or log-det) penalty of a minibatch, configured once.
+
+    ``estimator="batched"`` is :func:`soft_rank_penalty`, ``h(F_b)/B``: the Theorem 6.5 upper
+    bound, stateless. ``estimator="compositional"`` is
+    :func:`~lightning_flatness.regularizer.compositional.compositional_penalty`: its value is
+    ``h(F̂)/n`` for a running estimate ``F̂`` of the training Fisher (Kronecker factors kept
+    as moving averages, :class:`~lightning_flatness.regularizer.running_fisher.RunningFisher`)
+    and its gradient an estimate of ``∂h(F)/n`` at ``F̂``; every call updates ``F̂``.
 
     Example::
 
@@ -112,15 +131,24 @@ class SoftRankPenalty:
         lam: λ > 0, the coupled L2 weight decay.
         num_train_samples: n, the training-set size.
         function: ``"soft_rank"`` or ``"logdet"`` (log-det complexity with the ½).
-        labels: ``"sampled"`` (B × B kernel) or ``"exact"`` (BC × BC kernel).
+        labels: rows of the batched estimator: ``"sampled"`` (B × B kernel) or ``"exact"``
+            (BC × BC kernel). The compositional estimator draws Rademacher probes of the
+            output Fisher instead and accepts only the default.
         params: ``"all"``, ``"last_layer"`` or module names.
-        backend: ``"auto"``, ``"func"`` or ``"layerwise"``.
+        backend: ``"auto"``, ``"func"`` or ``"layerwise"`` (the batched kernel's assembly).
         loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"``.
         logits_fn: ``(model, inputs) -> logits`` (default: call the model, read its logits).
-        generator: generator for the sampled labels; default: a new CPU generator seeded with
-            ``seed``. Never the global one, so enabling the penalty leaves the training RNG
-            stream (shuffling, dropout, initialisation) unchanged.
+        generator: generator for the sampled labels or the probes; default: a new CPU
+            generator seeded with ``seed``. Never the global one, so enabling the penalty
+            leaves the training RNG stream (shuffling, dropout, initialisation) unchanged.
         seed: seed of the default generator.
+        estimator: ``"batched"`` or ``"compositional"``.
+        decay: ρ, the moving-average decay of the compositional estimator's ``F̂``.
+        probes: Rademacher probes per call of the compositional estimator.
+        max_samples: the compositional estimator uses the first ``max_samples`` samples of each
+            batch (all when None). The estimate stays unbiased (batches are random subsets
+            of the training set) and its relative variance barely grows (one probe's cross
+            terms dominate it at any batch size), while the cost falls in proportion.
     """
 
     def __init__(
@@ -136,6 +164,10 @@ class SoftRankPenalty:
         logits_fn: LogitsFn | None = None,
         generator: torch.Generator | None = None,
         seed: int = 0,
+        estimator: EstimatorName = "batched",
+        decay: float = 0.95,
+        probes: int = 1,
+        max_samples: int | None = 32,
     ) -> None:
         self.lam = check_lam(lam)
         self.loss = get_likelihood(loss).name
@@ -153,6 +185,26 @@ class SoftRankPenalty:
         self.function = check_choice("function", function, FUNCTIONS)
         self.labels = check_choice("labels", labels, LABELS)
         self.backend = check_choice("backend", backend, BACKENDS)
+        self.estimator = check_choice("estimator", estimator, ESTIMATORS)
+        if self.estimator == "compositional" and self.labels != "sampled":
+            raise ValueError(
+                f"labels={labels!r} chooses the rows of the batched estimator; "
+                'estimator="compositional" draws Rademacher probes of the output Fisher '
+                "(probes=K per step). Leave labels at its default, or use "
+                'estimator="batched".'
+            )
+        if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
+            raise ValueError(f"probes must be a positive int, got probes={probes!r}.")
+        self.probes = probes
+        if max_samples is not None and (
+            isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
+        ):
+            raise ValueError(
+                f"max_samples must be a positive int or None, got max_samples={max_samples!r}."
+            )
+        self.max_samples = max_samples
+        RunningFisher({}, decay=decay)  # checks ρ where the estimate does
+        self.decay = float(decay)
         if isinstance(params, str):
             self.params: ParamSpec = params
         elif isinstance(params, Sequence) and params and all(isinstance(p, str) for p in params):
@@ -165,34 +217,102 @@ class SoftRankPenalty:
             generator = torch.Generator()
             generator.manual_seed(int(seed))
         self.generator = generator
+        #: the compositional estimator's F̂ (built at the first call, for the selected params)
+        self.running_fisher: RunningFisher | None = None
+        self._restored_running_fisher: dict[str, Tensor] | None = None
 
-    def state_dict(self) -> dict[str, Tensor]:
-        """The generator state, so that a resumed run draws the same labels."""
-        return {"generator": self.generator.get_state()}
+    def state_dict(self) -> dict[str, object]:
+        """The generator state (so a resumed run draws the same labels or probes) and, for the
+        compositional estimator, the running Fisher."""
+        state: dict[str, object] = {"generator": self.generator.get_state()}
+        if self.running_fisher is not None:
+            state["running_fisher"] = self.running_fisher.state_dict()
+        elif self._restored_running_fisher is not None:
+            state["running_fisher"] = self._restored_running_fisher
+        return state
 
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Restore the generator state saved by :meth:`state_dict`."""
-        self.generator.set_state(state["generator"])
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore the state saved by :meth:`state_dict`."""
+        generator = state["generator"]
+        assert isinstance(generator, Tensor)
+        self.generator.set_state(generator)
+        running = state.get("running_fisher")
+        if running is None:
+            return
+        if self.running_fisher is not None:
+            self.running_fisher.load_state_dict(running)  # type: ignore[arg-type]
+        else:
+            self._restored_running_fisher = running  # type: ignore[assignment]
+
+    def _running_fisher_for(self, selected: dict[str, nn.Parameter]) -> RunningFisher:
+        shapes = {name: p.shape for name, p in selected.items()}
+        if self.running_fisher is None:
+            self.running_fisher = RunningFisher(shapes, decay=self.decay)
+            if self._restored_running_fisher is not None:
+                self.running_fisher.load_state_dict(self._restored_running_fisher)
+                self._restored_running_fisher = None
+        elif {name: block.shape for name, block in self.running_fisher.blocks.items()} != shapes:
+            raise ValueError(
+                "This compositional penalty keeps a running Fisher of another model's parameters "
+                "(names or shapes differ); use one SoftRankPenalty per model."
+            )
+        return self.running_fisher
 
     def __call__(self, model: nn.Module, inputs: object) -> Tensor:
-        """``h(F_b)/B`` for the minibatch ``inputs`` (see :func:`soft_rank_penalty`)."""
-        return soft_rank_penalty(
-            model,
-            inputs,
+        """The penalty for the minibatch ``inputs``: ``h(F_b)/B`` (batched, see
+        :func:`soft_rank_penalty`) or the compositional estimate (which updates ``F̂``)."""
+        if self.estimator == "batched":
+            return soft_rank_penalty(
+                model,
+                inputs,
+                lam=self.lam,
+                num_train_samples=self.num_train_samples,
+                function=self.function,  # type: ignore[arg-type]
+                labels=self.labels,  # type: ignore[arg-type]
+                params=self.params,
+                generator=self.generator if self.labels == "sampled" else None,
+                backend=self.backend,  # type: ignore[arg-type]
+                loss=self.loss,
+                logits_fn=self.logits_fn,
+            )
+        arguments = self._compositional_arguments(model, inputs)
+        return compositional_penalty(*arguments, **self._options())
+
+    def surrogate(self, model: nn.Module, inputs: object) -> Tensor:
+        """The compositional estimator's ``q/n`` for ``inputs`` at the current ``F̂``, which is
+        left unchanged: the function of θ whose gradient the penalty returns
+        (:func:`~lightning_flatness.regularizer.compositional.compositional_surrogate`)."""
+        if self.estimator != "compositional":
+            raise ValueError('surrogate() belongs to estimator="compositional".')
+        return compositional_surrogate(
+            *self._compositional_arguments(model, inputs), **self._options()
+        )
+
+    def _compositional_arguments(self, model: nn.Module, inputs: object) -> tuple:
+        spec, leaves = check_inputs(inputs)
+        batch_size = num_samples(leaves)
+        check_num_train_samples(self.num_train_samples, batch_size)
+        if self.max_samples is not None and batch_size > self.max_samples:
+            leaves = take_rows(leaves, slice(0, self.max_samples))
+        module = original_module(model)
+        selected = select_parameters(module, self.params)
+        running = self._running_fisher_for(selected)
+        return module, leaves, LogitsModule(module, spec, self.logits_fn), selected, running
+
+    def _options(self) -> dict[str, object]:
+        return dict(
             lam=self.lam,
             num_train_samples=self.num_train_samples,
-            function=self.function,  # type: ignore[arg-type]
-            labels=self.labels,  # type: ignore[arg-type]
-            params=self.params,
-            generator=self.generator if self.labels == "sampled" else None,
-            backend=self.backend,  # type: ignore[arg-type]
-            loss=self.loss,
-            logits_fn=self.logits_fn,
+            function=self.function,
+            likelihood=get_likelihood(self.loss),
+            generator=self.generator,
+            probes=self.probes,
         )
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(lam={self.lam!r}, num_train_samples="
             f"{self.num_train_samples}, function={self.function!r}, labels={self.labels!r}, "
-            f"params={self.params!r}, backend={self.backend!r}, loss={self.loss!r})"
+            f"params={self.params!r}, backend={self.backend!r}, loss={self.loss!r}, "
+            f"estimator={self.estimator!r})"
         )

@@ -1,10 +1,11 @@
 """Fit with FlatnessMonitor under Lightning's DDP on two CPU processes (gloo).
 
-Usage: python ddp_fit.py OUTPUT_DIR STRUCTURE [regularize | fail]
+Usage: python ddp_fit.py OUTPUT_DIR STRUCTURE [regularize | compositional | fail]
 
 ``fail`` makes every measurement on rank 1 (only) see NaN logits, so that it fails there.
 Each rank writes its last flatness record to OUTPUT_DIR/rank{r}.json and its final weights to
-OUTPUT_DIR/weights{r}.pt.
+OUTPUT_DIR/weights{r}.pt; with ``compositional`` also the regularizer's checkpoint state
+(its running Fisher) to OUTPUT_DIR/regularizer{r}.pt.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
     }
     if mode == "regularize":
         monitor_kwargs.update(regularize=True, reg_strength=1.0)
+    if mode == "compositional":
+        monitor_kwargs.update(regularize=True, reg_strength=1.0, reg_estimator="compositional")
     if mode == "fail":
         small = {"probes": 2, "lanczos_steps": 4}
         monitor_kwargs.update(logits_fn=nan_on_rank_one)
@@ -64,6 +67,8 @@ def main() -> None:
     rank = trainer.global_rank
     (output / f"rank{rank}.json").write_text(json.dumps(monitor.history[-1]))
     torch.save(model.state_dict(), output / f"weights{rank}.pt")
+    if monitor.regularizer is not None:
+        torch.save(monitor.regularizer.state_dict(), output / f"regularizer{rank}.pt")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,239 @@
+"""The compositional soft-rank penalty: the gradient of ``h(F)`` at a running estimate ``F̂``.
+
+"Flatness After All?", Section 6.3 (docs/math.md, "Compositional gradient of h(F)"). The
+gradient of the trace function ``h(F) = Σ_k h(μ_k(F))`` is ``∂h(F) = Tr(h'(F) ∂F)``, and ``F``
+is an average over the training set, ``F = (1/n) Σ_i V_iᵀ V_i``. Stochastic compositional
+gradient descent replaces the outer ``h'(F)`` by ``h'(F̂)`` for a running estimate ``F̂``
+(:class:`~lightning_flatness.regularizer.running_fisher.RunningFisher`) and the inner ``F`` by
+an unbiased one-batch estimate. Per batch ``b`` of B samples and K Rademacher probes
+``ξ_i ∈ {±1}^C``:
+
+    u = Σ_{i∈b} V_iᵀ ξ_i = ∇θ ⟨w ⊙ ξ, s⟩   (one backward pass, w and s of ``sqrt_rows``),
+    E_ξ[u uᵀ] = Σ_{i∈b} V_iᵀ V_i,   so   q = uᵀ h'(F̂) u / B   has   E[q] = Tr(h'(F̂) F̃_b),
+
+with ``E_b[F̃_b] = F``. For fixed ``F̂`` and ξ, ``q`` is a function of θ whose gradient is
+exact (the probes do not depend on θ; the weights ``w`` are differentiated), and over ξ and
+the batches its gradient is an unbiased estimate of ``Tr(h'(F̂) ∂F)``, which is ``∂h(F)`` when
+``F̂ = F``. The penalty returned is
+
+    (h(F̂) + q − stopgrad(q)) / n,
+
+whose value is the running ``h(F̂)/n`` (comparable to the batched ``h(F_b)/B``, which bounds
+``h(F)/n`` from above) and whose gradient is ``∂q/n``. After ``q`` is formed, the detached
+probe gradients update ``F̂``, so the ``F̂`` a step uses does not depend on that step's
+probes (on the very first call ``F̂`` is first initialised from them).
+
+Cost per call: one forward pass and one backward pass with graph through the model (K of them
+for K probes), the rotations ``Q_Lᵀ U Q_R`` per parameter, the eigen-decompositions of the
+factors, and the backward pass of ``q`` (a double backward).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
+from lightning_flatness.core.likelihoods import Likelihood
+from lightning_flatness.core.model_state import uncompiled
+from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
+from lightning_flatness.regularizer.modes import penalty_modes
+from lightning_flatness.regularizer.parameters import constants_of
+from lightning_flatness.regularizer.running_fisher import RunningFisher
+
+__all__ = [
+    "compositional_penalty",
+    "compositional_surrogate",
+    "probe_gradients",
+    "running_trace_function",
+]
+
+
+def probe_gradients(
+    wrapped: LogitsModule,
+    leaves: Leaves,
+    selected: dict[str, nn.Parameter],
+    likelihood: Likelihood,
+    generator: torch.Generator,
+    probes: int,
+) -> dict[str, Tensor]:
+    """``u^(k) = Σ_i V_iᵀ ξ_i^(k)`` for K Rademacher probes, differentiable in ``selected``.
+
+    Args:
+        wrapped: the model as a function of input leaves (its modes already set).
+        leaves: the batch.
+        selected: the differentiated parameters; the others enter as constants.
+        likelihood: whose output Fisher ``Λ = AᵀA`` the rows ``V_i = A_i J_i`` factor.
+        generator: the private generator of the probes.
+        probes: K ≥ 1.
+
+    Returns:
+        ``{name: (K, *shape)}``, with graph (without one under :func:`torch.no_grad`).
+    """
+    with_graph = torch.is_grad_enabled()
+    constants = constants_of(wrapped.model, selected)
+    names = list(selected)
+    stacks: dict[str, list[Tensor]] = {name: [] for name in names}
+    with torch.enable_grad():
+        logits = wrapped.call({**selected, **constants}, leaves)
+        likelihood.check_outputs(logits, num_samples(leaves))
+        sources, weights = likelihood.sqrt_rows(logits)
+        for index in range(probes):
+            signs = torch.randint(0, 2, sources.shape, generator=generator, dtype=torch.int8)
+            xi = (2 * signs - 1).to(device=sources.device, dtype=sources.dtype)
+            gradients = torch.autograd.grad(
+                sources,
+                [selected[name] for name in names],
+                grad_outputs=xi * weights,
+                create_graph=with_graph,
+                retain_graph=with_graph or index < probes - 1,
+                allow_unused=True,
+            )
+            for name, gradient in zip(names, gradients, strict=True):
+                zero = torch.zeros_like(selected[name])
+                stacks[name].append(zero if gradient is None else gradient)
+    return {name: torch.stack(stack) for name, stack in stacks.items()}
+
+
+def _quadratic_form(running: RunningFisher, gradients: dict[str, Tensor], lam: float, name: str):
+    """``Σ_k u^(k)ᵀ h'(F̂) u^(k)`` (summed in float64, differentiable in the gradients; the
+    rotations run in the gradients' dtype)."""
+    derivative = TRACE_FUNCTIONS[name].derivative
+    total = torch.zeros((), dtype=torch.float64)
+    for key, spectrum in running.spectra():
+        matrices = running.blocks[key].as_matrix(gradients[key])
+        rotated = spectrum.rotate(matrices)
+        place = (rotated.device, rotated.dtype)
+        weights = spectrum.cached(
+            ("derivative", name, lam, *place),
+            lambda values, place=place: derivative(values, lam).to(*place),
+        )
+        total = total.to(rotated.device) + (weights * rotated.square()).sum().double()
+    return total
+
+
+def running_trace_function(running: RunningFisher, lam: float, name: str) -> float:
+    """``h(F̂) = Σ h(μ)`` over the eigenvalues of the running estimate."""
+    value = TRACE_FUNCTIONS[name].value
+    return float(
+        sum(
+            spectrum.cached(("value", name, lam), lambda values: value(values, lam).sum())
+            for _, spectrum in running.spectra()
+        )
+    )
+
+
+def _probe_quadratic(
+    model: nn.Module,
+    leaves: Leaves,
+    wrapped: LogitsModule,
+    selected: dict[str, nn.Parameter],
+    running: RunningFisher,
+    *,
+    lam: float,
+    function: str,
+    likelihood: Likelihood,
+    generator: torch.Generator,
+    probes: int,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``q = Σ_k u^(k)ᵀ h'(F̂) u^(k) / (B K)`` with its graph, and the probe gradients."""
+    with penalty_modes(model), uncompiled(model):
+        gradients = probe_gradients(wrapped, leaves, selected, likelihood, generator, probes)
+    if running.is_empty:
+        running.update(gradients, num_samples(leaves))
+    quadratic = _quadratic_form(running, gradients, lam, function)
+    return quadratic / (num_samples(leaves) * probes), gradients
+
+
+def compositional_surrogate(
+    model: nn.Module,
+    leaves: Leaves,
+    wrapped: LogitsModule,
+    selected: dict[str, nn.Parameter],
+    running: RunningFisher,
+    *,
+    lam: float,
+    num_train_samples: int,
+    function: str,
+    likelihood: Likelihood,
+    generator: torch.Generator,
+    probes: int = 1,
+) -> Tensor:
+    """``q/n``, the function of θ whose gradient the compositional penalty returns, for the
+    probes the generator draws next; ``F̂`` is left as it is (initialised if it has no
+    update). ``E_ξ[q] = Tr(h'(F̂) F̃_b)`` (module docstring). Arguments as for
+    :func:`compositional_penalty`."""
+    quadratic, _ = _probe_quadratic(
+        model,
+        leaves,
+        wrapped,
+        selected,
+        running,
+        lam=lam,
+        function=function,
+        likelihood=likelihood,
+        generator=generator,
+        probes=probes,
+    )
+    return (quadratic / num_train_samples).to(next(iter(selected.values())).dtype)
+
+
+def compositional_penalty(
+    model: nn.Module,
+    leaves: Leaves,
+    wrapped: LogitsModule,
+    selected: dict[str, nn.Parameter],
+    running: RunningFisher,
+    *,
+    lam: float,
+    num_train_samples: int,
+    function: str,
+    likelihood: Likelihood,
+    generator: torch.Generator,
+    probes: int = 1,
+) -> Tensor:
+    """``(h(F̂) + q − stopgrad q)/n`` for one batch (module docstring), then ``F̂`` updated.
+
+    Args:
+        model: the model (evaluated in the penalty's modes, see :func:`penalty_modes`).
+        leaves: the batch's input leaves.
+        wrapped: ``model`` as a function of the leaves.
+        selected: the differentiated parameters.
+        running: the running estimate ``F̂`` of these parameters.
+        lam: λ > 0.
+        num_train_samples: n.
+        function: ``"soft_rank"`` or ``"logdet"``.
+        likelihood: the likelihood whose Fisher is penalised.
+        generator: the probes' private generator.
+        probes: K ≥ 1 probes per call.
+
+    Returns:
+        A scalar in the parameters' dtype. Under :func:`torch.no_grad` it is ``h(F̂)/n``, and
+        nothing is computed or updated.
+    """
+    dtype = next(iter(selected.values())).dtype
+    if not torch.is_grad_enabled():
+        if running.is_empty:
+            raise RuntimeError(
+                "The compositional penalty has no running Fisher yet: call it once with "
+                "gradients enabled (a training step) before evaluating it under torch.no_grad."
+            )
+        value = running_trace_function(running, lam, function) / num_train_samples
+        return torch.tensor(value, dtype=dtype)
+    first = running.is_empty
+    quadratic, gradients = _probe_quadratic(
+        model,
+        leaves,
+        wrapped,
+        selected,
+        running,
+        lam=lam,
+        function=function,
+        likelihood=likelihood,
+        generator=generator,
+        probes=probes,
+    )
+    value = running_trace_function(running, lam, function)
+    if not first:
+        running.update(gradients, num_samples(leaves))
+    return ((value + quadratic - quadratic.detach()) / num_train_samples).to(dtype)
