@@ -1,6 +1,8 @@
 """Cost of a training step regularized by the soft-rank penalty, relative to a plain step.
 
-For each model (the paper's MLP and CNN on 7×7 inputs, 10 classes) and each option combination
+For each model (the paper's MLP and CNN and the effect study's BatchNorm ResNet on 7×7 inputs,
+and a wider ResNet, 32 channels on 28×28 inputs, whose step is compute-bound; 10 classes) and
+each option combination
 of :class:`lightning_flatness.regularizer.SoftRankPenalty` (estimator × function × labels ×
 params; the compositional estimator's rows are one Rademacher probe per step), one step is:
 forward, ``cross_entropy + β · penalty``, backward, Adam step. The plain step drops the
@@ -23,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from _resnet import SmallResNet
 from torch import Tensor, nn
 
 from lightning_flatness.core.models import build_model
@@ -33,6 +36,14 @@ from lightning_flatness.regularizer import (
     LABELS,
     SoftRankPenalty,
 )
+
+#: model name → (builder, input side length)
+MODELS: dict[str, tuple[Callable[[], nn.Module], int]] = {
+    "mlp": (lambda: build_model("mlp"), 7),
+    "cnn": (lambda: build_model("cnn"), 7),
+    "resnet": (lambda: SmallResNet(width=8), 7),
+    "resnet_wide": (lambda: SmallResNet(width=32), 28),
+}
 
 
 def _step_fn(
@@ -102,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per row (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per row first")
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--models", nargs="+", default=["mlp", "cnn"])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--labels", nargs="+", default=list(LABELS), choices=LABELS)
     parser.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS)
     parser.add_argument("--backend", default="auto", choices=BACKENDS)
@@ -115,7 +126,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     generator = torch.Generator().manual_seed(args.seed)
-    inputs = torch.randn(args.batch_size, 1, 7, 7, generator=generator)
+    images = {
+        side: torch.randn(args.batch_size, 1, side, side, generator=generator)
+        for side in sorted({side for _, side in MODELS.values()})
+    }
     targets = torch.randint(0, 10, (args.batch_size,), generator=generator)
     num_train = 10_000
     lam = 1e-2 / num_train
@@ -136,13 +150,17 @@ def main(argv: list[str] | None = None) -> None:
     if "compositional" in args.estimators:
         rows.append(("compositional", "sampled"))
     for architecture in args.models:
+        build, side = MODELS[architecture]
+        inputs = images[side]
         for (estimator, labels), function, params in itertools.product(
             rows, FUNCTIONS, ("all", "last_layer")
         ):
+            if labels == "exact" and architecture.startswith("resnet"):
+                continue  # a BC × BC float64 kernel per step: minutes per row, see the MLP
             torch.manual_seed(args.seed)
-            model = build_model(architecture)
+            model = build()
             torch.manual_seed(args.seed)
-            plain = _step_fn(build_model(architecture), inputs, targets, None, 0.0)
+            plain = _step_fn(build(), inputs, targets, None, 0.0)
             penalty = SoftRankPenalty(
                 lam=lam,
                 num_train_samples=num_train,

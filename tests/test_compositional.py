@@ -192,6 +192,59 @@ def test_surrogate_is_unbiased_for_the_trace_against_the_batch_fisher(name, one_
     assert abs(error) < 0.05 * abs(target)
 
 
+def batch_function_fisher(model: nn.Module, inputs: Tensor) -> Tensor:
+    """``(1/B) Jᵀ diag(Λ_i) J`` for the Jacobian J (B·C × P) of the logits of the whole batch,
+    BatchNorm on the batch's statistics: the Fisher the training step's network has."""
+    params = dict(model.named_parameters())
+    buffers = {name: b.clone() for name, b in model.named_buffers()}  # left untouched
+
+    def logits_of(*values: Tensor) -> Tensor:
+        theta = dict(zip(params, values, strict=True))
+        return torch.func.functional_call(model, {**theta, **buffers}, (inputs,))
+
+    jacobians = torch.autograd.functional.jacobian(logits_of, tuple(params.values()))
+    logits = logits_of(*params.values()).detach()
+    batch, classes = logits.shape
+    jacobian = torch.cat([j.reshape(batch * classes, -1) for j in jacobians], dim=1)
+    p = torch.softmax(logits, -1)
+    blocks = torch.block_diag(*[torch.diag(q) - torch.outer(q, q) for q in p])
+    return jacobian.T @ blocks @ jacobian / batch
+
+
+def test_batch_statistics_surrogate_is_unbiased_for_the_training_networks_fisher(one_thread):
+    """BatchNorm in training mode: ``E_ξ[q] = Tr(h'(F̂) F)`` for the Fisher of the network the
+    training step computes (batch statistics), and the BatchNorm buffers do not move."""
+    model = original_module(build("resnet")).train()
+    inputs, _ = zoo_data("resnet", 6)
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    with pytest.warns(UserWarning):
+        penalty = warmed_penalty(model, inputs, steps=5)
+    assert penalty.batch_norm == "batch"
+    for name, value in model.named_buffers():
+        assert torch.equal(value, buffers[name]), name
+    outer = hprime(penalty.running_fisher.dense())
+    model.dropout.eval()  # the penalty switches Dropout off; the reference must too
+    target = float(torch.trace(outer @ batch_function_fisher(model, inputs)))
+    model.train()
+    draws = torch.tensor([float(penalty.surrogate(model, inputs)) * N for _ in range(1500)])
+    error = float(draws.mean()) - target
+    assert abs(error) < 4.5 * float(draws.std()) / math.sqrt(len(draws)), (error, target)
+    assert abs(error) < 0.05 * abs(target)
+    eval_target = float(torch.trace(outer @ dense_fisher(model.eval(), inputs)))
+    assert abs(eval_target - target) > 10 * abs(error)  # the two networks' Fishers differ
+
+
+def test_running_statistics_can_be_chosen_and_the_batched_estimator_refuses_batch(one_thread):
+    model = original_module(build("resnet")).train()
+    inputs, _ = zoo_data("resnet", 4)
+    with pytest.warns(UserWarning):
+        penalty = warmed_penalty(model, inputs, batch_norm="running")
+    value, _ = fixed_probe_surrogate(penalty, model, inputs)
+    directional_check(model, value)
+    with pytest.raises(ValueError, match=r"needs estimator=.compositional"):
+        SoftRankPenalty(lam=LAM, num_train_samples=N, batch_norm="batch")
+
+
 def differentiable_batch_fisher(model: nn.Module, inputs: Tensor) -> Tensor:
     """``(1/B) Σ_i J_iᵀ Λ_i J_i`` with ``Λ_i = diag p_i − p_i p_iᵀ`` differentiated in θ (the
     reference's output weights are detached)."""

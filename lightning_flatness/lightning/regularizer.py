@@ -70,6 +70,8 @@ class SoftRankRegularizer(Callback):
         decay: ρ, the moving-average decay of the compositional estimator's ``F̂``.
         probes: Rademacher probes per step of the compositional estimator.
         max_samples: samples of each batch the compositional estimator uses (None: all).
+        batch_norm: ``"running"`` or ``"batch"`` statistics for BatchNorm inside the penalty
+            (None: the estimator's default; see :class:`SoftRankPenalty`).
         log_prefix: the penalty is logged as ``<log_prefix>penalty``.
     """
 
@@ -93,6 +95,7 @@ class SoftRankRegularizer(Callback):
         decay: float = 0.95,
         probes: int = 1,
         max_samples: int | None = 32,
+        batch_norm: str | None = None,
     ) -> None:
         if not math.isfinite(float(strength)) or float(strength) < 0:
             raise ValueError(f"`strength` must be a finite number ≥ 0, got {strength!r}.")
@@ -118,6 +121,7 @@ class SoftRankRegularizer(Callback):
         self.decay = decay
         self.probes = probes
         self.max_samples = max_samples
+        self.batch_norm = batch_norm
         # Builds the penalty once with placeholder λ and n: SoftRankPenalty validates function,
         # labels, backend, params, loss, estimator, decay and probes where it checks them.
         SoftRankPenalty(**self._penalty_options(lam=1.0, num_train_samples=1))
@@ -143,6 +147,7 @@ class SoftRankRegularizer(Callback):
             decay=self.decay,
             probes=self.probes,
             max_samples=self.max_samples,
+            batch_norm=self.batch_norm,
             **resolved,
         )
 

@@ -23,9 +23,15 @@ whose value is the running ``h(F̂)/n`` (comparable to the batched ``h(F_b)/B``,
 probe gradients update ``F̂``, so the ``F̂`` a step uses does not depend on that step's
 probes (on the very first call ``F̂`` is first initialised from them).
 
-Cost per call: one forward pass and one backward pass with graph through the model (K of them
-for K probes), the rotations ``Q_Lᵀ U Q_R`` per parameter, the eigen-decompositions of the
-factors, and the backward pass of ``q`` (a double backward).
+BatchNorm modules in training mode keep the statistics of the batch the penalty sees
+(``batch_norm="batch"``, the default of :class:`~lightning_flatness.regularizer.SoftRankPenalty`
+for this estimator; then ``V_b`` is the square-root Fisher of the whole batch's function, the
+network the training step computes), or run on their running statistics (``"running"``).
+
+Cost per call: one forward pass and K backward passes with graph through the model, the
+rotations ``Q_Lᵀ U Q_R`` per parameter, the factors' eigen-decompositions every
+``refresh_every`` updates, and the backward pass of ``q`` (a double backward), all on at most
+``max_samples`` samples of the batch.
 """
 
 from __future__ import annotations
@@ -135,9 +141,10 @@ def _probe_quadratic(
     likelihood: Likelihood,
     generator: torch.Generator,
     probes: int,
+    batch_norm: str,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``q = Σ_k u^(k)ᵀ h'(F̂) u^(k) / (B K)`` with its graph, and the probe gradients."""
-    with penalty_modes(model), uncompiled(model):
+    with penalty_modes(model, batch_norm), uncompiled(model):
         gradients = probe_gradients(wrapped, leaves, selected, likelihood, generator, probes)
     if running.is_empty:
         running.update(gradients, num_samples(leaves))
@@ -158,6 +165,7 @@ def compositional_surrogate(
     likelihood: Likelihood,
     generator: torch.Generator,
     probes: int = 1,
+    batch_norm: str = "batch",
 ) -> Tensor:
     """``q/n``, the function of θ whose gradient the compositional penalty returns, for the
     probes the generator draws next; ``F̂`` is left as it is (initialised if it has no
@@ -174,6 +182,7 @@ def compositional_surrogate(
         likelihood=likelihood,
         generator=generator,
         probes=probes,
+        batch_norm=batch_norm,
     )
     return (quadratic / num_train_samples).to(next(iter(selected.values())).dtype)
 
@@ -191,6 +200,7 @@ def compositional_penalty(
     likelihood: Likelihood,
     generator: torch.Generator,
     probes: int = 1,
+    batch_norm: str = "batch",
 ) -> Tensor:
     """``(h(F̂) + q − stopgrad q)/n`` for one batch (module docstring), then ``F̂`` updated.
 
@@ -206,6 +216,8 @@ def compositional_penalty(
         likelihood: the likelihood whose Fisher is penalised.
         generator: the probes' private generator.
         probes: K ≥ 1 probes per call.
+        batch_norm: ``"batch"`` (BatchNorm in training mode on the batch's statistics, as in
+            the training step) or ``"running"`` (eval mode), see :func:`penalty_modes`.
 
     Returns:
         A scalar in the parameters' dtype. Under :func:`torch.no_grad` it is ``h(F̂)/n``, and
@@ -232,6 +244,7 @@ def compositional_penalty(
         likelihood=likelihood,
         generator=generator,
         probes=probes,
+        batch_norm=batch_norm,
     )
     value = running_trace_function(running, lam, function)
     if not first:

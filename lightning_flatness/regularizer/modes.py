@@ -20,7 +20,7 @@ _TOLD_ABOUT_MODES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 @contextmanager
-def penalty_modes(model: object) -> Iterator[nn.Module]:
+def penalty_modes(model: object, batch_norm: str = "running") -> Iterator[nn.Module]:
     """``model`` in eval mode for the block (``model_state.per_sample_modes``), its LayerNorm
     modules computed by :func:`_composite_layer_norm`.
 
@@ -31,17 +31,33 @@ def penalty_modes(model: object) -> Iterator[nn.Module]:
     once per model when that changes a BatchNorm, Dropout or attention module); the training
     step itself is unchanged, and every module's mode is restored on exit.
 
+    ``batch_norm="batch"`` (the compositional estimator, which needs no per-sample rows) keeps
+    every BatchNorm that is in training mode on the statistics of the batch it sees, as the
+    training step computes it, with its running statistics neither used nor updated. A penalty
+    on the running-statistics network while the data loss trains the batch-statistics one lets
+    the optimizer shrink the penalised Fisher by letting the two networks drift apart
+    (docs/RESULTS.md, regularizer effect).
+
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
         ValueError: a BatchNorm without running statistics (batch statistics even in eval
-            mode).
+            mode) with ``batch_norm="running"``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    on_batch = [
+        module
+        for module in model.modules()
+        if batch_norm == "batch"
+        and isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and module.training
+    ]
     batch_statistics = [
         name or type(module).__name__
         for name, module in model.named_modules()
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is None
+        if isinstance(module, nn.modules.batchnorm._BatchNorm)
+        and module.running_mean is None
+        and module not in on_batch
     ]
     if batch_statistics:
         raise ValueError(
@@ -54,6 +70,7 @@ def penalty_modes(model: object) -> Iterator[nn.Module]:
         name or type(module).__name__
         for name, module in model.named_modules()
         if module.training
+        and module not in on_batch
         and (
             isinstance(module, (nn.modules.batchnorm._BatchNorm, nn.MultiheadAttention))
             or (isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0)
@@ -61,11 +78,17 @@ def penalty_modes(model: object) -> Iterator[nn.Module]:
     ]
     if switched and model not in _TOLD_ABOUT_MODES:
         _TOLD_ABOUT_MODES.add(model)
+        norm = (
+            "BatchNorm in training mode keeps the statistics of the penalty's batch (its "
+            "running statistics untouched), other BatchNorm on running statistics"
+            if batch_norm == "batch"
+            else "BatchNorm on its running statistics"
+        )
         warnings.warn(
-            "The soft-rank penalty evaluates the model in eval mode: BatchNorm on its running "
-            f"statistics, Dropout and attention dropout off ({', '.join(switched)}). Per-sample "
-            "Fisher factors are undefined with batch statistics and random under dropout. "
-            "Training itself is unchanged.",
+            f"The soft-rank penalty evaluates the model in eval mode: {norm}, Dropout and "
+            f"attention dropout off ({', '.join(switched)}). Per-sample Fisher factors are "
+            "undefined with batch statistics and random under dropout. Training itself is "
+            "unchanged.",
             UserWarning,
             stacklevel=4,
         )
@@ -74,12 +97,18 @@ def penalty_modes(model: object) -> Iterator[nn.Module]:
         for m in model.modules()
         if type(m).forward is nn.LayerNorm.forward and "forward" not in vars(m)
     ]
+    tracking = [(module, module.track_running_stats) for module in on_batch]
     try:
         for module in norms:
             module.forward = types.MethodType(_composite_layer_norm, module)
         with per_sample_modes(model):
+            for module in on_batch:  # batch statistics, running ones neither read nor written
+                module.train()
+                module.track_running_stats = False
             yield model
     finally:
+        for module, tracked in tracking:
+            module.track_running_stats = tracked
         for module in norms:
             del module.forward
 

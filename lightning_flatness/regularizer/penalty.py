@@ -147,8 +147,13 @@ class SoftRankPenalty:
         probes: Rademacher probes per call of the compositional estimator.
         max_samples: the compositional estimator uses the first ``max_samples`` samples of each
             batch (all when None). The estimate stays unbiased (batches are random subsets
-            of the training set) and its relative variance barely grows (one probe's cross
-            terms dominate it at any batch size), while the cost falls in proportion.
+            of the training set) and its noise grows more slowly than 1/√(samples) (one probe's
+            cross terms do not average out), while the cost falls with the samples.
+        batch_norm: how BatchNorm is evaluated inside the penalty: ``"running"`` (eval mode,
+            the only choice of the batched estimator, whose per-sample rows need it) or
+            ``"batch"`` (modules in training mode on the batch's statistics, as the training
+            step computes them, running statistics untouched). None: ``"batch"`` for the
+            compositional estimator, ``"running"`` for the batched one.
     """
 
     def __init__(
@@ -168,6 +173,7 @@ class SoftRankPenalty:
         decay: float = 0.95,
         probes: int = 1,
         max_samples: int | None = 32,
+        batch_norm: str | None = None,
     ) -> None:
         self.lam = check_lam(lam)
         self.loss = get_likelihood(loss).name
@@ -203,6 +209,14 @@ class SoftRankPenalty:
                 f"max_samples must be a positive int or None, got max_samples={max_samples!r}."
             )
         self.max_samples = max_samples
+        if batch_norm is None:
+            batch_norm = "batch" if self.estimator == "compositional" else "running"
+        self.batch_norm = check_choice("batch_norm", batch_norm, ("running", "batch"))
+        if self.estimator == "batched" and self.batch_norm == "batch":
+            raise ValueError(
+                'batch_norm="batch" needs estimator="compositional": the batched estimator '
+                "differentiates per-sample rows V_i, which batch statistics leave undefined."
+            )
         RunningFisher({}, decay=decay)  # checks ρ where the estimate does
         self.decay = float(decay)
         if isinstance(params, str):
@@ -307,6 +321,7 @@ class SoftRankPenalty:
             likelihood=get_likelihood(self.loss),
             generator=self.generator,
             probes=self.probes,
+            batch_norm=self.batch_norm,
         )
 
     def __repr__(self) -> str:
