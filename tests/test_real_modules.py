@@ -357,13 +357,27 @@ def test_metrics_only_monitor_leaves_training_bit_identical(cls, kind, batches, 
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize(("kind", "loss"), [("classes", "cross_entropy"), ("multilabel", "bce")])
-def test_regularizer_on_dict_batches_trains_as_on_tuple_batches(kind, loss):
+@pytest.mark.parametrize(
+    ("kind", "loss", "estimator"),
+    [
+        ("classes", "cross_entropy", "batched"),
+        ("multilabel", "bce", "batched"),
+        ("classes", "cross_entropy", "compositional"),
+        ("multilabel", "bce", "compositional"),
+    ],
+)
+def test_regularizer_on_dict_batches_trains_as_on_tuple_batches(kind, loss, estimator):
     """The penalty unpacks the batch like the measurement: dict batches give the same fit."""
     weights = []
     for batches in ("dict", "tuple"):
         module = UserClassifier(kind=kind, batches=batches, output="tuple")
-        monitor = _monitor(loss=loss, regularize=True, reg_strength=5.0, every_n_epochs=2)
+        monitor = _monitor(
+            loss=loss,
+            regularize=True,
+            reg_strength=5.0 if estimator == "batched" else 0.5,
+            reg_estimator=estimator,
+            every_n_epochs=2,
+        )
         fit(module, monitor, kind=kind)
         weights.append(module.state_dict())
     plain = UserClassifier(kind=kind)
