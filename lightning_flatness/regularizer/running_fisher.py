@@ -85,13 +85,15 @@ class KroneckerBlock:
         return gradient.reshape(*extra, self.rows, -1)
 
     def increments(self, probes: Tensor, scale: float) -> list[Tensor]:
-        """``scale · (Σ U Uᵀ, Σ UᵀU, Σ ‖U‖²)`` over the probe gradients ``probes`` (K, m, k)."""
-        u = self.as_matrix(probes).to(torch.float64)
+        """``scale · (Σ U Uᵀ, Σ UᵀU, Σ ‖U‖²)`` over the probe gradients ``probes`` (K, m, k),
+        formed in the gradients' dtype and returned in float64."""
+        u = self.as_matrix(probes)
         if self.right is None:
-            return [scale * u.square().sum(0)]
-        left = (u @ u.mT).sum(0) if self.left.full else u.square().sum((0, 2))
-        right = (u.mT @ u).sum(0) if self.right.full else u.square().sum((0, 1))
-        return [scale * left, scale * right, scale * u.square().sum()]
+            return [scale * u.square().sum(0).double()]
+        squares = u.square()
+        left = (u @ u.mT).sum(0) if self.left.full else squares.sum((0, 2))
+        right = (u.mT @ u).sum(0) if self.right.full else squares.sum((0, 1))
+        return [scale * left.double(), scale * right.double(), scale * squares.sum().double()]
 
     def tensors(self) -> list[Tensor]:
         if self.right is None:
@@ -189,8 +191,10 @@ class RunningFisher:
         rows = shape[0] if len(shape) else 1
         cols = math.prod(shape[1:]) if len(shape) > 1 else 1
         zeros = {"dtype": torch.float64}
-        left_full, right_full = rows <= self.max_factor_dim, cols <= self.max_factor_dim
-        if not left_full and not right_full:
+        # a side of length 1 is its own eigen-decomposition: kept as a "diagonal" of one entry
+        left_full = 1 < rows <= self.max_factor_dim
+        right_full = 1 < cols <= self.max_factor_dim
+        if rows > self.max_factor_dim and cols > self.max_factor_dim:
             diagonal = torch.zeros(rows, cols, **zeros)
             return KroneckerBlock(shape, _Side(False, torch.zeros(rows, **zeros)), None, diagonal)
         left = torch.zeros((rows, rows) if left_full else (rows,), **zeros)
