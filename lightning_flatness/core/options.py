@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
+from lightning_flatness.core.checks import check_choice, check_count
+
 __all__ = [
     "ALL_STRUCTURES",
     "HOOK_STRUCTURES",
@@ -54,19 +56,6 @@ EXACT_OR_SAMPLED = ("exact", "sampled")
 HOOK_ROWS = ("exact", "sampled", "probe")
 
 
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}.")
-
-
-def _check_count(name: str, value: object, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        more = " or None" if allow_none else ""
-        raise ValueError(f"{name} must be an integer ≥ 1{more}, got {value!r}.")
-
-
 @dataclass(frozen=True)
 class KFACOptions:
     """``kfac``: Kronecker factors from ``kfac_mode`` rows (``"exact"``: the C rows of the
@@ -78,9 +67,9 @@ class KFACOptions:
     trace_estimator: str = "exact"
 
     def __post_init__(self) -> None:
-        _check_choice("kfac_mode", self.kfac_mode, HOOK_ROWS)
-        _check_count("mc_samples", self.mc_samples)
-        _check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)
+        check_choice("kfac_mode", self.kfac_mode, HOOK_ROWS)
+        check_count("mc_samples", self.mc_samples)
+        check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)
 
 
 @dataclass(frozen=True)
@@ -92,8 +81,8 @@ class DiagOptions:
     trace_estimator: str = "exact"
 
     def __post_init__(self) -> None:
-        _check_count("mc_samples", self.mc_samples)
-        _check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)
+        check_count("mc_samples", self.mc_samples)
+        check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)
 
 
 @dataclass(frozen=True)
@@ -104,8 +93,8 @@ class DenseOptions:
     max_parameters: int | None = None
 
     def __post_init__(self) -> None:
-        _check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
-        _check_count("dense_max_parameters", self.max_parameters, allow_none=True)
+        check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
+        check_count("dense_max_parameters", self.max_parameters, allow_none=True)
 
 
 @dataclass(frozen=True)
@@ -116,8 +105,8 @@ class GramOptions:
     max_kernel_size: int | None = None
 
     def __post_init__(self) -> None:
-        _check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
-        _check_count("gram_max_kernel_size", self.max_kernel_size, allow_none=True)
+        check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
+        check_count("gram_max_kernel_size", self.max_kernel_size, allow_none=True)
 
 
 _CHOICES = {
@@ -209,7 +198,7 @@ def structure_options(
     Raises:
         ValueError: an unknown structure, or a bad option of this one (naming it).
     """
-    _check_choice("structure", structure, ALL_STRUCTURES)
+    check_choice("structure", structure, ALL_STRUCTURES)
     if trace_estimator == "probe" and structure not in HOOK_STRUCTURES:
         trace_estimator = "exact" if structure in ("dense", "gram") else "sampled"
     exact_default = trace_estimator or "exact"
@@ -223,6 +212,6 @@ def structure_options(
         return GramOptions(exact_default, gram_max_kernel_size)
     options = MatrixFreeOptions.from_dict(matrix_free_options)
     if trace_estimator is not None and "trace_estimator" not in (matrix_free_options or {}):
-        _check_choice("trace_estimator", trace_estimator, _CHOICES["trace_estimator"])
+        check_choice("trace_estimator", trace_estimator, _CHOICES["trace_estimator"])
         options = replace(options, trace_estimator=trace_estimator)
     return options

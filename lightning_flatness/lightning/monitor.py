@@ -38,6 +38,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_flatness.core.batches import LogitsFn, UnpackBatch
+from lightning_flatness.core.checks import check_count
 from lightning_flatness.core.curvature import describe_coverage
 from lightning_flatness.core.failures import UnsupportedModelError
 from lightning_flatness.core.likelihoods import LOSSES
@@ -119,18 +120,6 @@ _REGULARIZER_ARGUMENTS = {
     "reg_estimator": "estimator",
     "reg_decay": "decay",
 }
-
-
-def _check_nonnegative_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"`{name}` must be an integer ≥ 0, got {value!r}.")
-
-
-def _check_positive_int(name: str, value: int | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
 
 
 class FlatnessMonitor(Callback):
@@ -248,12 +237,12 @@ class FlatnessMonitor(Callback):
             )
         if lam is not None and (not math.isfinite(float(lam)) or float(lam) <= 0):
             raise ValueError(f"`lam` must be a finite positive number or None, got {lam!r}.")
-        _check_positive_int("every_n_epochs", every_n_epochs)
-        _check_positive_int("max_samples", max_samples, allow_none=True)
-        _check_positive_int("max_val_samples", max_val_samples, allow_none=True)
-        _check_positive_int("num_train_samples", num_train_samples, allow_none=True)
-        _check_positive_int("batch_size", batch_size)
-        _check_positive_int("figure_every_n_measurements", figure_every_n_measurements)
+        check_count("every_n_epochs", every_n_epochs)
+        check_count("max_samples", max_samples, allow_none=True)
+        check_count("max_val_samples", max_val_samples, allow_none=True)
+        check_count("num_train_samples", num_train_samples, allow_none=True)
+        check_count("batch_size", batch_size)
+        check_count("figure_every_n_measurements", figure_every_n_measurements)
         if not isinstance(log_prefix, str):
             raise ValueError(f"`log_prefix` must be a string, got {log_prefix!r}.")
         if loss not in LOSSES:
@@ -261,7 +250,7 @@ class FlatnessMonitor(Callback):
         for name, value in (("unpack_batch", unpack_batch), ("logits_fn", logits_fn)):
             if value is not None and not callable(value):
                 raise ValueError(f"`{name}` must be a callable or None, got {value!r}.")
-        _check_nonnegative_int("val_dataloader_idx", val_dataloader_idx)
+        check_count("val_dataloader_idx", val_dataloader_idx, 0)
         _check_measure_kwargs(dict(measure_kwargs or {}))
         # The structure's options, validated by the code measure() validates them with.
         chosen = dict(measure_kwargs or {})

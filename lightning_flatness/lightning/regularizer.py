@@ -28,17 +28,12 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_flatness.core.batches import LogitsFn, UnpackBatch, default_unpack_batch
+from lightning_flatness.core.checks import check_count
 from lightning_flatness.lightning.trainer_facts import resolve_lam, resolve_missing
 from lightning_flatness.regularizer import SoftRankPenalty
 from lightning_flatness.regularizer.arguments import ParamSpec
 
 __all__ = ["SoftRankRegularizer"]
-
-
-def _check_count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer ≥ {minimum}, got {value!r}.")
-    return value
 
 
 class SoftRankRegularizer(Callback):
@@ -102,14 +97,14 @@ class SoftRankRegularizer(Callback):
         if lam is not None and (not math.isfinite(float(lam)) or float(lam) <= 0):
             raise ValueError(f"`lam` must be a finite positive number or None, got {lam!r}.")
         if num_train_samples is not None:
-            _check_count("num_train_samples", num_train_samples, 1)
+            check_count("num_train_samples", num_train_samples)
         self.strength = float(strength)
         self.function = function
         self.labels = labels
         self.backend = backend
         self.params = params
-        self.every_n_steps = _check_count("every_n_steps", every_n_steps, 1)
-        self.warmup_steps = _check_count("warmup_steps", warmup_steps, 0)
+        self.every_n_steps = check_count("every_n_steps", every_n_steps)
+        self.warmup_steps = check_count("warmup_steps", warmup_steps, 0)
         self.lam = None if lam is None else float(lam)
         self.num_train_samples = num_train_samples
         self.loss = loss

@@ -12,6 +12,7 @@ from lightning_flatness.core.batches import (
     Leaves,
     num_samples,
 )
+from lightning_flatness.core.checks import check_choice
 from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 
 __all__ = [
@@ -55,12 +56,6 @@ EstimatorName = Literal["batched", "compositional"]
 ParamSpec = str | Sequence[str]
 
 LabelSpec = Literal["sampled", "exact"] | Tensor
-
-
-def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name} must be one of {tuple(choices)}, got {name}={value!r}.")
-    return value
 
 
 def check_inputs(inputs: object) -> tuple[InputSpec, Leaves]:

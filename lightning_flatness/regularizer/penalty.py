@@ -14,6 +14,7 @@ from lightning_flatness.core.batches import (
     num_samples,
     take_rows,
 )
+from lightning_flatness.core.checks import check_count
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import original_module
 from lightning_flatness.core.spectral import check_lam
@@ -178,16 +179,9 @@ class SoftRankPenalty:
         self.lam = check_lam(lam)
         self.loss = get_likelihood(loss).name
         self.logits_fn = logits_fn
-        if (
-            isinstance(num_train_samples, bool)
-            or not isinstance(num_train_samples, int)
-            or num_train_samples < 1
-        ):
-            raise ValueError(
-                f"num_train_samples must be a positive int (the training-set size n), got "
-                f"{num_train_samples!r}."
-            )
-        self.num_train_samples = num_train_samples
+        self.num_train_samples = check_count(
+            "num_train_samples", num_train_samples, meaning="the training-set size n"
+        )
         self.function = check_choice("function", function, FUNCTIONS)
         self.labels = check_choice("labels", labels, LABELS)
         self.backend = check_choice("backend", backend, BACKENDS)
@@ -199,16 +193,8 @@ class SoftRankPenalty:
                 "(probes=K per step). Leave labels at its default, or use "
                 'estimator="batched".'
             )
-        if isinstance(probes, bool) or not isinstance(probes, int) or probes < 1:
-            raise ValueError(f"probes must be a positive int, got probes={probes!r}.")
-        self.probes = probes
-        if max_samples is not None and (
-            isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 1
-        ):
-            raise ValueError(
-                f"max_samples must be a positive int or None, got max_samples={max_samples!r}."
-            )
-        self.max_samples = max_samples
+        self.probes = check_count("probes", probes)
+        self.max_samples = check_count("max_samples", max_samples, allow_none=True)
         if batch_norm is None:
             batch_norm = "batch" if self.estimator == "compositional" else "running"
         self.batch_norm = check_choice("batch_norm", batch_norm, ("running", "batch"))

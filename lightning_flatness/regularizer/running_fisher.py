@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_flatness.core.checks import check_count
+
 __all__ = ["KroneckerBlock", "RunningFisher"]
 
 
@@ -168,20 +170,12 @@ class RunningFisher:
                 f"decay must be in [0, 1) (ρ of the running Fisher's moving averages), got "
                 f"decay={decay!r}."
             )
-        if isinstance(max_factor_dim, bool) or not isinstance(max_factor_dim, int):
-            raise ValueError(f"max_factor_dim must be a positive int, got {max_factor_dim!r}.")
-        if max_factor_dim < 1:
-            raise ValueError(f"max_factor_dim must be a positive int, got {max_factor_dim!r}.")
-        if isinstance(refresh_every, bool) or not isinstance(refresh_every, int):
-            raise ValueError(f"refresh_every must be a positive int, got {refresh_every!r}.")
-        if refresh_every < 1:
-            raise ValueError(f"refresh_every must be a positive int, got {refresh_every!r}.")
-        self.refresh_every = refresh_every
+        self.max_factor_dim = check_count("max_factor_dim", max_factor_dim)
+        self.refresh_every = check_count("refresh_every", refresh_every)
         #: the spectra the penalty uses, and the update count they were computed at
         self._spectra: dict[str, KroneckerSpectrum] = {}
         self.refreshed_at = 0
         self.decay = float(decay)
-        self.max_factor_dim = max_factor_dim
         self.blocks = {name: self._block(torch.Size(shape)) for name, shape in shapes.items()}
         #: Σ_j ρ^(s−j)(1−ρ) = 1 − ρ^s after s updates: the bias correction
         self.weight = 0.0
