@@ -36,6 +36,8 @@ rotations ``Q_Lᵀ U Q_R`` per parameter, the factors' eigen-decompositions ever
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
 
@@ -48,6 +50,7 @@ from lightning_flatness.regularizer.parameters import constants_of
 from lightning_flatness.regularizer.running_fisher import RunningFisher
 
 __all__ = [
+    "CompositionalSettings",
     "compositional_penalty",
     "compositional_surrogate",
     "probe_gradients",
@@ -129,124 +132,100 @@ def running_trace_function(running: RunningFisher, lam: float, name: str) -> flo
     )
 
 
+@dataclass(frozen=True)
+class CompositionalSettings:
+    """The fixed options of a compositional penalty.
+
+    Attributes:
+        lam: λ > 0.
+        num_train_samples: n.
+        function: ``"soft_rank"`` or ``"logdet"``.
+        likelihood: the likelihood whose Fisher is penalised.
+        probes: K ≥ 1 probes per call.
+        batch_norm: ``"batch"`` (BatchNorm in training mode on the batch's statistics, as in
+            the training step) or ``"running"`` (eval mode), see :func:`penalty_modes`.
+    """
+
+    lam: float
+    num_train_samples: int
+    function: str
+    likelihood: Likelihood
+    probes: int = 1
+    batch_norm: str = "batch"
+
+
 def _probe_quadratic(
-    model: nn.Module,
-    leaves: Leaves,
     wrapped: LogitsModule,
+    leaves: Leaves,
     selected: dict[str, nn.Parameter],
     running: RunningFisher,
-    *,
-    lam: float,
-    function: str,
-    likelihood: Likelihood,
     generator: torch.Generator,
-    probes: int,
-    batch_norm: str,
+    settings: CompositionalSettings,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """``q = Σ_k u^(k)ᵀ h'(F̂) u^(k) / (B K)`` with its graph, and the probe gradients."""
-    with penalty_modes(model, batch_norm), uncompiled(model):
-        gradients = probe_gradients(wrapped, leaves, selected, likelihood, generator, probes)
+    model = wrapped.model
+    with penalty_modes(model, settings.batch_norm), uncompiled(model):
+        gradients = probe_gradients(
+            wrapped, leaves, selected, settings.likelihood, generator, settings.probes
+        )
     if running.is_empty:
         running.update(gradients, num_samples(leaves))
-    quadratic = _quadratic_form(running, gradients, lam, function)
-    return quadratic / (num_samples(leaves) * probes), gradients
+    quadratic = _quadratic_form(running, gradients, settings.lam, settings.function)
+    return quadratic / (num_samples(leaves) * settings.probes), gradients
 
 
 def compositional_surrogate(
-    model: nn.Module,
-    leaves: Leaves,
     wrapped: LogitsModule,
+    leaves: Leaves,
     selected: dict[str, nn.Parameter],
     running: RunningFisher,
-    *,
-    lam: float,
-    num_train_samples: int,
-    function: str,
-    likelihood: Likelihood,
     generator: torch.Generator,
-    probes: int = 1,
-    batch_norm: str = "batch",
+    settings: CompositionalSettings,
 ) -> Tensor:
     """``q/n``, the function of θ whose gradient the compositional penalty returns, for the
     probes the generator draws next; ``F̂`` is left as it is (initialised if it has no
     update). ``E_ξ[q] = Tr(h'(F̂) F̃_b)`` (module docstring). Arguments as for
     :func:`compositional_penalty`."""
-    quadratic, _ = _probe_quadratic(
-        model,
-        leaves,
-        wrapped,
-        selected,
-        running,
-        lam=lam,
-        function=function,
-        likelihood=likelihood,
-        generator=generator,
-        probes=probes,
-        batch_norm=batch_norm,
-    )
-    return (quadratic / num_train_samples).to(next(iter(selected.values())).dtype)
+    quadratic, _ = _probe_quadratic(wrapped, leaves, selected, running, generator, settings)
+    return (quadratic / settings.num_train_samples).to(next(iter(selected.values())).dtype)
 
 
 def compositional_penalty(
-    model: nn.Module,
-    leaves: Leaves,
     wrapped: LogitsModule,
+    leaves: Leaves,
     selected: dict[str, nn.Parameter],
     running: RunningFisher,
-    *,
-    lam: float,
-    num_train_samples: int,
-    function: str,
-    likelihood: Likelihood,
     generator: torch.Generator,
-    probes: int = 1,
-    batch_norm: str = "batch",
+    settings: CompositionalSettings,
 ) -> Tensor:
     """``(h(F̂) + q − stopgrad q)/n`` for one batch (module docstring), then ``F̂`` updated.
 
     Args:
-        model: the model (evaluated in the penalty's modes, see :func:`penalty_modes`).
+        wrapped: the model as a function of the batch's input leaves (evaluated in the
+            penalty's modes, see :func:`penalty_modes`).
         leaves: the batch's input leaves.
-        wrapped: ``model`` as a function of the leaves.
         selected: the differentiated parameters.
         running: the running estimate ``F̂`` of these parameters.
-        lam: λ > 0.
-        num_train_samples: n.
-        function: ``"soft_rank"`` or ``"logdet"``.
-        likelihood: the likelihood whose Fisher is penalised.
         generator: the probes' private generator.
-        probes: K ≥ 1 probes per call.
-        batch_norm: ``"batch"`` (BatchNorm in training mode on the batch's statistics, as in
-            the training step) or ``"running"`` (eval mode), see :func:`penalty_modes`.
+        settings: λ, n, the trace function, the likelihood, the probes and the BatchNorm rule.
 
     Returns:
         A scalar in the parameters' dtype. Under :func:`torch.no_grad` it is ``h(F̂)/n``, and
         nothing is computed or updated.
     """
     dtype = next(iter(selected.values())).dtype
+    lam, function = settings.lam, settings.function
     if not torch.is_grad_enabled():
         if running.is_empty:
             raise RuntimeError(
                 "The compositional penalty has no running Fisher yet: call it once with "
                 "gradients enabled (a training step) before evaluating it under torch.no_grad."
             )
-        value = running_trace_function(running, lam, function) / num_train_samples
+        value = running_trace_function(running, lam, function) / settings.num_train_samples
         return torch.tensor(value, dtype=dtype)
     first = running.is_empty
-    quadratic, gradients = _probe_quadratic(
-        model,
-        leaves,
-        wrapped,
-        selected,
-        running,
-        lam=lam,
-        function=function,
-        likelihood=likelihood,
-        generator=generator,
-        probes=probes,
-        batch_norm=batch_norm,
-    )
+    quadratic, gradients = _probe_quadratic(wrapped, leaves, selected, running, generator, settings)
     value = running_trace_function(running, lam, function)
     if not first:
         running.update(gradients, num_samples(leaves))
-    return ((value + quadratic - quadratic.detach()) / num_train_samples).to(dtype)
+    return ((value + quadratic - quadratic.detach()) / settings.num_train_samples).to(dtype)

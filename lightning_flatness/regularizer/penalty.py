@@ -33,12 +33,13 @@ from lightning_flatness.regularizer.arguments import (
     check_num_train_samples,
 )
 from lightning_flatness.regularizer.compositional import (
+    CompositionalSettings,
     compositional_penalty,
     compositional_surrogate,
 )
 from lightning_flatness.regularizer.kernel import batch_gram
 from lightning_flatness.regularizer.parameters import select_parameters
-from lightning_flatness.regularizer.running_fisher import RunningFisher
+from lightning_flatness.regularizer.running_fisher import RunningFisher, check_decay
 from lightning_flatness.regularizer.trace_function import gram_trace_function
 
 __all__ = ["SoftRankPenalty", "soft_rank_penalty"]
@@ -203,8 +204,7 @@ class SoftRankPenalty:
                 'batch_norm="batch" needs estimator="compositional": the batched estimator '
                 "differentiates per-sample rows V_i, which batch statistics leave undefined."
             )
-        RunningFisher({}, decay=decay)  # checks ρ where the estimate does
-        self.decay = float(decay)
+        self.decay = check_decay(decay)
         if isinstance(params, str):
             self.params: ParamSpec = params
         elif isinstance(params, Sequence) and params and all(isinstance(p, str) for p in params):
@@ -275,8 +275,7 @@ class SoftRankPenalty:
                 loss=self.loss,
                 logits_fn=self.logits_fn,
             )
-        arguments = self._compositional_arguments(model, inputs)
-        return compositional_penalty(*arguments, **self._options())
+        return compositional_penalty(*self._compositional_arguments(model, inputs))
 
     def surrogate(self, model: nn.Module, inputs: object) -> Tensor:
         """The compositional estimator's ``q/n`` for ``inputs`` at the current ``F̂``, which is
@@ -284,11 +283,10 @@ class SoftRankPenalty:
         (:func:`~lightning_flatness.regularizer.compositional.compositional_surrogate`)."""
         if self.estimator != "compositional":
             raise ValueError('surrogate() belongs to estimator="compositional".')
-        return compositional_surrogate(
-            *self._compositional_arguments(model, inputs), **self._options()
-        )
+        return compositional_surrogate(*self._compositional_arguments(model, inputs))
 
     def _compositional_arguments(self, model: nn.Module, inputs: object) -> tuple:
+        """The arguments of the compositional functions for this batch and these options."""
         spec, leaves = check_inputs(inputs)
         batch_size = num_samples(leaves)
         check_num_train_samples(self.num_train_samples, batch_size)
@@ -297,18 +295,16 @@ class SoftRankPenalty:
         module = original_module(model)
         selected = select_parameters(module, self.params)
         running = self._running_fisher_for(selected)
-        return module, leaves, LogitsModule(module, spec, self.logits_fn), selected, running
-
-    def _options(self) -> dict[str, object]:
-        return dict(
+        settings = CompositionalSettings(
             lam=self.lam,
             num_train_samples=self.num_train_samples,
             function=self.function,
             likelihood=get_likelihood(self.loss),
-            generator=self.generator,
             probes=self.probes,
             batch_norm=self.batch_norm,
         )
+        wrapped = LogitsModule(module, spec, self.logits_fn)
+        return wrapped, leaves, selected, running, self.generator, settings
 
     def __repr__(self) -> str:
         return (

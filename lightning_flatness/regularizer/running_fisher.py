@@ -40,7 +40,7 @@ from torch import Tensor
 
 from lightning_flatness.core.checks import check_count
 
-__all__ = ["KroneckerBlock", "RunningFisher"]
+__all__ = ["KroneckerBlock", "RunningFisher", "check_decay"]
 
 
 @dataclass
@@ -144,6 +144,20 @@ class KroneckerSpectrum:
         return matrix
 
 
+def check_decay(decay: object) -> float:
+    """ρ as a float, if it is a number in [0, 1).
+
+    Raises:
+        ValueError: naming the value.
+    """
+    if not (isinstance(decay, (int, float)) and 0.0 <= float(decay) < 1.0):
+        raise ValueError(
+            f"decay must be in [0, 1) (ρ of the running Fisher's moving averages), got "
+            f"decay={decay!r}."
+        )
+    return float(decay)
+
+
 class RunningFisher:
     """Moving-average Kronecker factors of the Fisher of a set of parameters.
 
@@ -165,17 +179,12 @@ class RunningFisher:
         max_factor_dim: int = 512,
         refresh_every: int = 10,
     ) -> None:
-        if not (isinstance(decay, (int, float)) and 0.0 <= float(decay) < 1.0):
-            raise ValueError(
-                f"decay must be in [0, 1) (ρ of the running Fisher's moving averages), got "
-                f"decay={decay!r}."
-            )
+        self.decay = check_decay(decay)
         self.max_factor_dim = check_count("max_factor_dim", max_factor_dim)
         self.refresh_every = check_count("refresh_every", refresh_every)
         #: the spectra the penalty uses, and the update count they were computed at
         self._spectra: dict[str, KroneckerSpectrum] = {}
         self.refreshed_at = 0
-        self.decay = float(decay)
         self.blocks = {name: self._block(torch.Size(shape)) for name, shape in shapes.items()}
         #: Σ_j ρ^(s−j)(1−ρ) = 1 − ρ^s after s updates: the bias correction
         self.weight = 0.0
