@@ -43,6 +43,13 @@ from lightning_flatness.core.checks import check_count
 __all__ = ["KroneckerBlock", "RunningFisher", "check_decay"]
 
 
+def matrix_shape(shape: torch.Size) -> tuple[int, int]:
+    """``(m, k)``: a parameter of ``shape`` seen as its first axis against the others (a
+    vector is ``m × 1``, a scalar ``1 × 1``)."""
+    rows = shape[0] if len(shape) else 1
+    return rows, math.prod(shape[1:]) if len(shape) > 1 else 1
+
+
 @dataclass
 class _Side:
     """One Kronecker factor: a full matrix (``full``) or its diagonal."""
@@ -79,7 +86,7 @@ class KroneckerBlock:
 
     @property
     def rows(self) -> int:
-        return self.shape[0] if len(self.shape) else 1
+        return matrix_shape(self.shape)[0]
 
     def as_matrix(self, gradient: Tensor) -> Tensor:
         """The parameter-shaped ``gradient`` (or a stack of them, leading axis) as ``m × k``."""
@@ -191,8 +198,7 @@ class RunningFisher:
         self.updates = 0
 
     def _block(self, shape: torch.Size) -> KroneckerBlock:
-        rows = shape[0] if len(shape) else 1
-        cols = math.prod(shape[1:]) if len(shape) > 1 else 1
+        rows, cols = matrix_shape(shape)
         zeros = {"dtype": torch.float64}
         # a side of length 1 is its own eigen-decomposition: kept as a "diagonal" of one entry
         left_full = 1 < rows <= self.max_factor_dim
@@ -250,9 +256,7 @@ class RunningFisher:
         tests on small models)."""
         pieces = []
         for name, spectrum in self.spectra():
-            shape = self.blocks[name].shape
-            rows = shape[0] if len(shape) else 1
-            cols = spectrum.values.numel() // rows
+            rows, cols = matrix_shape(self.blocks[name].shape)
             eye = torch.eye(rows * cols, dtype=torch.float64).reshape(rows * cols, rows, cols)
             coordinates = spectrum.rotate(eye).reshape(rows * cols, -1)  # rows: basis of vec U
             pieces.append(coordinates @ torch.diag(spectrum.values.reshape(-1)) @ coordinates.mT)
