@@ -5,8 +5,9 @@ For the paper's MLP and CNN trained on n images of the bundled 7×7 MNIST in two
 training set:
 
 - the exact soft rank and log-det (``dense`` or ``gram``, whichever matrix is smaller);
-- ``kfac`` with exact rows (``measure()``'s default), with one sampled label per input and with
-  one Rademacher probe per input (``FlatnessMonitor``'s default), ``diag``, ``hutchinson``;
+- ``kfac`` with exact rows, with one sampled label per input and with one Rademacher probe per
+  input, ``diag``, ``hutchinson``;
+- ``probe_kernel`` at several budgets (probes / jackknife groups);
 - ``lanczos`` at several budgets (probes × Lanczos steps);
 
 and prints each one's soft rank and log-det ÷ exact, and its time ÷ the time of one training
@@ -40,6 +41,13 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "kfac (probe, monitor default)": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
     "diag": ("diag", {}),
     "hutchinson": ("hutchinson", {}),
+    **{
+        f"probe_kernel {probes}/{groups}": (
+            "probe_kernel",
+            {"kernel_options": {"probes": probes, "groups": groups}, "trace_estimator": "probe"},
+        )
+        for probes, groups in ((2, 2), (4, 2), (4, 4), (8, 2))
+    },
     **{
         f"lanczos {probes}×{steps}": (
             "lanczos",
@@ -94,14 +102,21 @@ def _batches(x, y, size: int = 256) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n = 300, 5 epochs")
+    parser.add_argument("--n", type=int, default=None, help="training samples (default 1000)")
+    parser.add_argument("--epochs", type=int, default=None, help="training epochs (default 20)")
+    parser.add_argument(
+        "--variants", nargs="*", default=None, help="measure only these (names as printed)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     set_threads(args.threads)
     n, epochs = (300, 5) if args.quick else (1000, 20)
+    n, epochs = args.n or n, args.epochs or epochs
+    variants = {v: VARIANTS[v] for v in (args.variants or VARIANTS)}
     data = mnist7(train_size=n, val_size=100)
     x, y = data[0], data[1]
     print_header(f"Soft rank ÷ exact and cost ÷ one training epoch (n = {n}, {epochs} epochs)")
-    summary: dict[str, dict[str, list[float]]] = {v: {"rank": [], "cost": []} for v in VARIANTS}
+    summary: dict[str, dict[str, list[float]]] = {v: {"rank": [], "cost": []} for v in variants}
     for architecture in ("mlp", "cnn"):
         for regime, c in REGIMES.items():
             model, lam = _train(architecture, c, data, epochs, seed=0)
@@ -120,7 +135,7 @@ def main() -> None:
                     f"{exact.seconds / epoch:.1f}",
                 ]
             ]
-            for variant, (structure, options) in VARIANTS.items():
+            for variant, (structure, options) in variants.items():
                 report = measure(
                     model,
                     _batches(x, y),

@@ -244,4 +244,4 @@ def test_progress_shows_the_gaps_on_the_bar_or_in_a_line_per_measurement(tmp_pat
     with caplog.at_level("INFO"):
         fit(tmp_path / "line", [quiet], max_epochs=2)
     lines = [r.getMessage() for r in caplog.records if "predicted gap" in r.getMessage()]
-    assert len(lines) == 2 and "observed gap" in lines[0] and "(kfac)" in lines[0]
+    assert len(lines) == 2 and "observed gap" in lines[0] and "(probe_kernel)" in lines[0]

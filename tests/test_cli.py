@@ -263,7 +263,7 @@ def test_shipped_configs_declare_the_flatness_monitor(name):
     (callback,) = config["trainer"]["callbacks"]
     assert callback == {
         "class_path": "lightning_flatness.FlatnessMonitor",
-        "init_args": {"structure": "kfac"},
+        "init_args": {"every_n_epochs": 5},
     }
     assert config["trainer"]["deterministic"] is True
     assert config["seed_everything"] == 0
@@ -274,9 +274,10 @@ def test_shipped_configs_declare_the_flatness_monitor(name):
 class _StandInMonitor(Callback):
     """Takes the place of FlatnessMonitor while that class is not importable."""
 
-    def __init__(self, structure: str = "kfac") -> None:
+    def __init__(self, structure: str = "auto", every_n_epochs: int = 1) -> None:
         super().__init__()
         self.structure = structure
+        self.every_n_epochs = every_n_epochs
 
 
 @pytest.mark.parametrize("name", ["mlp", "bigmlp", "cnn"])
@@ -288,7 +289,7 @@ def test_shipped_configs_instantiate_with_the_callback(name, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     run = FlatnessCLI(args=["--config", str(CONFIGS / f"{name}.yaml")], run=False)
     (monitor,) = [c for c in run.trainer.callbacks if type(c).__name__ == "FlatnessMonitor"]
-    assert getattr(monitor, "structure", "kfac") == "kfac"
+    assert monitor.structure == "auto" and monitor.every_n_epochs == 5
     assert isinstance(run.model, FlatnessClassifier)
     assert run.model.hparams.architecture == name
 

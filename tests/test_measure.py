@@ -352,7 +352,9 @@ def test_as_dict_has_every_documented_field(cases):
         *("trace_ratio_train", "trace_ratio_val", "predicted_gap", "predicted_gap_train"),
         *("thomas_gap", "tic", "train_nll", "val_nll", "observed_gap", "relative_flatness"),
         *("error_uncertainty_train", "error_uncertainty_val", "num_samples", "lam", "structure"),
+        *("rank_bound", "soft_rank_stderr", "trusted"),
     }
     assert required <= set(values)
-    assert values["structure"] == "kfac"
+    assert values["structure"] == "probe_kernel"  # the default where it fits
+    assert values["rank_bound"] == min(sum(p.numel() for p in model.parameters()), 64 * 9)
     assert all(isinstance(v, float) for k, v in values.items() if k != "structure")

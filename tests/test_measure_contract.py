@@ -148,7 +148,7 @@ def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match="max_samples"):
         measure(model, data, lam=LAM, num_train_samples=10, max_samples=0)
     with pytest.raises(ValueError, match="kfac_mode"):
-        measure(model, data, lam=LAM, num_train_samples=10, kfac_mode="fast")
+        measure(model, data, lam=LAM, num_train_samples=10, structure="kfac", kfac_mode="fast")
     with pytest.raises(ValueError, match="trace_estimator"):
         measure(model, data, lam=LAM, num_train_samples=10, trace_estimator="approx")
     with pytest.raises(ValueError, match="mc_samples"):

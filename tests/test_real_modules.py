@@ -171,7 +171,7 @@ def _plain_measurement(module, kind, **kwargs):
         val_batches=[(vx, vy)],
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure="kfac",
+        structure="probe_kernel",
         trace_estimator="probe",  # the monitor's defaults
         kfac_mode="probe",
         **kwargs,

@@ -76,7 +76,13 @@ def references():
 @pytest.mark.parametrize("batch_size", [1, 3, N])
 def test_default_structure_is_exact_where_it_claims_to_be(references, name, batch_size, one_thread):
     model, inputs, targets, (fisher, cov, slices, nll) = references[name]
-    report = measure(model, _batches(inputs, targets, batch_size), lam=LAM, num_train_samples=100)
+    report = measure(
+        model,
+        _batches(inputs, targets, batch_size),
+        lam=LAM,
+        num_train_samples=100,
+        structure="kfac",
+    )
     assert report.structure == "kfac"
     assert report.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-9)
     assert report.trace_cov == pytest.approx(float(cov.trace()), rel=1e-9)
@@ -111,8 +117,12 @@ def test_diag_is_the_exact_diagonal_on_every_model(references, name, one_thread)
 @pytest.mark.parametrize("name", _models())
 def test_numbers_do_not_depend_on_the_batch_size(references, name, one_thread):
     model, inputs, targets, _ = references[name]
-    whole = measure(model, _batches(inputs, targets, N), lam=LAM, num_train_samples=100)
-    split = measure(model, _batches(inputs, targets, 3), lam=LAM, num_train_samples=100)
+    whole = measure(
+        model, _batches(inputs, targets, N), lam=LAM, num_train_samples=100, structure="kfac"
+    )
+    split = measure(
+        model, _batches(inputs, targets, 3), lam=LAM, num_train_samples=100, structure="kfac"
+    )
     for key, value in whole.as_dict().items():
         if key not in ("seconds", "structure"):
             assert split.as_dict()[key] == pytest.approx(value, rel=1e-9, nan_ok=True), key
@@ -124,7 +134,9 @@ def test_block_diagonal_soft_rank_bounds_the_exact_one(references, name, one_thr
     exact layer block, rank_λ(blocks) ≥ rank_λ(F); and the default's own non-Kronecker part
     equals that pinching's."""
     model, inputs, targets, (fisher, _, slices, _) = references[name]
-    report = measure(model, _batches(inputs, targets, 3), lam=LAM, num_train_samples=100)
+    report = measure(
+        model, _batches(inputs, targets, 3), lam=LAM, num_train_samples=100, structure="kfac"
+    )
     pinched = 0.0
     for param, kind in report.coverage.items():
         block = fisher[slices[param], slices[param]]
@@ -139,7 +151,9 @@ def test_block_diagonal_soft_rank_bounds_the_exact_one(references, name, one_thr
 
 def test_coverage_names_how_each_parameter_is_measured():
     model, inputs, targets = _model_and_data("transformer")
-    coverage = measure(model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100).coverage
+    coverage = measure(
+        model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100, structure="kfac"
+    ).coverage
     assert coverage["embed.weight"] == "kronecker"
     assert coverage["encoder.linear1.weight"] == "kronecker"
     assert coverage["encoder.linear1.bias"] == "exact block"
@@ -147,7 +161,11 @@ def test_coverage_names_how_each_parameter_is_measured():
     assert coverage["encoder.norm1.weight"] == "diagonal"
     assert coverage["pos"] == "diagonal"
     tied = measure(
-        build("tied_mlp"), _batches(*zoo_data("tied_mlp", 4), 4), lam=LAM, num_train_samples=10
+        build("tied_mlp"),
+        _batches(*zoo_data("tied_mlp", 4), 4),
+        lam=LAM,
+        num_train_samples=10,
+        structure="kfac",
     )
     assert tied.coverage["shared.weight"] == "kronecker"  # two layers, three calls: positions
     assert tied.coverage["shared.bias"] == "exact block"
@@ -159,14 +177,16 @@ def test_coverage_names_how_each_parameter_is_measured():
 def test_layer_rules_cover_every_parameter_of_ordinary_models(name):
     """No parameter of these models needs the costly whole-model fallback."""
     model, inputs, targets = _model_and_data(name)
-    report = measure(model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100)
+    report = measure(
+        model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100, structure="kfac"
+    )
     assert "diagonal (whole model)" not in report.coverage.values(), report.coverage
 
 
 def test_compiled_module_is_measured_as_the_module_it_compiles(one_thread):
     data = _batches(*zoo_data("compiled", N), 4)
-    compiled = measure(build("compiled"), data, lam=LAM, num_train_samples=100)
-    plain = measure(build("tied_mlp"), data, lam=LAM, num_train_samples=100)
+    compiled = measure(build("compiled"), data, lam=LAM, num_train_samples=100, structure="kfac")
+    plain = measure(build("tied_mlp"), data, lam=LAM, num_train_samples=100, structure="kfac")
     for structure_report in (compiled,):
         assert structure_report.soft_rank == pytest.approx(plain.soft_rank, rel=1e-12)
     lanczos = {
@@ -210,7 +230,7 @@ def test_measuring_leaves_the_model_as_found(name):
     torch.manual_seed(5)
     expected_next = torch.rand(3)
     torch.manual_seed(5)
-    measure(model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100)
+    measure(model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100, structure="kfac")
     assert torch.equal(torch.rand(3), expected_next)
     assert model.training and all(m.training for m in model.modules())
     for key, value in model.state_dict().items():
@@ -304,7 +324,7 @@ def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
     for key, value in without.state_dict().items():  # weights and BatchNorm statistics
         assert torch.equal(with_monitor.state_dict()[key], value), key
     record = monitor.history[-1]
-    assert monitor._active_structure == "kfac"
+    assert monitor._active_structure == "probe_kernel"
     assert all(math.isfinite(record[k]) for k in ("soft_rank", "trace_fisher", "trace_cov"))
 
 

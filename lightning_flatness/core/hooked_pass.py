@@ -37,6 +37,7 @@ hooks are removed when the pass is closed.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Iterator
@@ -63,12 +64,39 @@ from lightning_flatness.core.layer_rules import (
     kronecker_factors,
     make_rule,
     weight_batch_gradient,
+    weight_rows,
     weight_square_sums,
     weight_squared_norms,
 )
 from lightning_flatness.core.likelihoods import Likelihood
 
-__all__ = ["COVERAGE", "BatchTerms", "HookedPass"]
+__all__ = ["COVERAGE", "BatchTerms", "HookedPass", "position_signs"]
+
+#: samples per block of position-keyed probe draws
+_SIGN_BLOCK = 1024
+
+
+def position_signs(stream: int, first: int, probes: int, samples: int, outputs: int) -> Tensor:
+    """Rademacher signs ``(probes, samples, outputs)`` of the samples at positions
+    ``first, …, first + samples − 1`` of a stream: block b of :data:`_SIGN_BLOCK` positions is
+    drawn from a generator seeded with ``(stream, b)``, so a sample's signs depend on its
+    position and the stream's seed only, never on how the stream is cut into batches."""
+    pieces, position, end = [], first, first + samples
+    while position < end:
+        block, offset = divmod(position, _SIGN_BLOCK)
+        take = min(end - position, _SIGN_BLOCK - offset)
+        bits = _sign_block(int(stream), block, probes, outputs)
+        pieces.append(bits[:, offset : offset + take])
+        position += take
+    return 2 * torch.cat(pieces, dim=1).to(torch.float64) - 1
+
+
+@functools.lru_cache(maxsize=4)
+def _sign_block(stream: int, block: int, probes: int, outputs: int) -> Tensor:
+    """The 0/1 draws of one block of positions (cached: consecutive batches share a block)."""
+    generator = torch.Generator().manual_seed((stream * 1_000_003 + block) % (2**63))
+    return torch.randint(0, 2, (probes, _SIGN_BLOCK, outputs), generator=generator)
+
 
 #: how a parameter enters the block-diagonal Fisher; "diagonal (whole model)" is the exact
 #: diagonal from per-sample backward passes through the whole model (the costly fallback)
@@ -88,6 +116,8 @@ class BatchTerms:
             parameter with ``structure="diag"``).
         cov_diagonal: ``{parameter: Σ_i g_i ∘ g_i}`` of the true-label gradients (the
             diagonal of C, for the diagonal TIC; ``structure="diag"`` only).
+        rows: ``{parameter: (K', N, numel)}``, the per-sample gradients of the K' Fisher rows
+            themselves, in the model's dtype (``structure="rows"`` only).
     """
 
     grad_norm_sq: float = 0.0
@@ -96,6 +126,7 @@ class BatchTerms:
     blocks: dict[str, Tensor] = field(default_factory=dict)
     diagonal: dict[str, Tensor] = field(default_factory=dict)
     cov_diagonal: dict[str, Tensor] = field(default_factory=dict)
+    rows: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -125,9 +156,13 @@ class HookedPass:
             or ``"probe"`` (``mc_samples`` Rademacher probes ``A_iᵀξ``).
         trace_estimator: ``"exact"``, ``"sampled"`` or ``"probe"``: which of those rows give
             Tr(F).
-        generator: draws the sampled labels and the probes.
-        structure: ``"kfac"`` (Kronecker weights, exact bias blocks, diagonals for the rest)
-            or ``"diag"`` (the exact diagonal of every parameter, and the diagonal of C).
+        generator: draws the sampled labels (and the probes, without ``seed``).
+        seed: draws each sample's probes from its position in the measured stream and this
+            seed (:func:`position_signs`), so that they do not depend on the batch size.
+        structure: ``"kfac"`` (Kronecker weights, exact bias blocks, diagonals for the rest),
+            ``"diag"`` (the exact diagonal of every parameter, and the diagonal of C) or
+            ``"rows"`` (the per-sample gradients of the Fisher rows themselves, for the
+            sample-space kernel).
     """
 
     def __init__(
@@ -140,16 +175,21 @@ class HookedPass:
         trace_estimator: str = "exact",
         generator: torch.Generator | None = None,
         structure: str = "kfac",
+        seed: int | None = None,
     ) -> None:
-        if structure not in ("kfac", "diag"):
-            raise ValueError(f"structure must be 'kfac' or 'diag', got {structure!r}.")
+        if structure not in ("kfac", "diag", "rows"):
+            raise ValueError(f"structure must be 'kfac', 'diag' or 'rows', got {structure!r}.")
         self.diagonal_only = structure == "diag"
+        self.rows_only = structure == "rows"
         self.model = model
         self.likelihood = likelihood
         self.kfac_mode = kfac_mode
         self.mc_samples = int(mc_samples)
         self.trace_estimator = trace_estimator
         self.generator = generator
+        self.seed = seed
+        #: the position of the next sample in each stream (training, validation)
+        self.positions = {True: 0, False: 0}
         self.names, self.rules, self.fallback = self._assign(model.model)
         params = dict(model.model.named_parameters())
         #: fallback parameters with a leading dimension of one (class tokens, positional
@@ -298,14 +338,21 @@ class HookedPass:
         probe = None
         if "probe" in (factors, self.trace_estimator):
             start = sum(r.shape[0] for r in rows)
-            signs = torch.randint(
-                0,
-                2,
-                (self.mc_samples, *z.shape),
-                generator=self.generator,
-                device=self.generator.device,
-            ).to(device=z.device, dtype=z.dtype)
-            rows.append(core.sqrt_transpose(2 * signs - 1) / math.sqrt(self.mc_samples))
+            if self.seed is None:
+                bits = torch.randint(
+                    0,
+                    2,
+                    (self.mc_samples, *z.shape),
+                    generator=self.generator,
+                    device=self.generator.device,
+                )
+                signs = 2 * bits.to(device=z.device, dtype=z.dtype) - 1
+            else:
+                first = self.positions[curvature]
+                stream = self.seed * 2 + int(not curvature)
+                signs = position_signs(stream, first, self.mc_samples, *z.shape)
+                signs = signs.to(device=z.device, dtype=z.dtype)
+            rows.append(core.sqrt_transpose(signs) / math.sqrt(self.mc_samples))
             probe = slice(start, start + self.mc_samples)
         kinds = {"exact": exact, "sampled": sampled, "probe": probe}
         chosen = kinds[factors] if factors else None
@@ -350,6 +397,7 @@ class HookedPass:
         """The batch's :class:`BatchTerms` after :meth:`forward` gave ``logits``; with
         ``curvature=False`` only the two traces (validation data)."""
         cotangents, rows = self._cotangents(logits, targets, curvature)
+        self.positions[curvature] += logits.shape[0]
         if not self._checked:
             self._check_coverage(logits, cotangents[0], inputs)
         outputs = self._recorded_outputs()
@@ -455,7 +503,10 @@ class HookedPass:
             if not curvature:
                 continue
             num_rows = rule.parameters()["weight"].shape[0]
-            if self.diagonal_only:
+            if self.rows_only:
+                shape = rule.parameters()["weight"].shape
+                terms.rows[name] = weight_rows(a, s[rows.curvature], embedding, shape).detach()
+            elif self.diagonal_only:
                 chosen = [0, *range(rows.curvature.start, rows.curvature.stop)]
                 squares = weight_square_sums(a, s[chosen], embedding, num_rows)
                 terms.cov_diagonal[name] = _f64(squares[0])
@@ -478,6 +529,9 @@ class HookedPass:
             terms.grad_norm_sq += float(flat[0].square().sum())
             terms.fisher_trace += float(flat[rows.trace].square().sum())
             if not curvature:
+                continue
+            if self.rows_only:
+                terms.rows[name] = flat[rows.curvature].detach()
                 continue
             fisher_rows = flat[rows.curvature].reshape(-1, flat.shape[-1])
             if self.diagonal_only:

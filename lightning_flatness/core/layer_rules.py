@@ -38,6 +38,7 @@ __all__ = [
     "NormRule",
     "Rule",
     "make_rule",
+    "weight_rows",
     "weight_square_sums",
 ]
 
@@ -209,6 +210,24 @@ def weight_batch_gradient(a: Tensor, s0: Tensor, embedding: bool, shape: torch.S
         grad.index_add_(0, flat_a[keep], flat_s[keep])
         return grad
     return torch.einsum("nto,ntd->od", s0, a).reshape(shape)
+
+
+def weight_rows(a: Tensor, s: Tensor, embedding: bool, shape: torch.Size) -> Tensor:
+    """The per-sample weight gradients ``Σ_t s_kit a_itᵀ`` flattened: (K, N, o·d) (for an
+    embedding (K, N, V·E): each sample's gradient rows of the tokens it holds)."""
+    k, n, t, o = s.shape
+    if embedding:
+        tokens = a.reshape(n, t)
+        keep = (tokens >= 0).reshape(-1)
+        samples = torch.arange(n, device=a.device).repeat_interleave(t)
+        keys = (samples * shape[0] + tokens.reshape(-1))[keep]
+        out = s.new_zeros(k, n * shape[0], o)
+        out.index_add_(1, keys, s.reshape(k, n * t, o)[:, keep])
+        return out.reshape(k, n, -1)
+    if t == 1:
+        return torch.einsum("kno,nd->knod", s[:, :, 0], a[:, 0]).reshape(k, n, -1)
+    pieces = [grads.transpose(0, 1) for grads in _per_sample_weight_gradients(a, s)]
+    return torch.cat(pieces, dim=1).reshape(k, n, -1)
 
 
 def weight_square_sums(a: Tensor, s: Tensor, embedding: bool, num_rows: int) -> Tensor:

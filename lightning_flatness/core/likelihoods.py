@@ -161,6 +161,12 @@ class Likelihood(ABC):
     #: the smallest number of outputs the likelihood accepts
     min_outputs: int = 1
 
+    def sample_rank(self, num_outputs: int) -> int:
+        """The largest rank of one sample's output Fisher ``Λ_i``: C (bce, mse); the softmax's
+        ``diag p − ppᵀ`` overrides it with C − 1. m samples give a Fisher of rank at most
+        ``m`` times this."""
+        return int(num_outputs)
+
     def check_outputs(self, logits: Tensor, batch_size: int | None = None) -> None:
         """Refuse outputs that are not ``(batch, C)`` with at least :attr:`min_outputs` (and
         ``batch_size`` rows, when given)."""
@@ -257,6 +263,9 @@ class CategoricalLikelihood(Likelihood):
 
     name = "cross_entropy"
     min_outputs = 2
+
+    def sample_rank(self, num_outputs: int) -> int:
+        return max(int(num_outputs) - 1, 0)
 
     def _prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         if targets.is_floating_point() or targets.dtype == torch.bool:

@@ -44,10 +44,11 @@ from lightning_flatness.core.batches import (
     prepared_batches,
     wrap_for_batches,
 )
+from lightning_flatness.core.defaults import AUTO, choose_structure
 from lightning_flatness.core.failures import MeasurementError
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import per_sample_modes, rng_devices, uncompiled
-from lightning_flatness.core.options import structure_options
+from lightning_flatness.core.options import KernelOptions, structure_options
 from lightning_flatness.core.pipeline import model_device_dtype, run_pipeline
 from lightning_flatness.core.report import FlatnessReport, build_report
 from lightning_flatness.core.spectral import check_lam
@@ -63,7 +64,7 @@ def measure(
     *,
     lam: float,
     num_train_samples: int,
-    structure: str = "kfac",
+    structure: str = "auto",
     val_batches: Iterable | None = None,
     max_samples: int | None = None,
     max_val_samples: int | None = None,
@@ -76,6 +77,7 @@ def measure(
     seed: int = 0,
     all_reduce: AllReduce | None = None,
     matrix_free_options: dict | None = None,
+    kernel_options: dict | None = None,
     unpack_batch: UnpackBatch | None = None,
     logits_fn: LogitsFn | None = None,
 ) -> FlatnessReport:
@@ -89,7 +91,11 @@ def measure(
             biased low on subsets. Inputs may be a tensor, a tuple or a dict of tensors.
         lam: the coupled L2 weight decay λ > 0 of the objective ``mean loss + ½λ‖θ‖²``.
         num_train_samples: n, the size of the training set (scales the predicted gap).
-        structure: ``"kfac"`` (block-diagonal with Kronecker-factored layers, from layer hooks,
+        structure: ``"auto"`` (default: ``"probe_kernel"`` where it fits, else ``"kfac"``;
+            :mod:`lightning_flatness.core.defaults`), ``"probe_kernel"`` (the whole Fisher's
+            spectrum from ``kernel_options["probes"]`` Rademacher probe rows per sample,
+            jackknifed: within a few percent of exact), ``"kfac"`` (block-diagonal with
+            Kronecker-factored layers, from layer hooks,
             any differentiable model; see ``report.coverage``), ``"diag"``, ``"diag_mc"``
             (the exact or sampled-label diagonal, same hooks), ``"dense"``, ``"gram"``
             (BackPACK), or ``"lanczos"`` (stochastic Lanczos
@@ -116,6 +122,8 @@ def measure(
         all_reduce: sums a tensor across processes in place and returns it (data parallelism);
             every sum is reduced before any eigenvalue or ratio is taken.
         matrix_free_options: options of the matrix-free structures (probes, Lanczos steps, ...).
+        kernel_options: options of ``probe_kernel`` (``probes``, ``groups``, ``side``, size
+            guards; :class:`~lightning_flatness.core.options.KernelOptions`).
         unpack_batch: ``batch -> (inputs, targets)``; default
             :func:`~lightning_flatness.core.batches.default_unpack_batch` (sequences and mappings
             with a ``labels``/``label``/``targets``/``target``/``y`` key).
@@ -136,6 +144,19 @@ def measure(
             (names the module type).
     """
     lam = check_lam(lam)
+    if int(num_train_samples) < 1:
+        raise ValueError(
+            f"num_train_samples (n, the training-set size) must be ≥ 1, got {num_train_samples!r}."
+        )
+    for name, value in (("max_samples", max_samples), ("max_val_samples", max_val_samples)):
+        if value is not None and int(value) < 1:
+            raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
+    if structure == AUTO:
+        kernel = KernelOptions.from_dict(kernel_options, "exact")
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        seen = min(int(num_train_samples), int(max_samples or num_train_samples))
+        summable = all_reduce is not None
+        structure = choose_structure(trainable, seen, kernel, summable=summable).structure
     options = structure_options(
         structure,
         trace_estimator=trace_estimator,
@@ -144,14 +165,8 @@ def measure(
         dense_max_parameters=dense_max_parameters,
         gram_max_kernel_size=gram_max_kernel_size,
         matrix_free_options=matrix_free_options,
+        kernel_options=kernel_options,
     )
-    if int(num_train_samples) < 1:
-        raise ValueError(
-            f"num_train_samples (n, the training-set size) must be ≥ 1, got {num_train_samples!r}."
-        )
-    for name, value in (("max_samples", max_samples), ("max_val_samples", max_val_samples)):
-        if value is not None and int(value) < 1:
-            raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
     get_likelihood(loss)
     start = time.perf_counter()
     wrapped, first_pass, found = wrap_for_batches(model, train_batches, unpack_batch, logits_fn)

@@ -16,6 +16,8 @@ structure                    dataclass              options
 ``lanczos``, ``hutchinson``  :class:`MatrixFreeOptions`  ``matrix_free_options`` (table in
                                                     :mod:`lightning_flatness.core.backends.matrix_free`)
                                                     and ``trace_estimator``
+``probe_kernel``             :class:`KernelOptions`  ``kernel_options`` (its fields) and
+                                                    ``trace_estimator``
 ===========================  =====================  ==========================================
 """
 
@@ -35,6 +37,7 @@ __all__ = [
     "DiagOptions",
     "GramOptions",
     "KFACOptions",
+    "KernelOptions",
     "MatrixFreeOptions",
     "StructureOptions",
     "structure_options",
@@ -42,9 +45,9 @@ __all__ = [
 
 #: every structure that is not matrix-free; ``kfac``, ``diag``, ``diag_mc`` from layer hooks,
 #: ``dense`` and ``gram`` from BackPACK
-STRUCTURES = ("dense", "gram", "kfac", "diag", "diag_mc")
+STRUCTURES = ("dense", "gram", "kfac", "diag", "diag_mc", "probe_kernel")
 #: the structures measured from layer hooks
-HOOK_STRUCTURES = ("kfac", "diag", "diag_mc")
+HOOK_STRUCTURES = ("kfac", "diag", "diag_mc", "probe_kernel")
 #: structures computed from Fisher-vector products with torch.func (any differentiable model)
 MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson")
 ALL_STRUCTURES = STRUCTURES + MATRIX_FREE_STRUCTURES
@@ -107,6 +110,49 @@ class GramOptions:
     def __post_init__(self) -> None:
         check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
         check_count("gram_max_kernel_size", self.max_kernel_size, allow_none=True)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """``probe_kernel``: ``probes`` Rademacher probe rows per sample in ``groups`` jackknife
+    groups; the spectrum on the ``side`` of the parameters (P × P, P ≤ ``max_parameters``) or
+    of the samples (ms × ms, ms ≤ ``max_kernel_size``, at most ``max_row_elements`` numbers of
+    kept rows); ``"auto"`` takes the smaller
+    (:mod:`lightning_flatness.core.curvature.probe_kernel`).
+    """
+
+    probes: int = 4
+    groups: int = 2
+    side: str = "auto"
+    max_parameters: int = 8192
+    max_kernel_size: int = 8192
+    max_row_elements: int = 2**28
+    trace_estimator: str = "exact"
+
+    def __post_init__(self) -> None:
+        for name in ("probes", "groups", "max_parameters", "max_kernel_size", "max_row_elements"):
+            check_count(f"kernel_options[{name!r}]", getattr(self, name))
+        check_choice("kernel_options['side']", self.side, ("auto", "parameters", "samples"))
+        check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)
+        if self.probes % self.groups:
+            raise ValueError(
+                f"kernel_options['groups']={self.groups} must divide kernel_options['probes']="
+                f"{self.probes} (each jackknife group holds the same number of probes)."
+            )
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, object] | None, trace_estimator: str) -> KernelOptions:
+        """Build from a mapping, naming any unknown key.
+
+        Raises:
+            ValueError: unknown key or bad value.
+        """
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)} - {"trace_estimator"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"Unknown kernel_options {unknown}; valid keys are {sorted(known)}.")
+        return cls(**options, trace_estimator=trace_estimator)
 
 
 _CHOICES = {
@@ -174,7 +220,9 @@ class MatrixFreeOptions:
         return result
 
 
-StructureOptions = KFACOptions | DiagOptions | DenseOptions | GramOptions | MatrixFreeOptions
+StructureOptions = (
+    KFACOptions | DiagOptions | DenseOptions | GramOptions | MatrixFreeOptions | KernelOptions
+)
 
 
 def structure_options(
@@ -186,6 +234,7 @@ def structure_options(
     dense_max_parameters: int | None = None,
     gram_max_kernel_size: int | None = None,
     matrix_free_options: Mapping[str, object] | None = None,
+    kernel_options: Mapping[str, object] | None = None,
 ) -> StructureOptions:
     """The validated options of ``structure`` from ``measure()``'s keyword arguments.
 
@@ -202,6 +251,8 @@ def structure_options(
     if trace_estimator == "probe" and structure not in HOOK_STRUCTURES:
         trace_estimator = "exact" if structure in ("dense", "gram") else "sampled"
     exact_default = trace_estimator or "exact"
+    if structure == "probe_kernel":
+        return KernelOptions.from_dict(kernel_options, exact_default)
     if structure == "kfac":
         return KFACOptions(kfac_mode, mc_samples, exact_default)
     if structure in ("diag", "diag_mc"):

@@ -4,6 +4,7 @@ estimate and the per-sample sums of both splits (docs/math.md, "Generalization g
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 
 from torch import Tensor
@@ -11,7 +12,7 @@ from torch import Tensor
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.spectral import SpectralSummary
 from lightning_flatness.core.statistics import StatisticSums
-from lightning_flatness.core.trust import trusted
+from lightning_flatness.core.trust import above_rank_bound, verdict
 
 __all__ = ["FlatnessReport", "build_report"]
 
@@ -26,8 +27,11 @@ class FlatnessReport:
     ``eigenvalues`` (the structure's spectrum, float64) and ``blocks`` (per-parameter summaries
     of block-structured approximations, e.g. ``kfac``) are not part of :meth:`as_dict`.
     ``trust_score`` is the training error/uncertainty ratio and ``trusted`` is 1.0 while it is
-    at least :data:`~lightning_flatness.core.trust.TRUST_THRESHOLD` (the predicted gap is then
-    to be trusted), else 0.0 (:mod:`lightning_flatness.core.trust`).
+    at least :data:`~lightning_flatness.core.trust.TRUST_THRESHOLD`, the structure is of exact
+    quality and the soft rank is at most ``rank_bound`` (the predicted gap is then to be
+    trusted), else 0.0 (:mod:`lightning_flatness.core.trust`). ``rank_bound`` is the largest
+    rank the Fisher of the measured samples can have, ``min(P, m·(C−1))`` for softmax
+    (``m·C`` for bce and mse); infinite where the structure does not know it.
     """
 
     soft_rank: float
@@ -52,6 +56,7 @@ class FlatnessReport:
     trust_score: float
     trusted: float
     relative_flatness: float
+    rank_bound: float
     trace_fisher_val: float
     trace_cov_val: float
     num_samples: int
@@ -116,6 +121,19 @@ def build_report(
     seconds: float,
 ) -> FlatnessReport:
     summary = curvature.summary
+    if above_rank_bound(summary.soft_rank, curvature.rank_bound):
+        fix = (
+            "more probes (kernel_options={'probes': ...})"
+            if structure == "probe_kernel"
+            else "structure='probe_kernel', which measures the whole Fisher's spectrum"
+        )
+        warnings.warn(
+            f"structure={structure!r} reports a soft rank of {summary.soft_rank:,.1f}, above "
+            f"{curvature.rank_bound:,.0f}, the largest rank the Fisher of these "
+            f"{int(train.count):,} samples can have: its predicted gap is not trusted. Use "
+            f"{fix}.",
+            stacklevel=3,
+        )
     trace_cov = train.mean("grad_norm_sq")
     trace_fisher = train.mean("fisher_trace")
     ratio_train = _ratio(trace_cov, trace_fisher)
@@ -147,8 +165,9 @@ def build_report(
         error_uncertainty_train=alpha_train,
         error_uncertainty_val=_ratio(val.mean("error"), val.mean("uncertainty")),
         trust_score=alpha_train,
-        trusted=trusted(alpha_train),
+        trusted=verdict(alpha_train, structure, summary.soft_rank, curvature.rank_bound),
         relative_flatness=train.mean("relative_flatness"),
+        rank_bound=curvature.rank_bound,
         trace_fisher_val=trace_fisher_val,
         trace_cov_val=trace_cov_val,
         num_samples=int(train.count),

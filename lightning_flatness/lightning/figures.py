@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.trust import TRUST_THRESHOLD
+from lightning_flatness.core.trust import EXACT_QUALITY, TRUST_THRESHOLD, above_rank_bound
 
 __all__ = ["STRUCTURE_KINDS", "describe_structure", "gap_figure", "log10_spectrum", "summary_table"]
 
@@ -23,7 +23,8 @@ def log10_spectrum(eigenvalues: Tensor, floor: float = 1e-30) -> Tensor:
 STRUCTURE_KINDS = {
     "dense": "exact",
     "gram": "exact",
-    "lanczos": "exact F, stochastic ± stderr",
+    "probe_kernel": "whole Fisher from probes, jackknifed ± stderr",
+    "lanczos": "exact F, stochastic ± stderr; under-counts at small budgets",
     "kfac": "Kronecker approximation, usually above exact",
     "diag": "upper estimate: diagonal, Prop. 6.1",
     "diag_mc": "sampled-label diagonal",
@@ -127,11 +128,27 @@ def summary_table(record: Mapping[str, float], structure: str) -> str:
         lines.append(line)
     verdict = record.get("trusted", math.nan)
     if math.isfinite(verdict):
-        advice = (
-            "yes"
-            if verdict
-            else f"no — α_train < {TRUST_THRESHOLD:g}: the model is over-confident on its "
-            "training data (Prop. 5.4)"
-        )
+        advice = _trust_advice(record, structure)
         lines.append(f"  {'predicted gap trusted':<{width}}  {advice}")
     return "\n".join(lines)
+
+
+def _trust_advice(record: Mapping[str, float], structure: str) -> str:
+    """Why the predicted gap is or is not to be trusted
+    (:func:`~lightning_flatness.core.trust.verdict`)."""
+    if record.get("trusted"):
+        return "yes"
+    if above_rank_bound(record.get("soft_rank", math.nan), record.get("rank_bound", math.inf)):
+        return (
+            f"no — the soft rank is above {record['rank_bound']:,.0f}, the largest rank the "
+            "Fisher of the measured samples can have"
+        )
+    if record.get("trust_score", math.nan) < TRUST_THRESHOLD or structure in EXACT_QUALITY:
+        return (
+            f"no — α_train < {TRUST_THRESHOLD:g}: the model is over-confident on its training "
+            "data (Prop. 5.4)"
+        )
+    return (
+        f"no — {structure!r} is not an exact-quality soft rank (see README, Choosing a "
+        "structure); structure='probe_kernel' is"
+    )

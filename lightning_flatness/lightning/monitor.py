@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_flatness.core.batches import LogitsFn, UnpackBatch
 from lightning_flatness.core.checks import check_count
 from lightning_flatness.core.curvature import describe_coverage
+from lightning_flatness.core.defaults import AUTO, choose_structure
 from lightning_flatness.core.failures import UnsupportedModelError
 from lightning_flatness.core.likelihoods import LOSSES
 from lightning_flatness.core.measure import check_batch, measure
@@ -59,9 +60,6 @@ from lightning_flatness.regularizer import SoftRankPenalty
 
 __all__ = ["FlatnessMonitor"]
 
-#: Measuring 2,048 training samples keeps the KFAC soft rank of the paper's models on 7×7
-#: MNIST within 5% of its full-training-set value (docs/RESULTS.md, "Sample size").
-DEFAULT_MAX_SAMPLES = 2048
 DEFAULT_MAX_VAL_SAMPLES = 1024
 
 
@@ -107,7 +105,13 @@ def _check_measure_kwargs(measure_kwargs: dict[str, Any]) -> None:
 _PROGRESS_BAR_KEYS = ("predicted_gap", "observed_gap")
 
 #: measure_kwargs keys that are options of a structure (core.options.structure_options)
-_OPTION_KEYS = ("mc_samples", "dense_max_parameters", "gram_max_kernel_size", "matrix_free_options")
+_OPTION_KEYS = (
+    "mc_samples",
+    "dense_max_parameters",
+    "gram_max_kernel_size",
+    "matrix_free_options",
+    "kernel_options",
+)
 
 #: the monitor's ``reg_*`` arguments and the SoftRankRegularizer argument each one sets
 _REGULARIZER_ARGUMENTS = {
@@ -126,15 +130,17 @@ class FlatnessMonitor(Callback):
     """Log the soft rank of the Fisher and the predicted generalization gap during training.
 
     Args:
-        structure: curvature structure for :func:`~lightning_flatness.core.measure` (``"kfac"``,
-            ``"dense"``, ``"gram"``, ``"diag"``, ``"diag_mc"``, or matrix-free ``"lanczos"``,
-            ``"hutchinson"``).
+        structure: curvature structure for :func:`~lightning_flatness.core.measure`:
+            ``"auto"`` (default: ``"probe_kernel"``, the whole Fisher's soft rank within a few
+            percent of exact, wherever it fits; else ``"kfac"``, said once at fit start),
+            ``"probe_kernel"``, ``"kfac"``, ``"dense"``, ``"gram"``, ``"diag"``, ``"diag_mc"``,
+            or matrix-free ``"lanczos"``, ``"hutchinson"``.
         lam: λ, the coupled L2 weight decay. ``None`` reads it from the optimizer (SGD, Adam,
             RMSprop ``weight_decay``); AdamW's decoupled decay, ``weight_decay=0`` or different
             decays across parameter groups are refused with a message to pass ``lam``.
         every_n_epochs: measure at the end of every n-th training epoch.
-        max_samples: training samples the Fisher averages over (``None``: the whole training
-            set, the least biased soft rank; see docs/math.md, "Sample size").
+        max_samples: training samples the Fisher averages over (``None``, the default: the
+            whole training set, the least biased soft rank; see docs/math.md, "Sample size").
         max_val_samples: held-out samples for the trace ratio and the observed gap.
         use_val: use the validation dataloader (held-out trace ratio, observed gap).
         log_prefix: prefix of every logged name.
@@ -197,10 +203,10 @@ class FlatnessMonitor(Callback):
 
     def __init__(
         self,
-        structure: str = "kfac",
+        structure: str = AUTO,
         lam: float | None = None,
         every_n_epochs: int = 1,
-        max_samples: int | None = DEFAULT_MAX_SAMPLES,
+        max_samples: int | None = None,
         max_val_samples: int | None = DEFAULT_MAX_VAL_SAMPLES,
         use_val: bool = True,
         log_prefix: str = "flatness/",
@@ -254,7 +260,8 @@ class FlatnessMonitor(Callback):
         _check_measure_kwargs(dict(measure_kwargs or {}))
         # The structure's options, validated by the code measure() validates them with.
         chosen = dict(measure_kwargs or {})
-        for name in [structure] + ([fallback_structure] if fallback_structure else []):
+        chosen_structures = ["probe_kernel", "kfac"] if structure == AUTO else [structure]
+        for name in chosen_structures + ([fallback_structure] if fallback_structure else []):
             structure_options(
                 name,
                 trace_estimator=trace_estimator,
@@ -389,6 +396,8 @@ class FlatnessMonitor(Callback):
         if not self._checked:
             self._checked = True
             self._check_configuration(trainer, pl_module)
+            if self.structure == AUTO and self.disabled_reason is None:
+                self._choose_structure(trainer, pl_module)
             if self.regularizer is not None and self.disabled_reason is not None:
                 self.regularizer.disabled = True
 
@@ -400,6 +409,25 @@ class FlatnessMonitor(Callback):
             self.num_train_samples,
             (self.resolved_lam, self.resolved_num_train_samples),
         )
+
+    def _choose_structure(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Resolve ``structure="auto"`` once, for this model and the samples measured, and say
+        which structure was chosen and why
+        (:func:`~lightning_flatness.core.defaults.choose_structure`)."""
+        options = structure_options(
+            "probe_kernel",
+            trace_estimator=self.trace_estimator,
+            kernel_options=self.measure_kwargs.get("kernel_options"),
+        )
+        trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        samples = self.resolved_num_train_samples
+        if samples is not None and self.max_samples is not None:
+            samples = min(samples, self.max_samples)
+        if samples is not None and trainer.world_size > 1:
+            samples = math.ceil(samples / trainer.world_size)
+        choice = choose_structure(trainable, samples, options, summable=trainer.world_size > 1)
+        self._active_structure = choice.structure
+        rank_zero_info(f"FlatnessMonitor: structure='auto' measures {choice.reason}.")
 
     def _check_configuration(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Read one real training (and validation) batch as every measurement will.

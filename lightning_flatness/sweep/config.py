@@ -15,7 +15,8 @@ A sweep file has the sections of a ``lightning-flatness fit`` config (``model``,
     otherwise (both give the exact spectrum; the smaller matrix is cheaper);
     ``"kfac_sampled"`` is ``kfac`` with one sampled label per input for the factors and for
     Tr(F), ``"kfac_probe"`` the same with one Rademacher probe per input (``FlatnessMonitor``'s
-    default).
+    default before ``probe_kernel``); ``"probe_kernel"`` is measured with Tr(F) from its probes,
+    as the monitor measures it.
 ``seed``
     ``seed_everything`` seed of every run (vary it through the grid).
 ``lam``
@@ -63,18 +64,19 @@ __all__ = [
 #: Pseudo-structure: ``"dense"`` or ``"gram"``, whichever matrix is smaller for the run.
 EXACT = "exact"
 #: Pseudo-structure: the structure and options ``FlatnessMonitor`` measures with by default.
-MONITOR_DEFAULT = "kfac_probe"
+MONITOR_DEFAULT = "probe_kernel"
 #: pseudo-structure → (structure, measure() options that override the sweep's ``measure``)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "kfac_sampled": ("kfac", {"kfac_mode": "sampled", "trace_estimator": "sampled"}),
-    MONITOR_DEFAULT: ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
+    "kfac_probe": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
+    MONITOR_DEFAULT: ("probe_kernel", {"trace_estimator": "probe"}),
 }
 #: Structures a sweep accepts.
 SWEEP_STRUCTURES = (
     EXACT,
     *STRUCTURES[:3],
     "kfac_sampled",
-    MONITOR_DEFAULT,
+    "kfac_probe",
     *STRUCTURES[3:],
     *MATRIX_FREE_STRUCTURES,
 )

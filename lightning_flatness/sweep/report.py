@@ -409,7 +409,7 @@ def write_report(output_dir: str | Path) -> Path:
             "is at or above a threshold (trusted) and below it (untrusted).",
             "",
         ]
-        kfacs = (EXACT, "kfac", "kfac_sampled", MONITOR_DEFAULT)
+        kfacs = (EXACT, MONITOR_DEFAULT, "kfac", "kfac_sampled", "kfac_probe")
         for structure in [s for s in kfacs if s in structures]:
             lines += [f"{structure}:", "", trust_table(trust_rows(records, structure)), ""]
     if figures:

@@ -50,7 +50,8 @@ def make_backend(
             max_samples=max_samples,
         )
     if structure in HOOK_STRUCTURES:
-        return HookBackend(model, structure, options, loss=loss, seed=seed)
+        summable = all_reduce is not None
+        return HookBackend(model, structure, options, loss=loss, seed=seed, summable=summable)
     # BackPACK is imported only when one of its structures is measured.
     from lightning_flatness.core.backpack.backend import BackpackBackend
 

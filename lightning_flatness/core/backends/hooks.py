@@ -1,11 +1,15 @@
-"""The layer-hook backend of ``kfac``, ``diag`` and ``diag_mc``: any differentiable model.
+"""The layer-hook backend of ``kfac``, ``diag``, ``diag_mc`` and ``probe_kernel``: any
+differentiable model.
 
 Per batch one forward and one backward pass per cotangent row on the live model
 (:class:`~lightning_flatness.core.hooked_pass.HookedPass`), in eval mode with every module's mode
 restored, no gradient written and the hooks removed after the measurement; the training
-batches feed :class:`~lightning_flatness.core.curvature.kfac.KFACFisher` (``kfac``) or the exact
+batches feed :class:`~lightning_flatness.core.curvature.kfac.KFACFisher` (``kfac``), the exact
 (``diag``) or sampled-label (``diag_mc``) diagonals of F and C, whose spectrum and diagonal TIC
-:class:`~lightning_flatness.core.curvature.diag.DiagonalFisher` computes.
+:class:`~lightning_flatness.core.curvature.diag.DiagonalFisher` computes, or the per-sample
+gradients of Rademacher probe rows that
+:class:`~lightning_flatness.core.curvature.probe_kernel.ProbeKernelFisher` turns into the whole
+Fisher's spectrum (``probe_kernel``).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from lightning_flatness.core.batches import Leaves, LogitsModule
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
+from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
 from lightning_flatness.core.failures import check_finite_loss
 from lightning_flatness.core.hooked_pass import HookedPass
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
-from lightning_flatness.core.options import DiagOptions, KFACOptions
+from lightning_flatness.core.options import DiagOptions, KernelOptions, KFACOptions
 from lightning_flatness.core.pipeline import Backend, model_device_dtype
 from lightning_flatness.core.statistics import StatisticSums, output_sums
 
@@ -32,44 +37,55 @@ __all__ = ["HookBackend"]
 
 
 class HookBackend(Backend):
-    """``kfac``, ``diag`` or ``diag_mc`` from layer hooks (module docstring).
+    """``kfac``, ``diag``, ``diag_mc`` or ``probe_kernel`` from layer hooks (module docstring).
 
     Args:
         model: the wrapped model.
-        structure: ``"kfac"``, ``"diag"`` or ``"diag_mc"``.
-        options: its :class:`~lightning_flatness.core.options.KFACOptions` or
+        structure: ``"kfac"``, ``"diag"``, ``"diag_mc"`` or ``"probe_kernel"``.
+        options: its :class:`~lightning_flatness.core.options.KFACOptions`,
             :class:`~lightning_flatness.core.options.DiagOptions` (``diag`` uses the exact
-            rows, ``diag_mc`` ``mc_samples`` sampled ones).
+            rows, ``diag_mc`` ``mc_samples`` sampled ones) or
+            :class:`~lightning_flatness.core.options.KernelOptions` (``probes`` probe rows).
         loss: the likelihood's name.
-        seed: seeds the generator of the sampled labels.
+        seed: seeds the generator of the sampled labels and probes.
+        summable: the curvature state must add up across processes.
     """
 
     def __init__(
         self,
         model: LogitsModule,
         structure: str,
-        options: KFACOptions | DiagOptions,
+        options: KFACOptions | DiagOptions | KernelOptions,
         *,
         loss: str,
         seed: int,
+        summable: bool = False,
     ) -> None:
         self.model = model
         self.structure = structure
         self.likelihood = get_likelihood(loss)
-        if isinstance(options, KFACOptions):
-            rows = options.kfac_mode
+        if isinstance(options, KernelOptions):
+            rows, count = "probe", options.probes
+        elif isinstance(options, KFACOptions):
+            rows, count = options.kfac_mode, options.mc_samples
         else:
-            rows = "sampled" if options.sampled else "exact"
+            rows, count = ("sampled" if options.sampled else "exact"), options.mc_samples
+        hooked_structure = {"kfac": "kfac", "probe_kernel": "rows"}.get(structure, "diag")
         self.settings = {
             "kfac_mode": rows,
-            "mc_samples": options.mc_samples,
+            "mc_samples": count,
             "trace_estimator": options.trace_estimator,
-            "structure": "kfac" if structure == "kfac" else "diag",
+            "structure": hooked_structure,
         }
         self.seed = seed
-        self.estimator = KFACFisher() if structure == "kfac" else None
+        self.options = options
+        self.summable = summable
+        self.estimator: KFACFisher | ProbeKernelFisher | None = (
+            KFACFisher() if structure == "kfac" else None
+        )
         self.diagonals: dict[str, dict[str, Tensor]] = {"fisher": {}, "cov": {}}
         self.hooked: HookedPass | None = None
+        self.num_outputs: int | None = None
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -77,7 +93,7 @@ class HookBackend(Backend):
             device, _ = model_device_dtype(self.model)
             generator = torch.Generator(device=device).manual_seed(int(self.seed) % (2**63))
             self.hooked = HookedPass(
-                self.model, self.likelihood, generator=generator, **self.settings
+                self.model, self.likelihood, generator=generator, seed=self.seed, **self.settings
             )
             try:
                 yield
@@ -91,9 +107,14 @@ class HookBackend(Backend):
         sums = output_sums(self.likelihood, logits, targets, hooked.last_layer, hooked.features())
         check_finite_loss(sums.loss, split, index)
         training = split == "training"
+        self.num_outputs = int(logits.shape[1])
+        if training and self.structure == "probe_kernel" and self.estimator is None:
+            self.estimator = self._probe_kernel(logits.shape[1])
         terms = hooked.terms(logits, targets, inputs, curvature=training)
         sums.grad_norm_sq, sums.fisher_trace = terms.grad_norm_sq, terms.fisher_trace
-        if training and self.estimator is not None:
+        if training and isinstance(self.estimator, ProbeKernelFisher):
+            self.estimator.add(torch.cat([terms.rows[n] for n in self.hooked.names], dim=-1))
+        elif training and self.estimator is not None:
             self.estimator.add(terms)
         elif training:
             for kind, source in (("fisher", terms.diagonal), ("cov", terms.cov_diagonal)):
@@ -101,6 +122,27 @@ class HookBackend(Backend):
                 for name, value in source.items():
                     store[name] = store[name] + value if name in store else value.clone()
         return sums
+
+    def _probe_kernel(self, num_outputs: int) -> ProbeKernelFisher:
+        """The probe-kernel state; with no more outputs than probes, the exact rows of the
+        output Fisher's square root are as cheap and have no probe bias: they are used instead
+        (one group, nothing to correct)."""
+        params = dict(self.model.model.named_parameters())
+        options = self.options
+        rows, groups = options.probes, options.groups
+        if num_outputs <= options.probes:
+            self.hooked.kfac_mode = "exact"
+            rows, groups = num_outputs, 1
+        return ProbeKernelFisher(
+            sum(params[name].numel() for name in self.hooked.names),
+            probes=rows,
+            groups=groups,
+            side=options.side,
+            max_parameters=options.max_parameters,
+            max_kernel_size=options.max_kernel_size,
+            max_row_elements=options.max_row_elements,
+            summable=self.summable,
+        )
 
     def summable_states(self) -> list[Tensor]:
         if self.estimator is not None:
@@ -110,6 +152,17 @@ class HookBackend(Backend):
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         names = self.hooked.names
+        curvature = self._curvature(num_samples, lam)
+        params = dict(self.model.model.named_parameters())
+        num_parameters = sum(params[name].numel() for name in names)
+        per_sample = self.likelihood.sample_rank(self.num_outputs or 0)
+        curvature.rank_bound = float(min(num_parameters, num_samples * per_sample))
+        return curvature
+
+    def _curvature(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        names = self.hooked.names
+        if isinstance(self.estimator, ProbeKernelFisher):
+            return self.estimator.estimate(num_samples, lam)
         if self.estimator is not None:
             curvature = self.estimator.estimate(num_samples, lam, names)
         else:

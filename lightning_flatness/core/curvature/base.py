@@ -27,6 +27,9 @@ class CurvatureEstimate:
         blocks: per-parameter summaries for block-structured approximations.
         coverage: for block-structured approximations, how each parameter enters
             (``"kronecker"``, ``"exact block"`` or ``"diagonal"``).
+        rank_bound: the largest rank the Fisher being estimated can have, ``min(P, m·r)``
+            with r the rank of one sample's output Fisher (C − 1 for softmax, C for bce and
+            mse); a soft rank above it is impossible. Infinite where the structure does not know.
     """
 
     summary: SpectralSummary
@@ -34,3 +37,4 @@ class CurvatureEstimate:
     tic_trace: float = math.nan
     blocks: dict[str, SpectralSummary] = field(default_factory=dict)
     coverage: dict[str, str] = field(default_factory=dict)
+    rank_bound: float = math.inf

@@ -33,13 +33,13 @@ The bounds' summaries sit in ``blocks`` (see :meth:`HutchinsonFisher.estimate`).
 from __future__ import annotations
 
 import math
-from dataclasses import astuple
 
 import torch
 from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.functional_stats import FunctionalModel, probe_vectors
+from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.likelihoods import OutputCore
 from lightning_flatness.core.spectral import SpectralSummary, check_lam, spectral_summary
 
@@ -47,8 +47,6 @@ __all__ = ["VARIANTS", "HutchinsonFisher", "jackknife_summary"]
 
 #: The three Hutchinson variants: Eq. 2 (unbiased), Eq. 8 (upper bound), Eq. 9 (lower bound).
 VARIANTS = ("estimate", "upper", "lower")
-#: summary fields left as they are: the trace (linear, unbiased) and max_eig (not smooth)
-_UNCORRECTED = [list(SpectralSummary.__dataclass_fields__).index(f) for f in ("trace", "max_eig")]
 
 
 def jackknife_summary(
@@ -65,20 +63,10 @@ def jackknife_summary(
     """
     num = len(per_probe)
     mean = torch.stack(per_probe).mean(0) if num > 1 else per_probe[0]
-    summary = spectral_summary(mean, lam)
     if num < 2:
-        return summary, SpectralSummary(*([math.nan] * 5))
-    values = torch.tensor(
-        [astuple(spectral_summary((num * mean - d) / (num - 1), lam)) for d in per_probe],
-        dtype=torch.float64,
-    )
-    spread = ((num - 1) / num * (values - values.mean(0)).square().sum(0)).sqrt()
-    plain = torch.tensor(astuple(summary), dtype=torch.float64)
-    corrected = num * plain - (num - 1) * values.mean(0)
-    corrected[_UNCORRECTED] = plain[_UNCORRECTED]
-    return SpectralSummary(*(float(v) for v in corrected)), SpectralSummary(
-        *(float(v) for v in spread)
-    )
+        return jackknife(spectral_summary(mean, lam), [])
+    leave_outs = [spectral_summary((num * mean - d) / (num - 1), lam) for d in per_probe]
+    return jackknife(spectral_summary(mean, lam), leave_outs)
 
 
 class HutchinsonFisher:

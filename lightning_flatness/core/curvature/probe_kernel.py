@@ -1,0 +1,185 @@
+"""``structure="probe_kernel"``: the Fisher's nonzero spectrum from s Rademacher probe rows per
+sample over every measured sample, with the probes' bias removed by a jackknife.
+
+Each sample i contributes s rows ``v_ik = J_iᵀ A_iᵀ ξ_ik / √s`` (``A_iᵀA_i = Λ_i`` the output
+Fisher, ``ξ`` Rademacher on the C outputs; the probe rows of the layer hooks), so
+``F̂ = (1/m) Σ_i Σ_k v_ik v_ikᵀ`` is an unbiased estimate of ``F = (1/m) Σ_i J_iᵀ Λ_i J_i`` —
+of the whole Fisher, cross-layer terms included, not a block-diagonal or Kronecker
+approximation (docs/math.md, "The probe kernel"). Its nonzero eigenvalues are those of
+
+- the P × P matrix ``F̂`` (*parameter side*: sums of ``v vᵀ`` over samples, a state of fixed
+  size that adds up over batches and across processes), or
+- the (ms × ms) kernel ``K = (1/m) V Vᵀ`` of the stacked rows (*sample side*: the rows are kept
+  until the estimate),
+
+whichever is smaller; both give exactly the same numbers. A trace function ``h`` is concave, so
+``E h(F̂) ≤ h(F)``, by a gap that falls like 1/s. The probes are split into ``groups`` groups and
+the delete-one-group jackknife (:mod:`lightning_flatness.core.jackknife`) removes the 1/s term and
+gives a standard error; with two groups this is Richardson's extrapolation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.failures import StructureTooLargeError
+from lightning_flatness.core.jackknife import jackknife
+from lightning_flatness.core.spectral import psd_eigenvalues, spectral_summary
+
+__all__ = ["SIDES", "ProbeKernelFisher"]
+
+#: where the spectrum is computed: the cheaper of the two, the P × P matrix, the ms × ms kernel
+SIDES = ("auto", "parameters", "samples")
+
+
+class ProbeKernelFisher:
+    """Running state of the probe-kernel Fisher (module docstring).
+
+    Args:
+        num_parameters: P.
+        probes: s, probe rows per sample (each already divided by √s).
+        groups: probe groups of the jackknife (divides ``probes``; 1: no correction).
+        side: ``"auto"``, ``"parameters"`` or ``"samples"`` (:data:`SIDES`).
+        max_parameters: the largest P of the parameter side's P × P matrices.
+        max_kernel_size: the largest ms of the sample side's kernel.
+        max_row_elements: the most numbers of kept rows (ms · P) on the sample side.
+        summable: the state must add up across processes (the parameter side from the start).
+    """
+
+    name = "probe_kernel"
+
+    def __init__(
+        self,
+        num_parameters: int,
+        *,
+        probes: int,
+        groups: int,
+        side: str = "auto",
+        max_parameters: int,
+        max_kernel_size: int,
+        max_row_elements: int,
+        summable: bool = False,
+    ) -> None:
+        self.num_parameters = int(num_parameters)
+        self.probes, self.groups = int(probes), int(groups)
+        self.max_parameters = int(max_parameters)
+        self.max_kernel_size = int(max_kernel_size)
+        self.max_row_elements = int(max_row_elements)
+        self.grams: list[Tensor] | None = None
+        self.rows: list[Tensor] = []
+        self.kept_rows = 0
+        if side == "parameters" or summable:
+            self._check_parameter_side(summable)
+            self.grams = self._zero_grams()
+        self.side = side
+
+    # -- the state ---------------------------------------------------------------------------
+
+    def _check_parameter_side(self, summable: bool = False) -> None:
+        if self.num_parameters > self.max_parameters:
+            why = " across processes" if summable else ""
+            raise StructureTooLargeError(
+                f"structure='probe_kernel' with {self.num_parameters:,} parameters needs the "
+                f"sample-side kernel, which cannot be summed{why} above "
+                f"kernel_options['max_parameters']={self.max_parameters:,} (P × P matrices of "
+                f"{self.num_parameters**2 * 8 * self.groups / 2**30:.1f} GiB); raise it, "
+                "measure fewer samples on one process, or use structure='lanczos'."
+            )
+
+    def _zero_grams(self) -> list[Tensor]:
+        size = self.num_parameters
+        return [torch.zeros(size, size, dtype=torch.float64) for _ in range(self.groups)]
+
+    def _group_rows(self, rows: Tensor) -> list[Tensor]:
+        """The rows of each group, (s/groups · N, P) each."""
+        per_group = self.probes // self.groups
+        return [
+            rows[g * per_group : (g + 1) * per_group].reshape(-1, rows.shape[-1])
+            for g in range(self.groups)
+        ]
+
+    def _add_to_grams(self, rows: Tensor) -> None:
+        for gram, group in zip(self.grams, self._group_rows(rows), strict=True):
+            gram += (group.T @ group).to(torch.float64).cpu()
+
+    def add(self, rows: Tensor) -> None:
+        """Add one batch's probe rows ``(s, N, P)``."""
+        if rows.shape[0] != self.probes or rows.shape[-1] != self.num_parameters:
+            raise ValueError(
+                f"expected probe rows of shape ({self.probes}, N, {self.num_parameters}), "
+                f"got {tuple(rows.shape)}."
+            )
+        if self.grams is not None:
+            self._add_to_grams(rows)
+            return
+        self.rows.append(rows.detach())
+        self.kept_rows += rows.shape[0] * rows.shape[1]
+        too_many = self.kept_rows > self.max_kernel_size
+        too_big = self.kept_rows * self.num_parameters > self.max_row_elements
+        if self.side == "samples" and (too_many or too_big):
+            raise StructureTooLargeError(
+                f"structure='probe_kernel' on the sample side keeps {self.kept_rows:,} probe "
+                f"rows of {self.num_parameters:,} parameters, above kernel_options"
+                f"['max_kernel_size']={self.max_kernel_size:,} or ['max_row_elements']="
+                f"{self.max_row_elements:,}; pass max_samples=, side='parameters' (P ≤ "
+                "max_parameters) or structure='lanczos'."
+            )
+        if too_many or too_big:  # "auto": move to the parameter side, which does not grow
+            self._check_parameter_side()
+            self.grams = self._zero_grams()
+            for kept in self.rows:
+                self._add_to_grams(kept)
+            self.rows.clear()
+
+    def summable_states(self) -> list[Tensor]:
+        """The parameter side's P × P sums (the sample side is not summable)."""
+        return list(self.grams) if self.grams is not None else []
+
+    # -- the estimate ------------------------------------------------------------------------
+
+    def _spectra(self, num_samples: int) -> tuple[Tensor, list[Tensor]]:
+        """Eigenvalues of ``F̂`` and of each leave-one-group-out estimate."""
+        groups = self.groups
+        keep = groups / (groups - 1) if groups > 1 else 1.0
+        if self.grams is None and self.kept_rows <= self.num_parameters:
+            rows = torch.cat(self.rows, dim=1)  # (s, m, P)
+            flat = rows.reshape(-1, rows.shape[-1])
+            kernel = (flat @ flat.T).to(torch.float64) / num_samples
+            per_group = rows.shape[1] * (self.probes // groups)
+            full = psd_eigenvalues(kernel)
+            if groups < 2:
+                return full, []
+            leave_outs = []
+            for g in range(groups):
+                kept = [h for h in range(groups) if h != g]
+                others = torch.cat([torch.arange(h * per_group, (h + 1) * per_group) for h in kept])
+                leave_outs.append(psd_eigenvalues(kernel[others][:, others] * keep))
+            return full, leave_outs
+        if self.grams is None:
+            self.grams = self._zero_grams()
+            for kept in self.rows:
+                self._add_to_grams(kept)
+            self.rows.clear()
+        total = torch.stack(self.grams).sum(0)
+        full = psd_eigenvalues(total / num_samples)
+        if groups < 2:
+            return full, []
+        return full, [psd_eigenvalues((total - gram) * (keep / num_samples)) for gram in self.grams]
+
+    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        """The jackknifed spectral summary of ``F̂`` over ``num_samples`` samples, its standard
+        errors (``blocks["stderr"]``) and the plain summary (``blocks["uncorrected"]``)."""
+        full, leave_outs = self._spectra(num_samples)
+        plain = spectral_summary(full, lam)
+        corrected, stderr = jackknife(plain, [spectral_summary(mu, lam) for mu in leave_outs])
+        nonzero = full[full > 0]
+        return CurvatureEstimate(
+            summary=corrected,
+            eigenvalues=nonzero if nonzero.numel() else full,
+            blocks={"stderr": stderr, "uncorrected": plain},
+            tic_trace=math.nan,
+        )

@@ -1,0 +1,71 @@
+"""``structure="auto"``: the default structure, the one whose soft rank is of exact quality at
+the lowest cost where it fits (docs/RESULTS.md, "Error against cost").
+
+That is ``probe_kernel``: the whole Fisher's spectrum from a few probe rows per sample, within a
+few percent of the exact soft rank on every model measured. It fits when its P × P state does
+(P ≤ ``max_parameters``: any number of samples, and sums across processes) or, on one process,
+when the kept probe rows of the measured samples do (m·s ≤ ``max_kernel_size`` and
+m·s·P ≤ ``max_row_elements``). Otherwise the default falls back to ``kfac``, whose soft rank is
+an approximation (1.5–4× the exact one on the models measured) and is never marked trusted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_flatness.core.options import KernelOptions
+
+__all__ = ["AUTO", "StructureChoice", "choose_structure"]
+
+#: the structure argument that asks for this choice
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class StructureChoice:
+    """The structure ``"auto"`` resolves to, and why (one sentence for a log message)."""
+
+    structure: str
+    reason: str
+
+
+def choose_structure(
+    num_parameters: int,
+    num_samples: int | None,
+    options: KernelOptions,
+    *,
+    summable: bool = False,
+) -> StructureChoice:
+    """``probe_kernel`` where it fits, else ``kfac`` (module docstring).
+
+    Args:
+        num_parameters: P, the trainable parameters.
+        num_samples: m, the samples a measurement will see (None: unknown, many).
+        options: the probe kernel's options (sizes and probes).
+        summable: the state must add up across processes (data parallelism).
+    """
+    if num_parameters <= options.max_parameters:
+        return StructureChoice(
+            "probe_kernel",
+            f"probe_kernel: {num_parameters:,} parameters ≤ max_parameters "
+            f"{options.max_parameters:,}, so the P × P state fits for any number of samples",
+        )
+    if not summable and num_samples is not None:
+        rows = num_samples * options.probes
+        if rows <= options.max_kernel_size and rows * num_parameters <= options.max_row_elements:
+            return StructureChoice(
+                "probe_kernel",
+                f"probe_kernel: {rows:,} probe rows of {num_parameters:,} parameters fit the "
+                "sample-side kernel",
+            )
+    across = " across processes" if summable else ""
+    samples = "an unknown number of" if num_samples is None else f"{num_samples:,}"
+    return StructureChoice(
+        "kfac",
+        f"kfac: the probe kernel does not fit{across} ({num_parameters:,} parameters > "
+        f"max_parameters {options.max_parameters:,}, and {samples} samples × "
+        f"{options.probes} probes exceed max_kernel_size {options.max_kernel_size:,}); kfac's "
+        "soft rank is an approximation, usually above the exact one, and is not trusted. "
+        "Measure fewer samples (max_samples=) or raise kernel_options for an exact-quality "
+        "soft rank",
+    )

@@ -1,0 +1,228 @@
+"""``structure="probe_kernel"`` against the dense autograd reference (float64).
+
+With no more outputs than probes the structure uses the exact rows of the output Fisher's square
+root: its spectrum is then the whole Fisher's, to round-off, on every zoo model and batch size.
+With fewer probes than outputs it is random: unbiased in F, jackknifed in h(F), and it must
+converge to the exact soft rank as the probes grow. The two sides (P × P and ms × ms) must give
+the same numbers, and so must a run summed across processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import batches, random_data, tiny_model
+from zoo import ZOO, build, zoo_data
+
+from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.batches import wrap_for_batches
+from lightning_flatness.core.defaults import choose_structure
+from lightning_flatness.core.failures import StructureTooLargeError
+from lightning_flatness.core.measure import measure
+from lightning_flatness.core.model_state import left_as_found, original_module
+from lightning_flatness.core.options import KernelOptions
+
+LAM = 1e-3
+N = 24
+
+
+def _split(inputs, targets, batch_size: int) -> list:
+    if isinstance(inputs, dict):
+        size = targets.shape[0]
+        return [
+            ({k: v[i : i + batch_size] for k, v in inputs.items()}, targets[i : i + batch_size])
+            for i in range(0, size, batch_size)
+        ]
+    return batches(inputs, targets, batch_size)
+
+
+def _case(name: str):
+    if name in ZOO:
+        model = build(name)
+        inputs, targets = zoo_data(name, N)
+    else:
+        model = tiny_model(name).eval()
+        inputs, targets = random_data(N)
+    return model, inputs, targets
+
+
+@pytest.fixture(scope="module")
+def exact_cases():
+    """(model, inputs, targets, exact eigenvalues) per model, the dense Fisher computed once."""
+    result = {}
+    for name in (*ZOO, "mlp", "cnn", "resmlp"):
+        model, inputs, targets = _case(name)
+        wrapped, _, _ = wrap_for_batches(original_module(model), [(inputs, targets)])
+        leaf = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
+        with left_as_found(wrapped):
+            fisher = reference.dense_fisher(wrapped, leaf)
+        result[name] = (model, inputs, targets, spectral.psd_eigenvalues(fisher))
+    return result
+
+
+@pytest.mark.parametrize("name", [*ZOO, "mlp", "cnn", "resmlp"])
+@pytest.mark.parametrize("batch_size", [1, 7, N])
+def test_exact_rows_give_the_whole_fishers_spectrum(exact_cases, name, batch_size, one_thread):
+    model, inputs, targets, eigenvalues = exact_cases[name]
+    classes = 10 if name in ("mlp", "cnn", "resmlp") else 5
+    report = measure(
+        model,
+        _split(inputs, targets, batch_size),
+        lam=LAM,
+        num_train_samples=100,
+        structure="probe_kernel",
+        kernel_options={"probes": classes, "groups": 1},
+    )
+    expected = spectral.spectral_summary(eigenvalues, LAM)
+    assert report.soft_rank == pytest.approx(expected.soft_rank, rel=1e-8)
+    assert report.logdet == pytest.approx(expected.logdet, rel=1e-8)
+    assert report.soft_rank2 == pytest.approx(expected.soft_rank2, rel=1e-8)
+    assert report.max_eig == pytest.approx(expected.max_eig, rel=1e-8)
+
+
+def test_dense_reference_agrees_with_the_exact_rows(one_thread):
+    """The same check against the package's independent reference (not BackPACK)."""
+    model, inputs, targets = _case("mlp")
+    fisher = reference.dense_fisher(model, inputs)
+    exact = spectral.soft_rank(spectral.psd_eigenvalues(fisher), LAM)
+    report = measure(
+        model,
+        batches(inputs, targets, 7),
+        lam=LAM,
+        num_train_samples=100,
+        structure="probe_kernel",
+        kernel_options={"probes": 10, "groups": 1},
+    )
+    assert report.soft_rank == pytest.approx(exact, rel=1e-8)
+
+
+def _many_classes():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 30))
+    generator = torch.Generator().manual_seed(3)
+    inputs = 2 * torch.randn(48, 6, dtype=torch.float64, generator=generator)
+    targets = torch.randint(0, 30, (48,), generator=generator)
+    return model.double().eval(), inputs, targets
+
+
+def _probe_report(model, inputs, targets, probes, groups, seed=0, batch_size=7, **more):
+    return measure(
+        model,
+        batches(inputs, targets, batch_size),
+        lam=LAM,
+        num_train_samples=100,
+        structure="probe_kernel",
+        kernel_options={"probes": probes, "groups": groups, **more.pop("options", {})},
+        seed=seed,
+        **more,
+    )
+
+
+def test_probes_converge_to_the_exact_soft_rank_and_the_jackknife_helps(one_thread):
+    """30 classes, 4 to 28 probes: the error shrinks with the budget, and the jackknifed value
+    is closer than the plain one."""
+    model, inputs, targets = _many_classes()
+    fisher = reference.dense_fisher(model, inputs)
+    exact = spectral.soft_rank(spectral.psd_eigenvalues(fisher), LAM)
+    errors = {}
+    for probes in (4, 16, 28):
+        report = _probe_report(model, inputs, targets, probes, 2)
+        plain = report.blocks["uncorrected"].soft_rank
+        assert plain < exact  # concavity: the plain probe estimate is low
+        assert abs(report.soft_rank - exact) < abs(plain - exact)
+        errors[probes] = abs(report.soft_rank / exact - 1)
+    assert errors[28] < errors[4]
+    assert errors[16] < 0.05
+    assert errors[28] < 0.01
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 48])
+def test_probe_estimate_does_not_depend_on_the_batch_size(batch_size, one_thread):
+    """Each sample's probes are keyed by its position: every batch size gives the same numbers."""
+    model, inputs, targets = _many_classes()
+    one = _probe_report(
+        model, inputs, targets, 16, 4, batch_size=batch_size, trace_estimator="probe"
+    )
+    other = _probe_report(model, inputs, targets, 16, 4, batch_size=5, trace_estimator="probe")
+    for key, value in other.as_dict().items():
+        if key not in ("seconds", "structure"):
+            assert one.as_dict()[key] == pytest.approx(value, rel=1e-9, nan_ok=True), key
+    different_seed = _probe_report(model, inputs, targets, 16, 4, seed=1)
+    assert different_seed.soft_rank != one.soft_rank
+
+
+def test_both_sides_and_a_summed_run_give_the_same_numbers(one_thread):
+    model, inputs, targets = _many_classes()
+    samples = _probe_report(model, inputs, targets, 4, 2, options={"side": "samples"})
+    parameters = _probe_report(model, inputs, targets, 4, 2, options={"side": "parameters"})
+    # a small kernel guard moves "auto" from the kept rows to the P × P sums mid-stream
+    moved = _probe_report(model, inputs, targets, 4, 2, options={"max_kernel_size": 50})
+    summed = _probe_report(model, inputs, targets, 4, 2, all_reduce=lambda t: t)
+    for other in (parameters, moved, summed):
+        assert other.soft_rank == pytest.approx(samples.soft_rank, rel=1e-9)
+        assert other.logdet == pytest.approx(samples.logdet, rel=1e-9)
+        assert other.as_dict()["soft_rank_stderr"] == pytest.approx(
+            samples.as_dict()["soft_rank_stderr"], rel=1e-6, abs=1e-9
+        )
+
+
+def test_size_guards_name_the_fix():
+    model, inputs, targets = _many_classes()
+    with pytest.raises(StructureTooLargeError, match="max_kernel_size"):
+        _probe_report(
+            model, inputs, targets, 4, 2, options={"side": "samples", "max_kernel_size": 10}
+        )
+    with pytest.raises(StructureTooLargeError, match="max_parameters"):
+        _probe_report(
+            model, inputs, targets, 4, 2, options={"side": "parameters", "max_parameters": 10}
+        )
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"probes": 4, "groups": 3}, "must divide"),
+        ({"probe": 4}, "Unknown kernel_options"),
+        ({"probes": 0}, "probes"),
+        ({"side": "both"}, "side"),
+    ],
+)
+def test_bad_options_are_refused_with_their_name(options, match):
+    model, inputs, targets = _many_classes()
+    with pytest.raises(ValueError, match=match):
+        measure(
+            model,
+            batches(inputs, targets, 7),
+            lam=LAM,
+            num_train_samples=100,
+            structure="probe_kernel",
+            kernel_options=options,
+        )
+
+
+def test_auto_chooses_the_probe_kernel_where_it_fits():
+    options = KernelOptions()
+    assert choose_structure(4210, 50_000, options).structure == "probe_kernel"  # P × P side
+    assert choose_structure(50_000, 1000, options).structure == "probe_kernel"  # kept rows
+    assert choose_structure(100_000, 50_000, options).structure == "kfac"
+    assert choose_structure(100_000, 1000, options, summable=True).structure == "kfac"
+    assert "max_samples" in choose_structure(100_000, None, options).reason
+
+
+def test_approximations_are_never_trusted_and_impossible_values_warn(one_thread):
+    """8 samples of 10 classes: the Fisher's rank is at most 72, which kfac's soft rank
+    exceeds on the tiny MLP; the probe kernel (exact rows here) stays below it."""
+    model = tiny_model("mlp").eval()
+    inputs, targets = random_data(8)
+    with pytest.warns(UserWarning, match="above 72"):
+        kfac = measure(model, [(inputs, targets)], lam=LAM, num_train_samples=100, structure="kfac")
+    assert kfac.rank_bound == 72 and kfac.soft_rank > 72 and kfac.trusted == 0.0
+    exact = measure(
+        model,
+        [(inputs, targets)],
+        lam=LAM,
+        num_train_samples=100,
+        kernel_options={"probes": 10, "groups": 1},
+    )
+    assert exact.structure == "probe_kernel" and exact.soft_rank <= 72
+    assert exact.trusted == float(exact.trust_score >= 0.5)
