@@ -34,6 +34,8 @@ __all__ = ["SIDES", "ProbeKernelFisher"]
 
 #: where the spectrum is computed: the cheaper of the two, the P × P matrix, the ms × ms kernel
 SIDES = ("auto", "parameters", "samples")
+#: rows per group gathered before they are added to the P × P sums in one product
+FLUSH_ROWS = 4096
 
 
 class ProbeKernelFisher:
@@ -70,6 +72,8 @@ class ProbeKernelFisher:
         self.max_kernel_size = int(max_kernel_size)
         self.max_row_elements = int(max_row_elements)
         self.grams: list[Tensor] | None = None
+        self._pending: list[Tensor] = []
+        self._pending_rows = 0
         self.rows: list[Tensor] = []
         self.kept_rows = 0
         if side == "parameters" or summable:
@@ -103,8 +107,22 @@ class ProbeKernelFisher:
         ]
 
     def _add_to_grams(self, rows: Tensor) -> None:
-        for gram, group in zip(self.grams, self._group_rows(rows), strict=True):
+        """Queue one batch's rows for the P × P sums; :meth:`_flush` adds them in products of
+        about :data:`FLUSH_ROWS` rows (products in the rows' dtype, sums in float64: fewer,
+        larger products and far fewer P × P conversions than one per batch)."""
+        self._pending.append(rows)
+        self._pending_rows += rows.shape[0] * rows.shape[1] // self.groups
+        if self._pending_rows >= FLUSH_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        batches = torch.cat(self._pending, dim=1) if len(self._pending) > 1 else self._pending[0]
+        for gram, group in zip(self.grams, self._group_rows(batches), strict=True):
             gram += (group.T @ group).to(torch.float64).cpu()
+        self._pending.clear()
+        self._pending_rows = 0
 
     def add(self, rows: Tensor) -> None:
         """Add one batch's probe rows ``(s, N, P)``."""
@@ -137,7 +155,10 @@ class ProbeKernelFisher:
 
     def summable_states(self) -> list[Tensor]:
         """The parameter side's P × P sums (the sample side is not summable)."""
-        return list(self.grams) if self.grams is not None else []
+        if self.grams is None:
+            return []
+        self._flush()
+        return list(self.grams)
 
     # -- the estimate ------------------------------------------------------------------------
 
@@ -164,6 +185,7 @@ class ProbeKernelFisher:
             for kept in self.rows:
                 self._add_to_grams(kept)
             self.rows.clear()
+        self._flush()
         total = torch.stack(self.grams).sum(0)
         full = psd_eigenvalues(total / num_samples)
         if groups < 2:
