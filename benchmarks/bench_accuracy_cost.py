@@ -8,6 +8,8 @@ training set:
 - ``kfac`` with exact rows, with one sampled label per input and with one Rademacher probe per
   input, ``diag``, ``hutchinson``;
 - ``probe_kernel`` at several budgets (probes / jackknife groups);
+- ``cg`` (Hutchinson with conjugate gradients) with 4 and 8 probes, with and without the
+  Kronecker preconditioner;
 - ``lanczos`` at several budgets (probes × Lanczos steps);
 
 and prints each one's soft rank and log-det ÷ exact, and its time ÷ the time of one training
@@ -47,6 +49,14 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             {"kernel_options": {"probes": probes, "groups": groups}, "trace_estimator": "probe"},
         )
         for probes, groups in ((2, 2), (4, 2), (4, 4), (8, 2))
+    },
+    **{
+        f"cg {probes} probes, {preconditioner}": (
+            "cg",
+            {"matrix_free_options": {"probes": probes, "preconditioner": preconditioner}},
+        )
+        for probes in (4, 8)
+        for preconditioner in ("kfac", "none")
     },
     **{
         f"lanczos {probes}×{steps}": (

@@ -69,7 +69,7 @@ def main() -> None:
         max_epochs=15,
         logger=TensorBoardLogger("lightning_logs", name="my_model"),
         callbacks=[
-            FlatnessMonitor(structure="kfac"),  # the one line this library asks for
+            FlatnessMonitor(),  # the one line this library asks for
             ModelCheckpoint(monitor="flatness/predicted_gap", mode="min"),
         ],
         enable_progress_bar=False,

@@ -204,8 +204,8 @@ def test_auto_chooses_the_probe_kernel_where_it_fits():
     options = KernelOptions()
     assert choose_structure(4210, 50_000, options).structure == "probe_kernel"  # P × P side
     assert choose_structure(50_000, 1000, options).structure == "probe_kernel"  # kept rows
-    assert choose_structure(100_000, 50_000, options).structure == "kfac"
-    assert choose_structure(100_000, 1000, options, summable=True).structure == "kfac"
+    assert choose_structure(100_000, 50_000, options).structure == "cg"
+    assert choose_structure(100_000, 1000, options, summable=True).structure == "cg"
     assert "max_samples" in choose_structure(100_000, None, options).reason
 
 

@@ -5,8 +5,9 @@ That is ``probe_kernel``: the whole Fisher's spectrum from a few probe rows per 
 few percent of the exact soft rank on every model measured. It fits when its P × P state does
 (P ≤ ``max_parameters``: any number of samples, and sums across processes) or, on one process,
 when the kept probe rows of the measured samples do (m·s ≤ ``max_kernel_size`` and
-m·s·P ≤ ``max_row_elements``). Otherwise the default falls back to ``kfac``, whose soft rank is
-an approximation (1.5–4× the exact one on the models measured) and is never marked trusted.
+m·s·P ≤ ``max_row_elements``). Otherwise the default is ``cg``: Hutchinson with preconditioned
+conjugate gradients on exact Fisher-vector products, matrix-free for any size (0.93–0.98 of the
+exact soft rank on the same models; only the soft rank, no log-det or spectrum).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def choose_structure(
     *,
     summable: bool = False,
 ) -> StructureChoice:
-    """``probe_kernel`` where it fits, else ``kfac`` (module docstring).
+    """``probe_kernel`` where it fits, else ``cg`` (module docstring).
 
     Args:
         num_parameters: P, the trainable parameters.
@@ -61,11 +62,11 @@ def choose_structure(
     across = " across processes" if summable else ""
     samples = "an unknown number of" if num_samples is None else f"{num_samples:,}"
     return StructureChoice(
-        "kfac",
-        f"kfac: the probe kernel does not fit{across} ({num_parameters:,} parameters > "
+        "cg",
+        f"cg: the probe kernel does not fit{across} ({num_parameters:,} parameters > "
         f"max_parameters {options.max_parameters:,}, and {samples} samples × "
-        f"{options.probes} probes exceed max_kernel_size {options.max_kernel_size:,}); kfac's "
-        "soft rank is an approximation, usually above the exact one, and is not trusted. "
-        "Measure fewer samples (max_samples=) or raise kernel_options for an exact-quality "
-        "soft rank",
+        f"{options.probes} probes exceed max_kernel_size {options.max_kernel_size:,}), so the "
+        "soft rank comes from preconditioned conjugate gradients on Fisher-vector products "
+        "(matrix-free; no log-det or spectrum). Measure fewer samples (max_samples=) for the "
+        "probe kernel",
     )

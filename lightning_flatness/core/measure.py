@@ -91,7 +91,7 @@ def measure(
             biased low on subsets. Inputs may be a tensor, a tuple or a dict of tensors.
         lam: the coupled L2 weight decay λ > 0 of the objective ``mean loss + ½λ‖θ‖²``.
         num_train_samples: n, the size of the training set (scales the predicted gap).
-        structure: ``"auto"`` (default: ``"probe_kernel"`` where it fits, else ``"kfac"``;
+        structure: ``"auto"`` (default: ``"probe_kernel"`` where it fits, else ``"cg"``;
             :mod:`lightning_flatness.core.defaults`), ``"probe_kernel"`` (the whole Fisher's
             spectrum from ``kernel_options["probes"]`` Rademacher probe rows per sample,
             jackknifed: within a few percent of exact), ``"kfac"`` (block-diagonal with

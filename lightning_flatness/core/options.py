@@ -49,7 +49,7 @@ STRUCTURES = ("dense", "gram", "kfac", "diag", "diag_mc", "probe_kernel")
 #: the structures measured from layer hooks
 HOOK_STRUCTURES = ("kfac", "diag", "diag_mc", "probe_kernel")
 #: structures computed from Fisher-vector products with torch.func (any differentiable model)
-MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson")
+MATRIX_FREE_STRUCTURES = ("lanczos", "hutchinson", "cg")
 ALL_STRUCTURES = STRUCTURES + MATRIX_FREE_STRUCTURES
 
 #: the two ways of getting Tr(F) for BackPACK's structures
@@ -160,6 +160,7 @@ _CHOICES = {
     "start": ("range", "random"),
     "distribution": ("rademacher", "gaussian"),
     "trace_estimator": ("auto", "exact", "sampled"),
+    "preconditioner": ("kfac", "none"),
 }
 
 
@@ -183,6 +184,9 @@ class MatrixFreeOptions:
     max_basis_elements: int = 2**28
     max_histogram: int = 100_000
     breakdown_tol: float | None = None
+    cg_steps: int = 60
+    cg_tol: float = 0.02
+    preconditioner: str = "kfac"
 
     @classmethod
     def from_dict(cls, options: Mapping[str, object] | None) -> MatrixFreeOptions:
@@ -205,7 +209,11 @@ class MatrixFreeOptions:
                     f"matrix_free_options[{name!r}] must be one of {choices}, "
                     f"got {getattr(result, name)!r}."
                 )
-        for name in ("probes", "lanczos_steps", "chunk_elements", "max_histogram"):
+        if not 0 < float(result.cg_tol) < 1:
+            raise ValueError(
+                f"matrix_free_options['cg_tol'] must be in (0, 1), got {result.cg_tol!r}."
+            )
+        for name in ("probes", "lanczos_steps", "chunk_elements", "max_histogram", "cg_steps"):
             if int(getattr(result, name)) < 1:
                 raise ValueError(
                     f"matrix_free_options[{name!r}] must be ≥ 1, got {getattr(result, name)!r}."

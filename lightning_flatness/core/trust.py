@@ -31,7 +31,7 @@ TRUST_THRESHOLD = 0.5
 #: "Error against cost"): the others are structured approximations or upper bounds (``kfac``
 #: 1.5–2.3×, ``diag`` and ``hutchinson`` 2–6× the exact value) or, at their default budgets,
 #: under-count large soft ranks (``lanczos``), so their predicted gap is never trusted
-EXACT_QUALITY = ("probe_kernel", "dense", "gram")
+EXACT_QUALITY = ("probe_kernel", "cg", "dense", "gram")
 
 
 def above_rank_bound(soft_rank: float, rank_bound: float) -> bool:

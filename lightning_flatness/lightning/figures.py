@@ -24,6 +24,7 @@ STRUCTURE_KINDS = {
     "dense": "exact",
     "gram": "exact",
     "probe_kernel": "whole Fisher from probes, jackknifed ± stderr",
+    "cg": "exact F, Hutchinson with conjugate gradients ± stderr; soft rank only",
     "lanczos": "exact F, stochastic ± stderr; under-counts at small budgets",
     "kfac": "Kronecker approximation, usually above exact",
     "diag": "upper estimate: diagonal, Prop. 6.1",

@@ -38,13 +38,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_flatness.core.batches import LogitsFn, UnpackBatch
-from lightning_flatness.core.checks import check_count
+from lightning_flatness.core.checks import check_choice, check_count
 from lightning_flatness.core.curvature import describe_coverage
 from lightning_flatness.core.defaults import AUTO, choose_structure
 from lightning_flatness.core.failures import UnsupportedModelError
 from lightning_flatness.core.likelihoods import LOSSES
 from lightning_flatness.core.measure import check_batch, measure
-from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, structure_options
+from lightning_flatness.core.options import HOOK_ROWS, MATRIX_FREE_STRUCTURES, structure_options
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.figures import gap_figure, log10_spectrum, summary_table
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
@@ -132,9 +132,9 @@ class FlatnessMonitor(Callback):
     Args:
         structure: curvature structure for :func:`~lightning_flatness.core.measure`:
             ``"auto"`` (default: ``"probe_kernel"``, the whole Fisher's soft rank within a few
-            percent of exact, wherever it fits; else ``"kfac"``, said once at fit start),
-            ``"probe_kernel"``, ``"kfac"``, ``"dense"``, ``"gram"``, ``"diag"``, ``"diag_mc"``,
-            or matrix-free ``"lanczos"``, ``"hutchinson"``.
+            percent of exact, wherever it fits; else the matrix-free ``"cg"``, said once at fit
+            start), ``"probe_kernel"``, ``"kfac"``, ``"dense"``, ``"gram"``, ``"diag"``,
+            ``"diag_mc"``, or matrix-free ``"cg"``, ``"lanczos"``, ``"hutchinson"``.
         lam: λ, the coupled L2 weight decay. ``None`` reads it from the optimizer (SGD, Adam,
             RMSprop ``weight_decay``); AdamW's decoupled decay, ``weight_decay=0`` or different
             decays across parameter groups are refused with a message to pass ``lam``.
@@ -260,7 +260,8 @@ class FlatnessMonitor(Callback):
         _check_measure_kwargs(dict(measure_kwargs or {}))
         # The structure's options, validated by the code measure() validates them with.
         chosen = dict(measure_kwargs or {})
-        chosen_structures = ["probe_kernel", "kfac"] if structure == AUTO else [structure]
+        check_choice("kfac_mode", kfac_mode, HOOK_ROWS)
+        chosen_structures = ["probe_kernel", "cg"] if structure == AUTO else [structure]
         for name in chosen_structures + ([fallback_structure] if fallback_structure else []):
             structure_options(
                 name,

@@ -1,4 +1,5 @@
-"""Matrix-free measurement: ``structure="lanczos"`` and ``"hutchinson"`` for any classifier.
+"""Matrix-free measurement: ``structure="lanczos"``, ``"cg"`` and ``"hutchinson"`` for any
+classifier.
 
 :func:`stream_matrix_free` is what :func:`lightning_flatness.core.measure.measure` calls for the
 structures of ``MATRIX_FREE_STRUCTURES``. It uses :mod:`torch.func` only (no BackPACK), so it
@@ -7,9 +8,10 @@ modules that use their own ``nn.Parameter`` functionally, shared weights.
 
 One pass over the training batches computes the statistics of
 :func:`~lightning_flatness.core.functional_stats.batch_statistics` (and, for ``"hutchinson"``, the
-probes' gradients); ``"lanczos"`` keeps the prepared inputs (``cache=True``) and then makes one
-more pass per Lanczos step (docs/math.md, "Matrix-free";
-:mod:`lightning_flatness.core.curvature.lanczos`).
+probes' gradients); ``"lanczos"`` and ``"cg"`` keep the prepared inputs (``cache=True``) and then
+make one more pass per Lanczos step or conjugate-gradient iteration (docs/math.md,
+"Matrix-free"; :mod:`lightning_flatness.core.curvature.lanczos`,
+:mod:`lightning_flatness.core.curvature.cg`).
 The Fisher averages every sample given (up to ``max_samples``), since its soft rank is biased
 low on subsets (docs/math.md, "Sample size").
 
@@ -48,6 +50,11 @@ rank                None          this process's rank (None: ``torch.distributed
 max_basis_elements  2**28         size guard on the Lanczos basis (steps × probes × dim)
 max_histogram       100_000       entries of the returned spectral-density sample
 breakdown_tol       None          Lanczos breakdown tolerance (None: √eps of the dtype)
+cg_steps            60            ``cg``: at most this many Fisher-vector products per solve
+cg_tol              0.02          ``cg``: stop when the solves' bound on what they still miss
+                                  is below this share of the soft rank
+preconditioner      "kfac"        ``cg``: ``"kfac"`` (damped Kronecker factors from the layer
+                                  hooks, one more backward pass per batch) or ``"none"``
 ==================  ============  ===========================================================
 """
 
@@ -72,14 +79,18 @@ from lightning_flatness.core.batches import (
     wrap_for_batches,
 )
 from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.cg import KroneckerPreconditioner, hutchinson_cg
 from lightning_flatness.core.curvature.hutchinson import VARIANTS, HutchinsonFisher
-from lightning_flatness.core.curvature.lanczos import LanczosFisher
+from lightning_flatness.core.curvature.kfac import KFACFisher
+from lightning_flatness.core.curvature.lanczos import LanczosFisher, ParameterSpaceFisher
 from lightning_flatness.core.failures import MeasurementError, check_finite_loss
 from lightning_flatness.core.functional_stats import (
     FunctionalModel,
     batch_statistics,
+    probe_vectors,
     resolve_trace_estimator,
 )
+from lightning_flatness.core.hooked_pass import HookedPass
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
@@ -368,12 +379,22 @@ class MatrixFreeBackend(Backend):
             self.functional = functional
             self.local = _generator(functional.device, self.seed * 1_000_003 + 7919 * (rank + 1))
             self.shared = _generator(functional.device, self.seed)
-            variants = 1 if self.lanczos else (len(VARIANTS) if settings.bounds else 1)
+            variants = 1 if self.keeps_inputs else (len(VARIANTS) if settings.bounds else 1)
             self.chunker = _Chunker(functional, settings, settings.probes * variants)
             self.cache = _CachedInputs(self.chunker)
             self.fingerprints: list[tuple[int, float]] = []
             self.hutchinson = self.grad_sq_sum = None
-            if not self.lanczos:
+            self.hooked = self.kfac = None
+            if self.structure == "cg" and settings.preconditioner == "kfac":
+                self.kfac = KFACFisher()
+                self.hooked = HookedPass(
+                    self.model,
+                    get_likelihood(self.loss),
+                    kfac_mode="probe",
+                    trace_estimator="probe",
+                    seed=self.seed,
+                )
+            if not self.keeps_inputs:
                 self.hutchinson = HutchinsonFisher(
                     functional,
                     loss=self.loss,
@@ -386,11 +407,16 @@ class MatrixFreeBackend(Backend):
                 self.grad_sq_sum = torch.zeros(
                     functional.num_parameters, dtype=functional.dtype, device=functional.device
                 )
-            yield
+            try:
+                yield
+            finally:
+                if self.hooked is not None:
+                    self.hooked.close()
 
     @property
-    def lanczos(self) -> bool:
-        return self.structure == "lanczos"
+    def keeps_inputs(self) -> bool:
+        """``lanczos`` and ``cg`` make further passes over the training inputs."""
+        return self.structure in ("lanczos", "cg")
 
     def batch(self, inputs: Leaves, targets: Tensor, split: str, index: int) -> StatisticSums:
         functional, training = self.functional, split == "training"
@@ -414,6 +440,8 @@ class MatrixFreeBackend(Backend):
         check_finite_loss(sums.loss, split, index)
         if training:
             self.classes = logits.shape[1]
+            if self.hooked is not None:
+                self._add_kronecker_factors(inputs, targets)
             if self.hutchinson is not None:
                 for piece in self.chunker.split(inputs):
                     self.hutchinson.update(piece)
@@ -423,10 +451,18 @@ class MatrixFreeBackend(Backend):
                 self.fingerprints.append(_fingerprint(inputs))
         return sums
 
+    def _add_kronecker_factors(self, inputs: Leaves, targets: Tensor) -> None:
+        """The preconditioner's Kronecker factors of one batch (one probe row per sample)."""
+        with torch.enable_grad():
+            logits = self.hooked.forward(inputs)
+            prepared = get_likelihood(self.loss).prepare_targets(targets, logits)
+            self.kfac.add(self.hooked.terms(logits, prepared, inputs, curvature=True))
+
     def summable_states(self) -> list[Tensor]:
+        states = self.kfac.summable_states() if self.kfac is not None else []
         if self.hutchinson is None:
-            return []
-        return [*self.hutchinson.summable_states(), self.grad_sq_sum]
+            return states
+        return [*states, *self.hutchinson.summable_states(), self.grad_sq_sum]
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         if self.hutchinson is not None:
@@ -446,6 +482,8 @@ class MatrixFreeBackend(Backend):
                 self.fingerprints,
             )
         settings = self.settings
+        if self.structure == "cg":
+            return self._solve(source, num_samples, classes, lam)
         estimator = LanczosFisher(
             self.functional,
             source,
@@ -463,3 +501,26 @@ class MatrixFreeBackend(Backend):
             breakdown_tol=settings.breakdown_tol,
         )
         return estimator.estimate(num_samples, classes, lam)
+
+    def _solve(self, source, num_samples: int, classes: int, lam: float) -> CurvatureEstimate:
+        """``cg``: Hutchinson on ``Tr((F+λI)⁻¹F)`` with preconditioned conjugate gradients
+        (:mod:`lightning_flatness.core.curvature.cg`)."""
+        functional, settings = self.functional, self.settings
+        fisher = ParameterSpaceFisher(functional, source, self.loss, num_samples, self.all_reduce)
+        shape = (settings.probes, source.num_samples, classes)
+        xi = probe_vectors(shape, self.local, functional.dtype, functional.device, "rademacher")
+        probes = fisher.range_start(xi).to(torch.float64)
+        preconditioner = None
+        if self.kfac is not None:
+            shapes = [functional.params[name].shape for name in functional.names]
+            preconditioner = KroneckerPreconditioner(
+                self.kfac, functional.names, shapes, num_samples, lam
+            )
+        return hutchinson_cg(
+            fisher,
+            probes,
+            lam,
+            preconditioner=preconditioner,
+            max_steps=settings.cg_steps,
+            tol=settings.cg_tol,
+        )

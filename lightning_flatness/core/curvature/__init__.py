@@ -8,6 +8,7 @@ from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.hutchinson import HutchinsonFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher, describe_coverage
 from lightning_flatness.core.curvature.lanczos import LanczosFisher, SLQEstimate
+from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
 from lightning_flatness.core.options import STRUCTURES
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "HutchinsonFisher",
     "KFACFisher",
     "LanczosFisher",
+    "ProbeKernelFisher",
     "SLQEstimate",
     "describe_coverage",
 ]

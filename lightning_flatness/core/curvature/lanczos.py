@@ -241,7 +241,7 @@ def density_sample(nodes: Tensor, weights: Tensor, max_entries: int) -> Tensor:
     return torch.repeat_interleave(nodes[order], counts)
 
 
-class _ParameterSpaceFisher:
+class ParameterSpaceFisher:
     """``F V = (1/m) Σ_i J_iᵀ Λ_i J_i V`` for a block of flat parameter vectors (K, P).
 
     Products are accumulated into one reused (K, P) buffer (large fresh allocations are slow).
@@ -413,7 +413,7 @@ class LanczosFisher:
             start = operator.projected_start(xi)
             reduce = self._sum
         else:
-            operator = _ParameterSpaceFisher(
+            operator = ParameterSpaceFisher(
                 model, self.source, self.loss, num_samples, self.all_reduce
             )
             reduce = None

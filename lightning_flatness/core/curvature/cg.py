@@ -1,0 +1,185 @@
+"""``structure="cg"``: Hutchinson's estimate of ``Tr((F+λI)⁻¹F)`` with preconditioned conjugate
+gradients on exact Fisher-vector products — the matrix-free soft rank for any model size.
+
+The probe is the Eq. 2 gradient of the Hutchinson-Fisher paper, ``w = Ṽᵀξ = (1/√m) Σ_i V_iᵀ ξ_i``
+(ξ Rademacher on every sample's outputs, one backward pass over the data), so ``E wwᵀ = F`` and
+
+    rank_λ(F) = Tr((F+λI)⁻¹ F) = E_ξ wᵀ (F+λI)⁻¹ w
+
+(docs/math.md, "The matrix-free soft rank"). Each probe's solve ``(F+λI) x = w`` runs conjugate
+gradients on products ``F v = (1/m) Σ_i J_iᵀ Λ_i J_i v`` over every measured sample (one pass over
+the data per iteration, all probes at once), preconditioned by the damped Kronecker factors of
+the layer hooks, ``(G ⊗ A + λI)⁻¹`` per weight, the exact block of each bias and the diagonal of
+everything else. Started at x = 0, ``wᵀx_j`` rises monotonically to ``wᵀ(F+λI)⁻¹w``, so every
+iterate is a lower bound, and since ``F + λI ⪰ λI`` the rest is at most ``‖r_j‖²/λ``
+(``r_j = w − (F+λI)x_j``): the iteration stops when that bound, summed over the probes, is below
+``tol`` times the estimate, or after ``max_steps``. The reported soft rank is the mean of the
+probes' values, with the standard error over probes and the remaining bound of the solves
+(``blocks["cg_gap"]``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.kfac import KFACFisher
+from lightning_flatness.core.spectral import SpectralSummary, check_lam
+
+__all__ = ["KroneckerPreconditioner", "conjugate_gradients", "hutchinson_cg"]
+
+MatMat = Callable[[Tensor], Tensor]
+
+
+class KroneckerPreconditioner:
+    """``(F̃ + λI)⁻¹`` for the block-diagonal Kronecker approximation ``F̃`` of the layer hooks,
+    applied to a block of flat parameter vectors (K, P).
+
+    Each Kronecker weight of shape (o, d) (a convolution's (o, c, k, k) as (o, c·k·k)) gets
+    ``(G ⊗ A + λI)⁻¹ v = Q_G [(Q_Gᵀ V Q_A) / (g_i a_j + λ)] Q_Aᵀ`` from the eigenpairs of its
+    factors (an embedding's token counts are a diagonal A on the rows); each bias its exact
+    block's ``(B + λI)⁻¹``; everything else ``1/(d + λ)`` of its exact diagonal.
+
+    Args:
+        kfac: the summed Kronecker factors, bias blocks and diagonals.
+        names, shapes: the flat vector's parameters, in order.
+        num_samples: m, the samples the sums are over.
+        lam: λ.
+    """
+
+    def __init__(
+        self,
+        kfac: KFACFisher,
+        names: list[str],
+        shapes: list[torch.Size],
+        num_samples: int,
+        lam: float,
+    ) -> None:
+        self.names, self.shapes, self.lam = names, shapes, float(lam)
+        self.sizes = [math.prod(shape) for shape in shapes]
+        self.parts: dict[str, tuple] = {}
+        for name, (g, a) in kfac.kronecker.items():
+            g_values, g_vectors = torch.linalg.eigh(g / num_samples)
+            if a.dim() == 1:  # an embedding: token counts on the rows, G on the columns
+                self.parts[name] = ("rows", (a / num_samples).clamp_min(0), g_values, g_vectors)
+            else:
+                a_values, a_vectors = torch.linalg.eigh(a / num_samples)
+                parts = (g_values.clamp_min(0), g_vectors, a_values.clamp_min(0), a_vectors)
+                self.parts[name] = ("kron", *parts)
+        for name, block in kfac.blocks.items():
+            values, vectors = torch.linalg.eigh(block / num_samples)
+            self.parts[name] = ("block", values.clamp_min(0), vectors)
+        for name, diagonal in kfac.diagonal.items():
+            self.parts[name] = ("diag", (diagonal / num_samples).clamp_min(0))
+
+    def __call__(self, vectors: Tensor) -> Tensor:
+        out = torch.empty_like(vectors)
+        lam = self.lam
+        pieces = vectors.split(self.sizes, dim=-1)
+        outs = out.split(self.sizes, dim=-1)
+        for name, shape, piece, target in zip(self.names, self.shapes, pieces, outs, strict=True):
+            part = self.parts.get(name)
+            v = piece.to(torch.float64)
+            if part is None:  # not seen by the hooks: the plain damping
+                result = v / lam
+            elif part[0] == "kron":
+                _, g, q_g, a, q_a = part
+                matrix = v.reshape(v.shape[0], shape[0], -1)
+                rotated = q_g.T @ matrix @ q_a
+                rotated = rotated / (torch.outer(g, a) + lam)
+                result = (q_g @ rotated @ q_a.T).reshape(v.shape)
+            elif part[0] == "rows":
+                _, counts, g, q_g = part
+                matrix = v.reshape(v.shape[0], shape[0], -1)
+                rotated = matrix @ q_g / (torch.outer(counts, g) + lam)
+                result = (rotated @ q_g.T).reshape(v.shape)
+            elif part[0] == "block":
+                _, values, q = part
+                result = ((v @ q) / (values + lam)) @ q.T
+            else:
+                result = v / (part[1] + lam)
+            target.copy_(result.to(vectors.dtype))
+        return out
+
+
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    return (a.to(torch.float64) * b.to(torch.float64)).sum(-1)
+
+
+def conjugate_gradients(
+    fisher: MatMat,
+    rhs: Tensor,
+    lam: float,
+    *,
+    preconditioner: MatMat | None = None,
+    max_steps: int,
+    tol: float,
+) -> tuple[Tensor, Tensor, int]:
+    """Solve ``(F + λI) X = W`` for a block (K, P) of right-hand sides, K solves in lockstep.
+
+    Returns:
+        ``(values, gaps, steps)``: ``wᵀx`` of each solve (a lower bound of ``wᵀ(F+λI)⁻¹w``),
+        the bound ``‖r‖²/λ`` on what each still misses, and the products used. Stops when
+        ``Σ gaps ≤ tol · Σ values`` or after ``max_steps`` products.
+    """
+    apply = preconditioner or (lambda v: v)
+    x = torch.zeros_like(rhs)
+    r = rhs.clone()
+    z = apply(r)
+    p = z.clone()
+    rz = _dot(r, z)
+    values = torch.zeros(rhs.shape[0], dtype=torch.float64, device=rhs.device)
+    gaps = _dot(r, r) / lam
+    steps = 0
+    while steps < max_steps and float(gaps.sum()) > tol * max(float(values.sum()), 1e-300):
+        product = fisher(p) + lam * p
+        steps += 1
+        curvature = _dot(p, product)
+        alpha = torch.where(curvature > 0, rz / curvature.clamp_min(1e-300), 0.0)
+        x += alpha.to(x.dtype).unsqueeze(-1) * p
+        r -= alpha.to(r.dtype).unsqueeze(-1) * product
+        values = _dot(rhs, x)
+        gaps = _dot(r, r) / lam
+        z = apply(r)
+        rz_next = _dot(r, z)
+        beta = torch.where(rz > 0, rz_next / rz.clamp_min(1e-300), 0.0)
+        p = z + beta.to(z.dtype).unsqueeze(-1) * p
+        rz = rz_next
+    return values, gaps, steps
+
+
+def hutchinson_cg(
+    fisher: MatMat,
+    probes: Tensor,
+    lam: float,
+    *,
+    preconditioner: MatMat | None,
+    max_steps: int,
+    tol: float,
+) -> CurvatureEstimate:
+    """The soft rank ``mean_k w_kᵀ(F+λI)⁻¹w_k`` over the probe rows ``w_k`` (K, P), with its
+    standard error over probes (``blocks["stderr"]``) and the solves' remaining bound
+    (``blocks["cg_gap"]``, in the soft rank's field; ``blocks["cg_steps"]`` the products).
+    The other trace functions are not estimated (NaN)."""
+    lam = check_lam(lam)
+    values, gaps, steps = conjugate_gradients(
+        fisher, probes, lam, preconditioner=preconditioner, max_steps=max_steps, tol=tol
+    )
+    count = values.numel()
+    mean = float(values.mean())
+    spread = float(values.std() / math.sqrt(count)) if count > 1 else math.nan
+    nan = math.nan
+    summary = SpectralSummary(mean, nan, nan, nan, nan)
+    return CurvatureEstimate(
+        summary=summary,
+        eigenvalues=torch.zeros(0, dtype=torch.float64),
+        blocks={
+            "stderr": SpectralSummary(spread, nan, nan, nan, nan),
+            "cg_gap": SpectralSummary(float(gaps.mean()), nan, nan, nan, nan),
+            "cg_steps": SpectralSummary(float(steps), nan, nan, nan, nan),
+        },
+    )
