@@ -40,7 +40,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "kfac",
         {"kfac_mode": "sampled", "trace_estimator": "sampled"},
     ),
-    "kfac (probe, monitor default)": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
+    "kfac (probe)": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
     "diag": ("diag", {}),
     "hutchinson": ("hutchinson", {}),
     **{

@@ -53,7 +53,9 @@ class Backend(ABC):
         """
 
     def summable_states(self) -> list[Tensor]:
-        """The curvature states, in a fixed order, to be summed across processes in place."""
+        """The curvature states, in a fixed order, to be summed across processes in place: its
+        :class:`~lightning_flatness.core.curvature.base.CurvatureAccumulator`'s sums (and any
+        sums of its own, such as a preconditioner's)."""
         return []
 
     @abstractmethod

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_flatness.core.batches import Leaves, LogitsModule
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
@@ -80,10 +80,9 @@ class HookBackend(Backend):
         self.seed = seed
         self.options = options
         self.summable = summable
-        self.estimator: KFACFisher | ProbeKernelFisher | None = (
-            KFACFisher() if structure == "kfac" else None
-        )
-        self.diagonals: dict[str, dict[str, Tensor]] = {"fisher": {}, "cov": {}}
+        #: the structure's accumulator (made when the session knows the parameters, the probe
+        #: kernel's on the first training batch, when the number of outputs is known)
+        self.estimator: CurvatureAccumulator | None = None
         self.hooked: HookedPass | None = None
         self.num_outputs: int | None = None
 
@@ -95,6 +94,11 @@ class HookBackend(Backend):
             self.hooked = HookedPass(
                 self.model, self.likelihood, generator=generator, seed=self.seed, **self.settings
             )
+            names = self.hooked.names
+            if self.structure == "kfac":
+                self.estimator = KFACFisher(order=names)
+            elif self.structure in ("diag", "diag_mc"):
+                self.estimator = DiagonalFisher(names, sampled=self.structure == "diag_mc")
             try:
                 yield
             finally:
@@ -114,13 +118,8 @@ class HookBackend(Backend):
         sums.grad_norm_sq, sums.fisher_trace = terms.grad_norm_sq, terms.fisher_trace
         if training and isinstance(self.estimator, ProbeKernelFisher):
             self.estimator.add(torch.cat([terms.rows[n] for n in self.hooked.names], dim=-1))
-        elif training and self.estimator is not None:
-            self.estimator.add(terms)
         elif training:
-            for kind, source in (("fisher", terms.diagonal), ("cov", terms.cov_diagonal)):
-                store = self.diagonals[kind]
-                for name, value in source.items():
-                    store[name] = store[name] + value if name in store else value.clone()
+            self.estimator.add(terms)
         return sums
 
     def _probe_kernel(self, num_outputs: int) -> ProbeKernelFisher:
@@ -145,31 +144,14 @@ class HookBackend(Backend):
         )
 
     def summable_states(self) -> list[Tensor]:
-        if self.estimator is not None:
-            return self.estimator.summable_states()
-        order = self.hooked.names
-        return [store[name] for store in self.diagonals.values() for name in order if name in store]
+        return self.estimator.summable_states() if self.estimator is not None else []
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        names = self.hooked.names
-        curvature = self._curvature(num_samples, lam)
+        curvature = self.estimator.estimate(num_samples, lam)
+        if not isinstance(self.estimator, ProbeKernelFisher):  # block structures say how
+            curvature.coverage = self.hooked.coverage()
         params = dict(self.model.model.named_parameters())
-        num_parameters = sum(params[name].numel() for name in names)
+        num_parameters = sum(params[name].numel() for name in self.hooked.names)
         per_sample = self.likelihood.sample_rank(self.num_outputs or 0)
         curvature.rank_bound = float(min(num_parameters, num_samples * per_sample))
-        return curvature
-
-    def _curvature(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        names = self.hooked.names
-        if isinstance(self.estimator, ProbeKernelFisher):
-            return self.estimator.estimate(num_samples, lam)
-        if self.estimator is not None:
-            curvature = self.estimator.estimate(num_samples, lam, names)
-        else:
-            diagonal = DiagonalFisher(sampled=self.structure == "diag_mc")
-            fisher, cov = self.diagonals["fisher"], self.diagonals["cov"]
-            diagonal.diag_sum = torch.cat([fisher[n].reshape(-1) for n in names])
-            diagonal.grad_sq_sum = torch.cat([cov[n].reshape(-1) for n in names])
-            curvature = diagonal.estimate(num_samples, lam)
-        curvature.coverage = self.hooked.coverage()
         return curvature

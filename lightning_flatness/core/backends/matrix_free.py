@@ -79,7 +79,7 @@ from lightning_flatness.core.batches import (
     wrap_for_batches,
 )
 from lightning_flatness.core.curvature.base import CurvatureEstimate
-from lightning_flatness.core.curvature.cg import KroneckerPreconditioner, hutchinson_cg
+from lightning_flatness.core.curvature.cg import CGFisher
 from lightning_flatness.core.curvature.hutchinson import VARIANTS, HutchinsonFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.lanczos import LanczosFisher, ParameterSpaceFisher
@@ -395,6 +395,9 @@ class MatrixFreeBackend(Backend):
                     seed=self.seed,
                 )
             if not self.keeps_inputs:
+                self.grad_sq_sum = torch.zeros(
+                    functional.num_parameters, dtype=functional.dtype, device=functional.device
+                )
                 self.hutchinson = HutchinsonFisher(
                     functional,
                     loss=self.loss,
@@ -403,9 +406,7 @@ class MatrixFreeBackend(Backend):
                     generator=self.local,
                     power_iterations=settings.power_iterations,
                     bounds=settings.bounds,
-                )
-                self.grad_sq_sum = torch.zeros(
-                    functional.num_parameters, dtype=functional.dtype, device=functional.device
+                    grad_sq_sum=self.grad_sq_sum,
                 )
             try:
                 yield
@@ -462,11 +463,11 @@ class MatrixFreeBackend(Backend):
         states = self.kfac.summable_states() if self.kfac is not None else []
         if self.hutchinson is None:
             return states
-        return [*states, *self.hutchinson.summable_states(), self.grad_sq_sum]
+        return [*states, *self.hutchinson.summable_states()]
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         if self.hutchinson is not None:
-            return self.hutchinson.estimate(num_samples, lam, self.grad_sq_sum)
+            return self.hutchinson.estimate(num_samples, lam)
         classes, all_reduce = self.classes, self.all_reduce
         if all_reduce is not None:  # a process without samples learns C from the others
             known = all_reduce(torch.tensor([float(classes), float(classes > 0)]))
@@ -483,11 +484,12 @@ class MatrixFreeBackend(Backend):
             )
         settings = self.settings
         if self.structure == "cg":
-            return self._solve(source, num_samples, classes, lam)
+            return self._solver(source, num_samples, classes).estimate(num_samples, lam)
         estimator = LanczosFisher(
             self.functional,
             source,
             loss=self.loss,
+            classes=classes,
             probes=settings.probes,
             steps=settings.lanczos_steps,
             space=settings.space,
@@ -500,27 +502,25 @@ class MatrixFreeBackend(Backend):
             max_histogram=settings.max_histogram,
             breakdown_tol=settings.breakdown_tol,
         )
-        return estimator.estimate(num_samples, classes, lam)
+        return estimator.estimate(num_samples, lam)
 
-    def _solve(self, source, num_samples: int, classes: int, lam: float) -> CurvatureEstimate:
-        """``cg``: Hutchinson on ``Tr((F+λI)⁻¹F)`` with preconditioned conjugate gradients
+    def _solver(self, source, num_samples: int, classes: int) -> CGFisher:
+        """``cg``'s accumulator over the kept inputs, with this backend's preconditioner sums
         (:mod:`lightning_flatness.core.curvature.cg`)."""
         functional, settings = self.functional, self.settings
         fisher = ParameterSpaceFisher(functional, source, self.loss, num_samples, self.all_reduce)
         shape = (settings.probes, source.num_samples, classes)
-        xi = probe_vectors(shape, self.local, functional.dtype, functional.device, "rademacher")
-        probes = fisher.range_start(xi).to(torch.float64)
-        preconditioner = None
-        if self.kfac is not None:
-            shapes = [functional.params[name].shape for name in functional.names]
-            preconditioner = KroneckerPreconditioner(
-                self.kfac, functional.names, shapes, num_samples, lam
-            )
-        return hutchinson_cg(
+
+        def draw_probes() -> Tensor:
+            xi = probe_vectors(shape, self.local, functional.dtype, functional.device, "rademacher")
+            return fisher.range_start(xi)
+
+        return CGFisher(
             fisher,
-            probes,
-            lam,
-            preconditioner=preconditioner,
+            draw_probes,
+            functional.names,
+            [functional.params[name].shape for name in functional.names],
+            kfac=self.kfac,
             max_steps=settings.cg_steps,
             tol=settings.cg_tol,
         )

@@ -9,22 +9,21 @@ taken; averaging per-process soft ranks would be wrong (the soft rank is not lin
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 
 import torch
 from torch import Tensor
 
 from lightning_flatness.core.backpack.extension import ExtendedModel
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 
 __all__ = ["CurvatureEstimator", "batch_gradients", "sqrt_factors"]
 
 
-class CurvatureEstimator(ABC):
-    """Accumulates one structure's sums over batches; see the module docstring."""
-
-    #: structure name, as passed to ``measure(structure=...)``
-    name: str = ""
+class CurvatureEstimator(CurvatureAccumulator):
+    """Accumulates one structure's sums over batches (the package's
+    :class:`~lightning_flatness.core.curvature.base.CurvatureAccumulator`), fed by BackPACK's
+    fields after each backward pass (:meth:`update`); see the module docstring."""
 
     def __init__(self, ggn_scale: float = 1.0) -> None:
         # BackPACK's GGN of the summed loss; 0.5 turns ‖y − f‖² (MSELoss) into ½‖y − f‖².

@@ -1,19 +1,26 @@
-"""What every curvature structure returns: the spectral summary of its approximation of F.
+"""What every curvature structure is and returns: the contract of its accumulator, and the
+spectral summary of its approximation of F.
 
-Every backend reduces its running sums across processes *before* it builds this (the soft rank
-is not linear, so averaging per-process soft ranks would be wrong).
+Every structure is a :class:`CurvatureAccumulator`. Per batch its backend hands it what it needs
+(layer-hook terms, probe rows, BackPACK's fields, kept inputs) through the structure's own
+``add``/``update`` method; everything it keeps between batches is a sum over samples, listed by
+:meth:`~CurvatureAccumulator.summable_states` and summed across processes in place *before*
+:meth:`~CurvatureAccumulator.estimate` takes any eigenvalue (the soft rank is not linear, so
+averaging per-process soft ranks would be wrong); ``estimate(num_samples, lam)`` then gives the
+:class:`CurvatureEstimate` of the Fisher averaged over every process's samples.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
 from lightning_flatness.core.spectral import SpectralSummary
 
-__all__ = ["CurvatureEstimate"]
+__all__ = ["CurvatureAccumulator", "CurvatureEstimate"]
 
 
 @dataclass
@@ -38,3 +45,20 @@ class CurvatureEstimate:
     blocks: dict[str, SpectralSummary] = field(default_factory=dict)
     coverage: dict[str, str] = field(default_factory=dict)
     rank_bound: float = math.inf
+
+
+class CurvatureAccumulator(ABC):
+    """The one interface of every structure (module docstring)."""
+
+    #: the structure's name, as passed to ``measure(structure=...)``
+    name: str = ""
+
+    def summable_states(self) -> list[Tensor]:
+        """The sums over samples kept between batches, in a fixed order, to be summed across
+        processes in place (none by default: a structure that makes its own passes)."""
+        return []
+
+    @abstractmethod
+    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        """The estimate for the Fisher averaged over ``num_samples`` samples (all processes'
+        states already summed) at weight decay ``lam``."""

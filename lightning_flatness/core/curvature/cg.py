@@ -26,11 +26,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.spectral import SpectralSummary, check_lam
 
-__all__ = ["KroneckerPreconditioner", "conjugate_gradients", "hutchinson_cg"]
+__all__ = ["CGFisher", "KroneckerPreconditioner", "conjugate_gradients", "hutchinson_cg"]
 
 MatMat = Callable[[Tensor], Tensor]
 
@@ -183,3 +183,52 @@ def hutchinson_cg(
             "cg_steps": SpectralSummary(float(steps), nan, nan, nan, nan),
         },
     )
+
+
+class CGFisher(CurvatureAccumulator):
+    """``structure="cg"`` as an accumulator: the summed Kronecker factors of the preconditioner
+    (None: no preconditioner) are its only sums over batches; :meth:`estimate` draws the probes
+    and solves (module docstring).
+
+    Args:
+        fisher: ``F v`` over every sample (all processes), for a block (K, P) of vectors.
+        draw_probes: returns the probe rows ``w`` (K, P).
+        names, shapes: the flat vector's parameters, in order.
+        kfac: the preconditioner's running sums, or None.
+        max_steps, tol: the solves' budget and stopping share (:func:`conjugate_gradients`).
+    """
+
+    name = "cg"
+
+    def __init__(
+        self,
+        fisher: MatMat,
+        draw_probes: Callable[[], Tensor],
+        names: list[str],
+        shapes: list[torch.Size],
+        *,
+        kfac: KFACFisher | None,
+        max_steps: int,
+        tol: float,
+    ) -> None:
+        self.fisher, self.draw_probes = fisher, draw_probes
+        self.names, self.shapes, self.kfac = names, shapes, kfac
+        self.max_steps, self.tol = max_steps, tol
+
+    def summable_states(self) -> list[Tensor]:
+        return self.kfac.summable_states() if self.kfac is not None else []
+
+    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        preconditioner = None
+        if self.kfac is not None:
+            preconditioner = KroneckerPreconditioner(
+                self.kfac, self.names, self.shapes, num_samples, lam
+            )
+        return hutchinson_cg(
+            self.fisher,
+            self.draw_probes().to(torch.float64),
+            lam,
+            preconditioner=preconditioner,
+            max_steps=self.max_steps,
+            tol=self.tol,
+        )

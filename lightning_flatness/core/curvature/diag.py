@@ -13,23 +13,38 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.hooked_pass import BatchTerms
 from lightning_flatness.core.spectral import spectral_summary
 
 __all__ = ["DiagonalFisher"]
 
 
-class DiagonalFisher:
+class DiagonalFisher(CurvatureAccumulator):
     """The spectrum and diagonal TIC of ``diag F`` from the sums over samples of ``F_kk`` and
-    ``C_kk`` (``diag_sum`` and ``grad_sq_sum``, flat in parameter order)."""
+    ``C_kk`` of every parameter (:meth:`add`), flattened in ``order``."""
 
-    def __init__(self, sampled: bool = False) -> None:
+    def __init__(self, order: list[str], sampled: bool = False) -> None:
         self.name = "diag_mc" if sampled else "diag"
-        self.diag_sum: Tensor | None = None
-        self.grad_sq_sum: Tensor | None = None
+        self.order = order
+        self.sums: dict[str, dict[str, Tensor]] = {"fisher": {}, "cov": {}}
+
+    def add(self, terms: BatchTerms) -> None:
+        """Add one batch's squared per-sample gradients (Fisher rows and true labels)."""
+        for kind, source in (("fisher", terms.diagonal), ("cov", terms.cov_diagonal)):
+            store = self.sums[kind]
+            for name, value in source.items():
+                store[name] = store[name] + value if name in store else value.clone()
+
+    def summable_states(self) -> list[Tensor]:
+        return [s[name] for s in self.sums.values() for name in self.order if name in s]
+
+    def _flat(self, kind: str) -> Tensor:
+        store = self.sums[kind]
+        return torch.cat([store[name].reshape(-1) for name in self.order if name in store])
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        diag = (self.diag_sum.to(torch.float64) / num_samples).clamp_min(0.0)
-        cov = self.grad_sq_sum.to(torch.float64) / num_samples
+        diag = (self._flat("fisher").to(torch.float64) / num_samples).clamp_min(0.0)
+        cov = self._flat("cov").to(torch.float64) / num_samples
         tic = float((cov / (diag + lam)).sum())
         return CurvatureEstimate(spectral_summary(diag, lam), diag, tic_trace=tic)

@@ -37,7 +37,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.functional_stats import FunctionalModel, probe_vectors
 from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.likelihoods import OutputCore
@@ -69,7 +69,7 @@ def jackknife_summary(
     return jackknife(spectral_summary(mean, lam), leave_outs)
 
 
-class HutchinsonFisher:
+class HutchinsonFisher(CurvatureAccumulator):
     """Accumulates ``Σ_b g_b∘g_b`` for each variant and probe; see the module docstring.
 
     Args:
@@ -81,6 +81,8 @@ class HutchinsonFisher:
         generator: the private generator that draws the probes.
         power_iterations: power iterations for the top eigenpair of ``Λ`` (Eq. 9).
         bounds: also estimate the upper (Eq. 8) and lower (Eq. 9) bounds.
+        grad_sq_sum: the running ``Σ_i g_i∘g_i`` of the true-label gradients (filled by the
+            backend's statistics pass) for the diagonal TIC, or None.
     """
 
     name = "hutchinson"
@@ -95,7 +97,9 @@ class HutchinsonFisher:
         generator: torch.Generator,
         power_iterations: int,
         bounds: bool,
+        grad_sq_sum: Tensor | None = None,
     ) -> None:
+        self.grad_sq_sum = grad_sq_sum
         self.model, self.loss, self.probes = model, loss, probes
         self.distribution, self.generator = distribution, generator
         self.power_iterations = power_iterations
@@ -137,17 +141,16 @@ class HutchinsonFisher:
 
     def summable_states(self) -> list[Tensor]:
         """The running sums, to be summed across processes in place."""
-        return [] if self.squares is None else [self.squares]
+        states = [] if self.squares is None else [self.squares]
+        return states if self.grad_sq_sum is None else [*states, self.grad_sq_sum]
 
-    def estimate(
-        self, num_samples: int, lam: float, grad_sq_sum: Tensor | None = None
-    ) -> CurvatureEstimate:
+    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         """Summaries of the estimated diagonals of ``F = (1/m) Σ_x F_x``, m = ``num_samples``.
 
         Returns:
             ``summary``: trace functions of the estimated ``diag F`` (Eq. 2); ``eigenvalues``:
             that diagonal (float64, P); ``tic_trace``: ``Σ_k C_kk/(F_kk+λ)`` when
-            ``grad_sq_sum = Σ_i g_i∘g_i`` is given; ``blocks``: ``"stderr"`` (of ``summary``),
+            :attr:`grad_sq_sum` is kept; ``blocks``: ``"stderr"`` (of ``summary``),
             ``"hutchinson_estimate"`` / ``"hutchinson_estimate_stderr"`` (Eq. 2, = ``summary``),
             ``"hutchinson_upper"`` / ``"hutchinson_upper_stderr"`` (Eq. 8) and
             ``"hutchinson_lower"`` / ``"hutchinson_lower_stderr"`` (Eq. 9), each a
@@ -168,7 +171,7 @@ class HutchinsonFisher:
                 summary, diagonal = variant_summary, torch.stack(per_probe).mean(0)
                 blocks["stderr"] = stderr
         tic = math.nan
-        if grad_sq_sum is not None:
-            covariance = grad_sq_sum.to(torch.float64) / num_samples
+        if self.grad_sq_sum is not None:
+            covariance = self.grad_sq_sum.to(torch.float64) / num_samples
             tic = float((covariance / (diagonal.clamp_min(0.0) + lam)).sum())
         return CurvatureEstimate(summary, diagonal, tic_trace=tic, blocks=blocks)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.hooked_pass import BatchTerms
 from lightning_flatness.core.spectral import (
     SpectralSummary,
@@ -38,12 +38,17 @@ from lightning_flatness.core.spectral import (
 __all__ = ["KFACFisher", "describe_coverage"]
 
 
-class KFACFisher:
-    """Running sums of the block-diagonal KFAC Fisher (module docstring)."""
+class KFACFisher(CurvatureAccumulator):
+    """Running sums of the block-diagonal KFAC Fisher (module docstring).
+
+    Args:
+        order: the parameters' order of the per-parameter blocks (default: as first added).
+    """
 
     name = "kfac"
 
-    def __init__(self) -> None:
+    def __init__(self, order: list[str] | None = None) -> None:
+        self.order = order
         self.kronecker: dict[str, list[Tensor]] = {}
         self.blocks: dict[str, Tensor] = {}
         self.diagonal: dict[str, Tensor] = {}
@@ -81,9 +86,10 @@ class KFACFisher:
             result[name] = [clean_eigenvalues(diagonal / num_samples)]
         return result
 
-    def estimate(self, num_samples: int, lam: float, order: list[str]) -> CurvatureEstimate:
-        """The spectral summary, with per-parameter blocks in ``order`` (parameter order)."""
+    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        """The spectral summary, with per-parameter blocks in :attr:`order`."""
         eigen = self.block_eigenvalues(num_samples)
+        order = self.order if self.order is not None else list(eigen)
         blocks: dict[str, SpectralSummary] = {}
         spectra = []
         for name in order:

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.functional_stats import FunctionalModel, probe_vectors
 from lightning_flatness.core.likelihoods import OutputCore
@@ -326,7 +326,7 @@ class _SampleSpaceKernel:
         return out.reshape(xi.shape[0], -1)
 
 
-class LanczosFisher:
+class LanczosFisher(CurvatureAccumulator):
     """SLQ estimate of the Fisher's trace functions (see the module docstring).
 
     Args:
@@ -334,6 +334,7 @@ class LanczosFisher:
         source: re-iterable data with ``chunks()`` / ``chunks(with_rows=True)`` over this
             process's cached inputs and ``num_samples`` (local sample count).
         loss: ``"cross_entropy"`` or ``"mse"``.
+        classes: C, the number of outputs.
         probes: number of probe vectors K (≥ 1; ≥ 2 for standard errors).
         steps: Lanczos steps per probe (capped at the space's dimension).
         space: ``"auto"`` (the smaller of P and m·C), ``"parameters"`` or ``"samples"``.
@@ -355,6 +356,7 @@ class LanczosFisher:
         source,
         *,
         loss: str,
+        classes: int,
         probes: int,
         steps: int,
         space: str,
@@ -367,7 +369,7 @@ class LanczosFisher:
         max_histogram: int,
         breakdown_tol: float | None,
     ) -> None:
-        self.model, self.source, self.loss = model, source, loss
+        self.model, self.source, self.loss, self.classes = model, source, loss, classes
         self.probes, self.steps, self.space, self.start = probes, steps, space, start
         self.distribution = distribution
         self.local_generator, self.shared_generator = local_generator, shared_generator
@@ -385,9 +387,10 @@ class LanczosFisher:
             return "parameters"
         return "samples" if total_rows <= self.model.num_parameters else "parameters"
 
-    def estimate(self, num_samples: int, classes: int, lam: float) -> SLQEstimate:
+    def estimate(self, num_samples: int, lam: float) -> SLQEstimate:
         """Run SLQ over the Fisher of ``num_samples`` samples (all processes) at weight decay λ."""
         lam = check_lam(lam)
+        classes = self.classes
         total_rows = num_samples * classes
         space = self._resolve_space(total_rows)
         dim = total_rows if space == "samples" else self.model.num_parameters

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.spectral import psd_eigenvalues, spectral_summary
@@ -38,7 +38,7 @@ SIDES = ("auto", "parameters", "samples")
 FLUSH_ROWS = 4096
 
 
-class ProbeKernelFisher:
+class ProbeKernelFisher(CurvatureAccumulator):
     """Running state of the probe-kernel Fisher (module docstring).
 
     Args:
