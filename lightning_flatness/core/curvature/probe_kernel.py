@@ -148,10 +148,14 @@ class ProbeKernelFisher(CurvatureAccumulator):
             )
         if too_many or too_big:  # "auto": move to the parameter side, which does not grow
             self._check_parameter_side()
-            self.grams = self._zero_grams()
-            for kept in self.rows:
-                self._add_to_grams(kept)
-            self.rows.clear()
+            self._to_parameter_side()
+
+    def _to_parameter_side(self) -> None:
+        """Turn the kept rows into the P × P sums, and keep summing there."""
+        self.grams = self._zero_grams()
+        for kept in self.rows:
+            self._add_to_grams(kept)
+        self.rows.clear()
 
     def summable_states(self) -> list[Tensor]:
         """The parameter side's P × P sums (the sample side is not summable)."""
@@ -181,10 +185,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
                 leave_outs.append(psd_eigenvalues(kernel[others][:, others] * keep))
             return full, leave_outs
         if self.grams is None:
-            self.grams = self._zero_grams()
-            for kept in self.rows:
-                self._add_to_grams(kept)
-            self.rows.clear()
+            self._to_parameter_side()
         self._flush()
         total = torch.stack(self.grams).sum(0)
         full = psd_eigenvalues(total / num_samples)
