@@ -6,7 +6,7 @@ few percent of the exact soft rank on every model measured. It fits when its P �
 (P ≤ ``max_parameters``: any number of samples, and sums across processes) or, on one process,
 when the kept probe rows of the measured samples do (m·s ≤ ``max_kernel_size`` and
 m·s·P ≤ ``max_row_elements``). Otherwise the default is ``cg``: Hutchinson with preconditioned
-conjugate gradients on exact Fisher-vector products, matrix-free for any size (0.93–0.98 of the
+conjugate gradients on exact Fisher-vector products, matrix-free for any size (0.93–0.97 of the
 exact soft rank on the same models; only the soft rank, no log-det or spectrum).
 """
 
