@@ -172,6 +172,8 @@ def test_size_guards_name_the_fix():
         _probe_report(
             model, inputs, targets, 4, 2, options={"side": "samples", "max_kernel_size": 10}
         )
+    with pytest.raises(StructureTooLargeError, match="batches of at most 2 samples"):
+        _probe_report(model, inputs, targets, 4, 2, options={"max_row_elements": 4 * 2 * 326})
     with pytest.raises(StructureTooLargeError, match="max_parameters"):
         _probe_report(
             model, inputs, targets, 4, 2, options={"side": "parameters", "max_parameters": 10}

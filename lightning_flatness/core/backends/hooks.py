@@ -114,6 +114,8 @@ class HookBackend(Backend):
         self.num_outputs = int(logits.shape[1])
         if training and self.structure == "probe_kernel" and self.estimator is None:
             self.estimator = self._probe_kernel(logits.shape[1])
+        if training and isinstance(self.estimator, ProbeKernelFisher):
+            self.estimator.check_batch(logits.shape[0])
         terms = hooked.terms(logits, targets, inputs, curvature=training)
         sums.grad_norm_sq, sums.fisher_trace = terms.grad_norm_sq, terms.fisher_trace
         if training and isinstance(self.estimator, ProbeKernelFisher):

@@ -124,6 +124,24 @@ class ProbeKernelFisher(CurvatureAccumulator):
         self._pending.clear()
         self._pending_rows = 0
 
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse, before they are computed, the probe rows of a batch that alone exceed
+        ``max_row_elements`` (a model with many parameters, measured in large batches).
+
+        Raises:
+            StructureTooLargeError: naming the batch size that would fit.
+        """
+        elements = self.probes * batch_size * self.num_parameters
+        if elements > self.max_row_elements:
+            fits = max(1, self.max_row_elements // (self.probes * self.num_parameters))
+            raise StructureTooLargeError(
+                f"structure='probe_kernel' would form {elements:,} numbers of probe rows for one "
+                f"batch of {batch_size} samples ({self.num_parameters:,} parameters × "
+                f"{self.probes} rows), above kernel_options['max_row_elements']="
+                f"{self.max_row_elements:,}; measure in batches of at most {fits} samples "
+                "(FlatnessMonitor(batch_size=...)), or use structure='cg'."
+            )
+
     def add(self, rows: Tensor) -> None:
         """Add one batch's probe rows ``(s, N, P)``."""
         if rows.shape[0] != self.probes or rows.shape[-1] != self.num_parameters:
