@@ -466,12 +466,19 @@ class MatrixFreeBackend(Backend):
         return [*states, *self.hutchinson.summable_states()]
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        if self.hutchinson is not None:
-            return self.hutchinson.estimate(num_samples, lam)
         classes, all_reduce = self.classes, self.all_reduce
         if all_reduce is not None:  # a process without samples learns C from the others
             known = all_reduce(torch.tensor([float(classes), float(classes > 0)]))
             classes = round(float(known[0]) / max(1.0, float(known[1])))
+        curvature = self._curvature(num_samples, classes, lam)
+        per_sample = get_likelihood(self.loss).sample_rank(classes)
+        bound = min(self.functional.num_parameters, num_samples * per_sample)
+        curvature.rank_bound = float(bound)
+        return curvature
+
+    def _curvature(self, num_samples: int, classes: int, lam: float) -> CurvatureEstimate:
+        if self.hutchinson is not None:
+            return self.hutchinson.estimate(num_samples, lam)
         source = self.cache
         if not self.settings.cache:
             source = _ReiteratedInputs(
@@ -497,7 +504,7 @@ class MatrixFreeBackend(Backend):
             distribution=settings.distribution,
             local_generator=self.local,
             shared_generator=self.shared,
-            all_reduce=all_reduce,
+            all_reduce=self.all_reduce,
             max_basis_elements=settings.max_basis_elements,
             max_histogram=settings.max_histogram,
             breakdown_tol=settings.breakdown_tol,
