@@ -152,3 +152,18 @@ def test_unknown_trace_function_names_the_known_ones():
     with pytest.raises(ValueError, match="soft_rank"):
         trace_function("rank")
     assert trace_function("logdet") is TRACE_FUNCTIONS["logdet"]
+
+
+@pytest.mark.parametrize("lam", [1e-5, 1e-3, 1.0])
+def test_cholesky_summary_matches_the_eigenvalues(lam):
+    """Soft rank, rank⁽²⁾, log-det and trace of a rank-deficient PSD matrix, without its
+    spectrum, equal the eigenvalue formulas."""
+    generator = torch.Generator().manual_seed(0)
+    scale = torch.rand(60, generator=generator, dtype=torch.float64) ** 3
+    rows = torch.randn(40, 60, generator=generator, dtype=torch.float64) * scale
+    matrix = rows.T @ rows / 40
+    got = spectral.cholesky_summary(matrix, lam)
+    want = spectral.spectral_summary(spectral.psd_eigenvalues(matrix), lam)
+    for field in ("soft_rank", "soft_rank2", "logdet", "trace"):
+        assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-9), field
+    assert math.isnan(got.max_eig)

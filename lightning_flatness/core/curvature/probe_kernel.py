@@ -28,7 +28,12 @@ from torch import Tensor
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.jackknife import jackknife
-from lightning_flatness.core.spectral import psd_eigenvalues, spectral_summary
+from lightning_flatness.core.spectral import (
+    SpectralSummary,
+    cholesky_summary,
+    psd_eigenvalues,
+    spectral_summary,
+)
 
 __all__ = ["SIDES", "ProbeKernelFisher"]
 
@@ -185,7 +190,8 @@ class ProbeKernelFisher(CurvatureAccumulator):
     # -- the estimate ------------------------------------------------------------------------
 
     def _spectra(self, num_samples: int) -> tuple[Tensor, list[Tensor]]:
-        """Eigenvalues of ``F̂`` and of each leave-one-group-out estimate."""
+        """Eigenvalues of ``F̂``, and each leave-one-group-out estimate (as a matrix: only its
+        trace functions are needed, :func:`_leave_out_summary`)."""
         groups = self.groups
         keep = groups / (groups - 1) if groups > 1 else 1.0
         if self.grams is None and self.kept_rows <= self.num_parameters:
@@ -200,7 +206,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
             for g in range(groups):
                 kept = [h for h in range(groups) if h != g]
                 others = torch.cat([torch.arange(h * per_group, (h + 1) * per_group) for h in kept])
-                leave_outs.append(psd_eigenvalues(kernel[others][:, others] * keep))
+                leave_outs.append(kernel[others][:, others] * keep)
             return full, leave_outs
         if self.grams is None:
             self._to_parameter_side()
@@ -209,14 +215,14 @@ class ProbeKernelFisher(CurvatureAccumulator):
         full = psd_eigenvalues(total / num_samples)
         if groups < 2:
             return full, []
-        return full, [psd_eigenvalues((total - gram) * (keep / num_samples)) for gram in self.grams]
+        return full, [(total - gram) * (keep / num_samples) for gram in self.grams]
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         """The jackknifed spectral summary of ``F̂`` over ``num_samples`` samples, its standard
         errors (``blocks["stderr"]``) and the plain summary (``blocks["uncorrected"]``)."""
         full, leave_outs = self._spectra(num_samples)
         plain = spectral_summary(full, lam)
-        corrected, stderr = jackknife(plain, [spectral_summary(mu, lam) for mu in leave_outs])
+        corrected, stderr = jackknife(plain, [_leave_out_summary(m, lam) for m in leave_outs])
         nonzero = full[full > 0]
         return CurvatureEstimate(
             summary=corrected,
@@ -224,3 +230,13 @@ class ProbeKernelFisher(CurvatureAccumulator):
             blocks={"stderr": stderr, "uncorrected": plain},
             tic_trace=math.nan,
         )
+
+
+def _leave_out_summary(matrix: Tensor, lam: float) -> SpectralSummary:
+    """The trace functions of a leave-one-group-out estimate from a Cholesky factorisation
+    (:func:`~lightning_flatness.core.spectral.cholesky_summary`: no spectrum, half the time);
+    from its eigenvalues if round-off made it indefinite beyond λ."""
+    try:
+        return cholesky_summary(matrix, lam)
+    except torch.linalg.LinAlgError:
+        return spectral_summary(psd_eigenvalues(matrix), lam)
