@@ -16,6 +16,7 @@ from zoo import ZOO, build, zoo_data
 
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.batches import wrap_for_batches
+from lightning_flatness.core.curvature.probe_kernel import symmetric_gram
 from lightning_flatness.core.defaults import choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.measure import measure
@@ -296,3 +297,11 @@ def test_default_is_within_ten_percent_on_the_trained_zoo(name, steps, one_threa
     report = measure(model, _split(inputs, targets, 7), lam=LAM, num_train_samples=100)
     assert report.structure == "probe_kernel"
     assert report.soft_rank == pytest.approx(exact, rel=0.10)
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (40, 33), (3, 1)])
+def test_symmetric_gram_is_the_plain_product(shape):
+    rows = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    expected = (rows.T @ rows).to(torch.float64)
+    assert torch.allclose(symmetric_gram(rows), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(symmetric_gram(rows), symmetric_gram(rows).T)
