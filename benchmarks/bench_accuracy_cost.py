@@ -58,12 +58,16 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         for probes in (4, 8)
         for preconditioner in ("kfac", "none")
     },
+    "cg 4 probes, kfac, 150 products": (
+        "cg",
+        {"matrix_free_options": {"probes": 4, "cg_steps": 150, "cg_tol": 0.005}},
+    ),
     **{
         f"lanczos {probes}×{steps}": (
             "lanczos",
             {"matrix_free_options": {"probes": probes, "lanczos_steps": steps}},
         )
-        for probes, steps in ((2, 10), (2, 25), (5, 25), (5, 50), (10, 80))
+        for probes, steps in ((2, 10), (2, 25), (5, 25), (5, 50), (10, 80), (10, 200), (10, 400))
     },
 }
 
