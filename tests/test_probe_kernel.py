@@ -19,6 +19,7 @@ from lightning_flatness.core.batches import wrap_for_batches
 from lightning_flatness.core.curvature.probe_kernel import symmetric_gram
 from lightning_flatness.core.defaults import choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
+from lightning_flatness.core.hooked_pass import position_signs
 from lightning_flatness.core.measure import measure
 from lightning_flatness.core.model_state import left_as_found, original_module
 from lightning_flatness.core.options import KernelOptions
@@ -305,3 +306,13 @@ def test_symmetric_gram_is_the_plain_product(shape):
     expected = (rows.T @ rows).to(torch.float64)
     assert torch.allclose(symmetric_gram(rows), expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(symmetric_gram(rows), symmetric_gram(rows).T)
+
+
+def test_shards_draw_the_probes_one_process_draws():
+    """Process r of 3 measuring samples r, r + 3, … draws, for its local sample j, the signs
+    one process draws at global position 3j + r (the monitor's fixed subset is sharded so)."""
+    whole = position_signs(7, torch.arange(3000), 4, 10)
+    for rank in range(3):
+        local = torch.arange(1000)
+        assert torch.equal(position_signs(7, local * 3 + rank, 4, 10), whole[:, rank::3])
+    assert not torch.equal(position_signs(8, torch.arange(3000), 4, 10), whole)

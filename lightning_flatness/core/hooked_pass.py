@@ -76,19 +76,19 @@ __all__ = ["COVERAGE", "BatchTerms", "HookedPass", "position_signs"]
 _SIGN_BLOCK = 1024
 
 
-def position_signs(stream: int, first: int, probes: int, samples: int, outputs: int) -> Tensor:
-    """Rademacher signs ``(probes, samples, outputs)`` of the samples at positions
-    ``first, …, first + samples − 1`` of a stream: block b of :data:`_SIGN_BLOCK` positions is
-    drawn from a generator seeded with ``(stream, b)``, so a sample's signs depend on its
-    position and the stream's seed only, never on how the stream is cut into batches."""
-    pieces, position, end = [], first, first + samples
-    while position < end:
-        block, offset = divmod(position, _SIGN_BLOCK)
-        take = min(end - position, _SIGN_BLOCK - offset)
-        bits = _sign_block(int(stream), block, probes, outputs)
-        pieces.append(bits[:, offset : offset + take])
-        position += take
-    return 2 * torch.cat(pieces, dim=1).to(torch.float64) - 1
+def position_signs(stream: int, positions: Tensor, probes: int, outputs: int) -> Tensor:
+    """Rademacher signs ``(probes, len(positions), outputs)`` of the samples at ``positions`` of
+    a stream: block b of :data:`_SIGN_BLOCK` positions is drawn from a generator seeded with
+    ``(stream, b)``, so a sample's signs depend on its position and the stream's seed only,
+    never on how the stream is cut into batches or shared among processes."""
+    positions = positions.reshape(-1).to(torch.long)
+    out = torch.empty(probes, positions.numel(), outputs, dtype=torch.long)
+    blocks = torch.div(positions, _SIGN_BLOCK, rounding_mode="floor")
+    for block in blocks.unique().tolist():
+        chosen = (blocks == block).nonzero().squeeze(1)
+        bits = _sign_block(int(stream), int(block), probes, outputs)
+        out[:, chosen] = bits[:, positions[chosen] - block * _SIGN_BLOCK]
+    return 2 * out.to(torch.float64) - 1
 
 
 @functools.lru_cache(maxsize=4)
@@ -159,6 +159,10 @@ class HookedPass:
         generator: draws the sampled labels (and the probes, without ``seed``).
         seed: draws each sample's probes from its position in the measured stream and this
             seed (:func:`position_signs`), so that they do not depend on the batch size.
+        shard: ``(rank, world_size)`` when this process measures the samples at positions
+            ``rank, rank + world_size, …`` of the measured set (data parallelism): its local
+            sample j is global position ``j·world_size + rank``, so every process draws the
+            probes one process would draw for the same samples.
         structure: ``"kfac"`` (Kronecker weights, exact bias blocks, diagonals for the rest),
             ``"diag"`` (the exact diagonal of every parameter, and the diagonal of C) or
             ``"rows"`` (the per-sample gradients of the Fisher rows themselves, for the
@@ -176,6 +180,7 @@ class HookedPass:
         generator: torch.Generator | None = None,
         structure: str = "kfac",
         seed: int | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         if structure not in ("kfac", "diag", "rows"):
             raise ValueError(f"structure must be 'kfac', 'diag' or 'rows', got {structure!r}.")
@@ -188,7 +193,8 @@ class HookedPass:
         self.trace_estimator = trace_estimator
         self.generator = generator
         self.seed = seed
-        #: the position of the next sample in each stream (training, validation)
+        self.shard = shard or (0, 1)
+        #: the local position of the next sample in each stream (training, validation)
         self.positions = {True: 0, False: 0}
         self.names, self.rules, self.fallback = self._assign(model.model)
         params = dict(model.model.named_parameters())
@@ -348,9 +354,13 @@ class HookedPass:
                 )
                 signs = 2 * bits.to(device=z.device, dtype=z.dtype) - 1
             else:
+                rank, world_size = self.shard
                 first = self.positions[curvature]
+                local = torch.arange(first, first + z.shape[0])
                 stream = self.seed * 2 + int(not curvature)
-                signs = position_signs(stream, first, self.mc_samples, *z.shape)
+                signs = position_signs(
+                    stream, local * world_size + rank, self.mc_samples, z.shape[1]
+                )
                 signs = signs.to(device=z.device, dtype=z.dtype)
             rows.append(core.sqrt_transpose(signs) / math.sqrt(self.mc_samples))
             probe = slice(start, start + self.mc_samples)

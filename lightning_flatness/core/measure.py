@@ -76,6 +76,7 @@ def measure(
     gram_max_kernel_size: int | None = None,
     seed: int = 0,
     all_reduce: AllReduce | None = None,
+    shard: tuple[int, int] | None = None,
     matrix_free_options: dict | None = None,
     kernel_options: dict | None = None,
     unpack_batch: UnpackBatch | None = None,
@@ -121,6 +122,10 @@ def measure(
         seed: seeds the Monte-Carlo structures in a forked RNG (global RNG left untouched).
         all_reduce: sums a tensor across processes in place and returns it (data parallelism);
             every sum is reduced before any eigenvalue or ratio is taken.
+        shard: ``(rank, world_size)`` when this process's batches hold the samples at positions
+            ``rank, rank + world_size, …`` of the set all processes measure together: the probe
+            rows of the layer-hook structures are then drawn by global position, and the
+            processes together compute exactly what one process would on the whole set.
         matrix_free_options: options of the matrix-free structures (probes, Lanczos steps, ...).
         kernel_options: options of ``probe_kernel`` (``probes``, ``groups``, ``side``, size
             guards; :class:`~lightning_flatness.core.options.KernelOptions`).
@@ -185,6 +190,7 @@ def measure(
             unpack_batch=unpack_batch,
             repeatable_train_batches=train_batches,
             max_samples=max_samples,
+            shard=shard,
         )
         curvature, train_sums, val_sums = run_pipeline(
             backend,

@@ -52,6 +52,7 @@ from lightning_flatness.lightning.trainer_facts import (
     all_dataloaders,
     first_dataloader,
     fixed_subset_batches,
+    is_sized,
     resolve_lam,
     resolve_missing,
     select_dataloader,
@@ -524,6 +525,15 @@ class FlatnessMonitor(Callback):
             world_size=trainer.world_size,
         )
 
+    def _shard(self, trainer: Trainer) -> tuple[int, int] | None:
+        """``(rank, world_size)`` when the ranks split one fixed subset of a sized dataset
+        between them (:func:`fixed_subset_batches`): then they draw the probes by global
+        position and together log what one process would."""
+        loader = first_dataloader(trainer.train_dataloader)
+        if trainer.world_size <= 1 or loader is None or not is_sized(loader):
+            return None
+        return trainer.global_rank, trainer.world_size
+
     def _all_reduce(self, trainer: Trainer):
         if trainer.world_size <= 1:
             return None
@@ -558,6 +568,7 @@ class FlatnessMonitor(Callback):
                 kfac_mode=self.kfac_mode,
                 seed=self.seed,
                 all_reduce=self._all_reduce(trainer),
+                shard=self._shard(trainer),
                 loss=self.loss,
                 unpack_batch=self.unpack_batch,
                 logits_fn=self.logits_fn,

@@ -18,6 +18,7 @@ __all__ = [
     "all_dataloaders",
     "first_dataloader",
     "fixed_subset_batches",
+    "is_sized",
     "resolve_lam",
     "resolve_missing",
     "resolve_num_train_samples",
@@ -118,7 +119,8 @@ def select_dataloader(loaders: object, index: int) -> DataLoader | None:
     return found[index]
 
 
-def _sized(loader: DataLoader) -> bool:
+def is_sized(loader: DataLoader) -> bool:
+    """Whether ``loader``'s dataset has a length (map-style), so a fixed subset can be drawn."""
     dataset = loader.dataset
     if isinstance(dataset, IterableDataset):
         return False
@@ -136,7 +138,7 @@ def resolve_num_train_samples(loader: DataLoader | None, explicit: int | None) -
     """
     if explicit is not None:
         return int(explicit)
-    if loader is None or not _sized(loader):
+    if loader is None or not is_sized(loader):
         raise ValueError(
             "Cannot read the training-set size n from the training dataloader (none, or an "
             "iterable dataset without a length). Pass FlatnessMonitor(num_train_samples=n)."
@@ -160,7 +162,7 @@ def fixed_subset_batches(
     single process would measure. Iterable datasets fall back to the first batches of a fresh
     iterator of ``loader``.
     """
-    if not _sized(loader):
+    if not is_sized(loader):
         num_batches = None if max_samples is None else math.ceil(max_samples / loader.batch_size)
         return list(itertools.islice(iter(loader), num_batches))
     size = len(loader.dataset)

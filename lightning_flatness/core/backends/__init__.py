@@ -34,6 +34,7 @@ def make_backend(
     unpack_batch: UnpackBatch | None,
     repeatable_train_batches: Iterable,
     max_samples: int | None,
+    shard: tuple[int, int] | None = None,
 ) -> Backend:
     """The backend that measures ``structure`` with its validated ``options``
     (:func:`~lightning_flatness.core.options.structure_options`; the rest as for ``measure()``)."""
@@ -51,7 +52,9 @@ def make_backend(
         )
     if structure in HOOK_STRUCTURES:
         summable = all_reduce is not None
-        return HookBackend(model, structure, options, loss=loss, seed=seed, summable=summable)
+        return HookBackend(
+            model, structure, options, loss=loss, seed=seed, summable=summable, shard=shard
+        )
     # BackPACK is imported only when one of its structures is measured.
     from lightning_flatness.core.backpack.backend import BackpackBackend
 

@@ -49,6 +49,9 @@ class HookBackend(Backend):
         loss: the likelihood's name.
         seed: seeds the generator of the sampled labels and probes.
         summable: the curvature state must add up across processes.
+        shard: ``(rank, world_size)`` when this process measures every world_size-th sample of
+            the measured set from ``rank`` on (its probes are then those one process would draw;
+            :class:`~lightning_flatness.core.hooked_pass.HookedPass`).
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class HookBackend(Backend):
         loss: str,
         seed: int,
         summable: bool = False,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         self.model = model
         self.structure = structure
@@ -80,6 +84,7 @@ class HookBackend(Backend):
         self.seed = seed
         self.options = options
         self.summable = summable
+        self.shard = shard
         #: the structure's accumulator (made when the session knows the parameters, the probe
         #: kernel's on the first training batch, when the number of outputs is known)
         self.estimator: CurvatureAccumulator | None = None
@@ -92,7 +97,12 @@ class HookBackend(Backend):
             device, _ = model_device_dtype(self.model)
             generator = torch.Generator(device=device).manual_seed(int(self.seed) % (2**63))
             self.hooked = HookedPass(
-                self.model, self.likelihood, generator=generator, seed=self.seed, **self.settings
+                self.model,
+                self.likelihood,
+                generator=generator,
+                seed=self.seed,
+                shard=self.shard,
+                **self.settings,
             )
             names = self.hooked.names
             if self.structure == "kfac":
