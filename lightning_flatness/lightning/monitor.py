@@ -148,11 +148,12 @@ class FlatnessMonitor(Callback):
         measure_on_fit_end: also measure after the last epoch if it was not measured.
         num_train_samples: n for the predicted gap; default ``len(train dataset)``.
         batch_size: batch size of the measurement passes (does not change any number).
-        trace_estimator: ``"probe"`` (default: Tr(F) from the probe rows below, unbiased, no
-            extra backward pass), ``"sampled"`` (from drawn labels) or ``"exact"``.
-        kfac_mode: ``"probe"`` (default: output-side factors from one Rademacher probe through
-            the output Fisher's square root per input, one backward pass; on two sweeps within
-            a few percent of ``"exact"`` rows at the cost of ``"sampled"``, docs/RESULTS.md),
+        trace_estimator: ``"probe"`` (default: Tr(F) from the structure's probe rows, unbiased,
+            no extra backward pass), ``"sampled"`` (from drawn labels) or ``"exact"``.
+        kfac_mode: the rows of ``structure="kfac"``: ``"probe"`` (default: output-side factors
+            from one Rademacher probe through the output Fisher's square root per input, one
+            backward pass; on two sweeps within a few percent of ``"exact"`` rows at the cost
+            of ``"sampled"``, docs/RESULTS.md),
             ``"sampled"`` (one label drawn from the model per input: as cheap, but starved on
             over-confident models, where it falls to a fraction of the exact rows' soft rank)
             or ``"exact"`` (the C rows of the output Fisher's square root: C backward passes).
