@@ -54,12 +54,16 @@ def exact_cases():
     result = {}
     for name in (*ZOO, "mlp", "cnn", "resmlp"):
         model, inputs, targets = _case(name)
-        wrapped, _, _ = wrap_for_batches(original_module(model), [(inputs, targets)])
-        leaf = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
-        with left_as_found(wrapped):
-            fisher = reference.dense_fisher(wrapped, leaf)
-        result[name] = (model, inputs, targets, spectral.psd_eigenvalues(fisher))
+        result[name] = (model, inputs, targets, _exact_eigenvalues(model, inputs, targets))
     return result
+
+
+def _exact_eigenvalues(model, inputs, targets):
+    """The dense reference Fisher's spectrum of any zoo model (tensor or dict inputs)."""
+    wrapped, _, _ = wrap_for_batches(original_module(model), [(inputs, targets)])
+    leaf = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
+    with left_as_found(wrapped):
+        return spectral.psd_eigenvalues(reference.dense_fisher(wrapped, leaf))
 
 
 @pytest.mark.parametrize("name", [*ZOO, "mlp", "cnn", "resmlp"])
@@ -290,11 +294,7 @@ def test_default_is_within_ten_percent_on_the_trained_zoo(name, steps, one_threa
         torch.nn.functional.cross_entropy(logits, targets).backward()
         optimizer.step()
     model.eval()
-    wrapped, _, _ = wrap_for_batches(original_module(model), [(inputs, targets)])
-    leaf = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
-    with left_as_found(wrapped):
-        fisher = reference.dense_fisher(wrapped, leaf)
-    exact = spectral.soft_rank(spectral.psd_eigenvalues(fisher), LAM)
+    exact = spectral.soft_rank(_exact_eigenvalues(model, inputs, targets), LAM)
     report = measure(model, _split(inputs, targets, 7), lam=LAM, num_train_samples=100)
     assert report.structure == "probe_kernel"
     assert report.soft_rank == pytest.approx(exact, rel=0.10)

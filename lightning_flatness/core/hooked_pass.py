@@ -156,7 +156,7 @@ class HookedPass:
             or ``"probe"`` (``mc_samples`` Rademacher probes ``A_iᵀξ``).
         trace_estimator: ``"exact"``, ``"sampled"`` or ``"probe"``: which of those rows give
             Tr(F).
-        generator: draws the sampled labels (and the probes, without ``seed``).
+        generator: draws the sampled labels.
         seed: draws each sample's probes from its position in the measured stream and this
             seed (:func:`position_signs`), so that they do not depend on the batch size.
         shard: ``(rank, world_size)`` when this process measures the samples at positions
@@ -179,7 +179,7 @@ class HookedPass:
         trace_estimator: str = "exact",
         generator: torch.Generator | None = None,
         structure: str = "kfac",
-        seed: int | None = None,
+        seed: int = 0,
         shard: tuple[int, int] | None = None,
     ) -> None:
         if structure not in ("kfac", "diag", "rows"):
@@ -344,24 +344,12 @@ class HookedPass:
         probe = None
         if "probe" in (factors, self.trace_estimator):
             start = sum(r.shape[0] for r in rows)
-            if self.seed is None:
-                bits = torch.randint(
-                    0,
-                    2,
-                    (self.mc_samples, *z.shape),
-                    generator=self.generator,
-                    device=self.generator.device,
-                )
-                signs = 2 * bits.to(device=z.device, dtype=z.dtype) - 1
-            else:
-                rank, world_size = self.shard
-                first = self.positions[curvature]
-                local = torch.arange(first, first + z.shape[0])
-                stream = self.seed * 2 + int(not curvature)
-                signs = position_signs(
-                    stream, local * world_size + rank, self.mc_samples, z.shape[1]
-                )
-                signs = signs.to(device=z.device, dtype=z.dtype)
+            rank, world_size = self.shard
+            first = self.positions[curvature]
+            positions = torch.arange(first, first + z.shape[0]) * world_size + rank
+            stream = self.seed * 2 + int(not curvature)
+            signs = position_signs(stream, positions, self.mc_samples, z.shape[1])
+            signs = signs.to(device=z.device, dtype=z.dtype)
             rows.append(core.sqrt_transpose(signs) / math.sqrt(self.mc_samples))
             probe = slice(start, start + self.mc_samples)
         kinds = {"exact": exact, "sampled": sampled, "probe": probe}

@@ -167,6 +167,11 @@ class Likelihood(ABC):
         ``m`` times this."""
         return int(num_outputs)
 
+    def fisher_rank_bound(self, num_parameters: int, num_samples: int, num_outputs: int) -> float:
+        """The largest rank the Fisher of ``num_samples`` samples can have,
+        ``min(P, m · sample_rank(C))`` (docs/math.md, "Rank bound")."""
+        return float(min(num_parameters, num_samples * self.sample_rank(num_outputs)))
+
     def check_outputs(self, logits: Tensor, batch_size: int | None = None) -> None:
         """Refuse outputs that are not ``(batch, C)`` with at least :attr:`min_outputs` (and
         ``batch_size`` rows, when given)."""

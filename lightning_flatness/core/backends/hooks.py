@@ -90,6 +90,7 @@ class HookBackend(Backend):
         self.estimator: CurvatureAccumulator | None = None
         self.hooked: HookedPass | None = None
         self.num_outputs: int | None = None
+        self.num_parameters = 0
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -105,6 +106,8 @@ class HookBackend(Backend):
                 **self.settings,
             )
             names = self.hooked.names
+            params = dict(self.model.model.named_parameters())
+            self.num_parameters = sum(params[name].numel() for name in names)
             if self.structure == "kfac":
                 self.estimator = KFACFisher(order=names)
             elif self.structure in ("diag", "diag_mc"):
@@ -138,14 +141,13 @@ class HookBackend(Backend):
         """The probe-kernel state; with no more outputs than probes, the exact rows of the
         output Fisher's square root are as cheap and have no probe bias: they are used instead
         (one group, nothing to correct)."""
-        params = dict(self.model.model.named_parameters())
         options = self.options
         rows, groups = options.probes, options.groups
         if num_outputs <= options.probes:
             self.hooked.kfac_mode = "exact"
             rows, groups = num_outputs, 1
         return ProbeKernelFisher(
-            sum(params[name].numel() for name in self.hooked.names),
+            self.num_parameters,
             probes=rows,
             groups=groups,
             side=options.side,
@@ -162,8 +164,7 @@ class HookBackend(Backend):
         curvature = self.estimator.estimate(num_samples, lam)
         if not isinstance(self.estimator, ProbeKernelFisher):  # block structures say how
             curvature.coverage = self.hooked.coverage()
-        params = dict(self.model.model.named_parameters())
-        num_parameters = sum(params[name].numel() for name in self.hooked.names)
-        per_sample = self.likelihood.sample_rank(self.num_outputs or 0)
-        curvature.rank_bound = float(min(num_parameters, num_samples * per_sample))
+        curvature.rank_bound = self.likelihood.fisher_rank_bound(
+            self.num_parameters, num_samples, self.num_outputs or 0
+        )
         return curvature

@@ -471,9 +471,9 @@ class MatrixFreeBackend(Backend):
             known = all_reduce(torch.tensor([float(classes), float(classes > 0)]))
             classes = round(float(known[0]) / max(1.0, float(known[1])))
         curvature = self._curvature(num_samples, classes, lam)
-        per_sample = get_likelihood(self.loss).sample_rank(classes)
-        bound = min(self.functional.num_parameters, num_samples * per_sample)
-        curvature.rank_bound = float(bound)
+        curvature.rank_bound = get_likelihood(self.loss).fisher_rank_bound(
+            self.functional.num_parameters, num_samples, classes
+        )
         return curvature
 
     def _curvature(self, num_samples: int, classes: int, lam: float) -> CurvatureEstimate:
