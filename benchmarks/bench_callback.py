@@ -2,8 +2,9 @@
 
 For the MLP and CNN configs (``configs/mlp.yaml``, ``configs/cnn.yaml``: 7×7 MNIST, n = 4,000,
 Adam, λ = c/n, TensorBoard logger) one run fits each model with and without a default
-``FlatnessMonitor(structure="kfac")`` (measuring at every epoch end, 2,048 training and up to
-1,024 held-out samples), alternating the order over ``--repeats``, and reports:
+``FlatnessMonitor()`` at its defaults (measuring at every epoch end with ``structure="auto"``,
+every training sample and up to 1,024 held-out samples), alternating the order over
+``--repeats``, and reports:
 
 (a) wall time of the fit with the callback ÷ the same fit without it, and how the extra time
     splits into ``measure()`` itself, drawing the spectrum histogram and gap figure for
