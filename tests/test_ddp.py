@@ -55,8 +55,10 @@ def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure):
         val_batches=val_union,
     ).as_dict()
     assert rank0["num_samples"] == 200 and rank0["num_val_samples"] == 100
+    # float32 model: the probe kernel factorises in float32, where a last-bit difference in the
+    # summed P × P matrix moves the soft rank by up to ~1e-4 (spectral.factorisation_dtype)
     for key in ("soft_rank", "logdet", "trace_fisher", "trace_cov", "predicted_gap", "val_nll"):
-        assert rank0[key] == pytest.approx(single[key], rel=1e-5), key
+        assert rank0[key] == pytest.approx(single[key], rel=1e-4), key
 
 
 @pytest.mark.ddp

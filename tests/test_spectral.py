@@ -167,3 +167,25 @@ def test_cholesky_summary_matches_the_eigenvalues(lam):
     for field in ("soft_rank", "soft_rank2", "logdet", "trace"):
         assert getattr(got, field) == pytest.approx(getattr(want, field), rel=1e-9), field
     assert math.isnan(got.max_eig)
+
+
+def test_float32_factorisations_only_where_they_are_accurate():
+    """float32 is chosen for a float32 measurement whose Tr(M)/λ is at most 1e7, and then its
+    soft rank, rank⁽²⁾ and log-det agree with float64's to 1e-4 on an ill-conditioned matrix."""
+    assert spectral.factorisation_dtype(10.0, 1e-5, torch.float32) == torch.float32
+    assert spectral.factorisation_dtype(10.0, 1e-7, torch.float32) == torch.float64
+    assert spectral.factorisation_dtype(10.0, 1e-5, torch.float64) == torch.float64
+    assert spectral.factorisation_dtype(math.nan, 1e-5, torch.float32) == torch.float64
+    generator = torch.Generator().manual_seed(0)
+    scale = torch.logspace(0, -6, 300, dtype=torch.float64)
+    rows = torch.randn(500, 300, generator=generator, dtype=torch.float64) * scale
+    matrix = rows.T @ rows / 500
+    lam = float(matrix.diagonal().sum()) / 1e6
+    eigen = spectral.spectral_summary(spectral.psd_eigenvalues(matrix), lam)
+    eigen32 = spectral.spectral_summary(spectral.psd_eigenvalues(matrix, torch.float32), lam)
+    cholesky = spectral.cholesky_summary(matrix, lam)
+    cholesky32 = spectral.cholesky_summary(matrix, lam, torch.float32)
+    for field in ("soft_rank", "soft_rank2", "logdet", "trace"):
+        assert getattr(eigen32, field) == pytest.approx(getattr(eigen, field), rel=1e-4), field
+        assert getattr(cholesky32, field) == pytest.approx(getattr(cholesky, field), rel=1e-4)
+    assert eigen32.max_eig == pytest.approx(eigen.max_eig, rel=1e-5)

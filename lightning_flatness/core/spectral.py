@@ -37,6 +37,7 @@ __all__ = [
     "check_lam",
     "cholesky_summary",
     "clean_eigenvalues",
+    "factorisation_dtype",
     "kron_eigenvalues",
     "kron_summary",
     "logdet_complexity",
@@ -74,8 +75,9 @@ def clean_eigenvalues(eigenvalues: Tensor) -> Tensor:
     return values.clamp_min(0.0)
 
 
-def psd_eigenvalues(matrix: Tensor) -> Tensor:
-    """Eigenvalues (float64, ascending, ≥ 0) of a symmetric positive semi-definite matrix.
+def psd_eigenvalues(matrix: Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """Eigenvalues (float64, ascending, ≥ 0) of a symmetric positive semi-definite matrix,
+    computed in ``dtype`` (:func:`factorisation_dtype` says when float32 is accurate enough).
 
     The Fisher is usually exactly rank-deficient (rank ≤ m·C), and LAPACK's divide-and-conquer
     solver in some builds takes ~100× longer on such matrices. A scalar shift ``s·I`` moves every
@@ -88,7 +90,30 @@ def psd_eigenvalues(matrix: Tensor) -> Tensor:
         return matrix.new_zeros(0)
     shift = 1e-10 * float(matrix.diagonal().abs().mean()) or 1e-300
     eye = torch.eye(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
-    return (torch.linalg.eigvalsh(matrix + shift * eye) - shift).clamp_min(0.0)
+    shifted = (matrix + shift * eye).to(dtype)
+    return (torch.linalg.eigvalsh(shifted).to(torch.float64) - shift).clamp_min(0.0)
+
+
+#: the largest Tr(M)/λ at which :func:`factorisation_dtype` allows float32 (see there)
+FLOAT32_CONDITION_LIMIT = 1e7
+
+
+def factorisation_dtype(trace: float, lam: float, precision: torch.dtype) -> torch.dtype:
+    """float32 for the eigendecomposition and Cholesky factorisation of ``M`` (sums kept in
+    float64) when ``M`` was measured below float64 ``precision`` (the model's dtype) and
+    ``Tr(M)/λ ≤ 1e7``; else float64.
+
+    Round-off in a factorisation of ``M + λI`` moves the soft rank by about ε·‖M‖/λ per
+    eigenvalue near zero, and ``Tr(M)/λ`` bounds ``‖M‖/λ``. Measured on the paper's trained CNN
+    (P = 4,680, Tr(M)/λ from 4.7e5 to 4.7e8): float32 soft ranks within 1e-6, 3e-5, 6e-5 and
+    3e-3 of float64 at 4.7e5, 4.7e6, 4.7e7 and 4.7e8 (relative), in 40% of float64's time for
+    the eigenvalues and 35% for the Cholesky path.
+    """
+    if precision == torch.float64:
+        return torch.float64
+    if math.isfinite(trace) and trace <= FLOAT32_CONDITION_LIMIT * lam:
+        return torch.float32
+    return torch.float64
 
 
 def _total(name: str, eigenvalues: Tensor, lam: float) -> float:
@@ -213,7 +238,9 @@ def sum_summaries(summaries: Iterable[SpectralSummary]) -> SpectralSummary:
     return total
 
 
-def cholesky_summary(matrix: Tensor, lam: float) -> SpectralSummary:
+def cholesky_summary(
+    matrix: Tensor, lam: float, dtype: torch.dtype = torch.float64
+) -> SpectralSummary:
     """The soft rank, rank⁽²⁾, log-det and trace of a PSD ``matrix`` M without its eigenvalues,
     from the Cholesky factor ``L`` of ``A = M + λI`` (with μ the eigenvalues of M, of size d):
 
@@ -224,7 +251,7 @@ def cholesky_summary(matrix: Tensor, lam: float) -> SpectralSummary:
     About half the time of a symmetric eigendecomposition of the same size (measured 2.0 s
     against 3.7 s at d = 4,210 on two threads: a Cholesky factorisation and ``A⁻¹`` from it), for
     estimates that need these sums but not the spectrum (the jackknife's leave-one-out
-    estimates). ``max_eig`` is NaN.
+    estimates). ``max_eig`` is NaN. The factorisation runs in ``dtype``, the sums in float64.
     """
     lam = check_lam(lam)
     matrix = matrix.detach().to(torch.float64)
@@ -232,8 +259,9 @@ def cholesky_summary(matrix: Tensor, lam: float) -> SpectralSummary:
     if size == 0:
         return SpectralSummary(0.0, 0.0, 0.0, 0.0, math.nan)
     eye = torch.eye(size, dtype=matrix.dtype, device=matrix.device)
-    factor = torch.linalg.cholesky(matrix + lam * eye)
-    inverse = torch.cholesky_inverse(factor)
+    factor = torch.linalg.cholesky((matrix + lam * eye).to(dtype))
+    inverse = torch.cholesky_inverse(factor).to(torch.float64)
+    factor = factor.to(torch.float64)
     trace_inverse = float(inverse.diagonal().sum())
     return SpectralSummary(
         soft_rank=size - lam * trace_inverse,

@@ -31,6 +31,7 @@ from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.spectral import (
     SpectralSummary,
     cholesky_summary,
+    factorisation_dtype,
     psd_eigenvalues,
     spectral_summary,
 )
@@ -81,6 +82,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         self._pending_rows = 0
         self.rows: list[Tensor] = []
         self.kept_rows = 0
+        self.precision = torch.float64  # the rows' dtype, once added
         if side == "parameters" or summable:
             self._check_parameter_side(summable)
             self.grams = self._zero_grams()
@@ -154,6 +156,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
                 f"expected probe rows of shape ({self.probes}, N, {self.num_parameters}), "
                 f"got {tuple(rows.shape)}."
             )
+        self.precision = rows.dtype
         if self.grams is not None:
             self._add_to_grams(rows)
             return
@@ -189,9 +192,9 @@ class ProbeKernelFisher(CurvatureAccumulator):
 
     # -- the estimate ------------------------------------------------------------------------
 
-    def _spectra(self, num_samples: int) -> tuple[Tensor, list[Tensor]]:
-        """Eigenvalues of ``F̂``, and each leave-one-group-out estimate (as a matrix: only its
-        trace functions are needed, :func:`_leave_out_summary`)."""
+    def _matrices(self, num_samples: int) -> tuple[Tensor, list[Tensor]]:
+        """``F̂`` (or its kernel: the same nonzero spectrum), and each leave-one-group-out
+        estimate (as a matrix: only its trace functions are needed, :func:`_leave_out_summary`)."""
         groups = self.groups
         keep = groups / (groups - 1) if groups > 1 else 1.0
         if self.grams is None and self.kept_rows <= self.num_parameters:
@@ -199,30 +202,32 @@ class ProbeKernelFisher(CurvatureAccumulator):
             flat = rows.reshape(-1, rows.shape[-1])
             kernel = symmetric_gram(flat.T) / num_samples
             per_group = rows.shape[1] * (self.probes // groups)
-            full = psd_eigenvalues(kernel)
             if groups < 2:
-                return full, []
+                return kernel, []
             leave_outs = []
             for g in range(groups):
                 kept = [h for h in range(groups) if h != g]
                 others = torch.cat([torch.arange(h * per_group, (h + 1) * per_group) for h in kept])
                 leave_outs.append(kernel[others][:, others] * keep)
-            return full, leave_outs
+            return kernel, leave_outs
         if self.grams is None:
             self._to_parameter_side()
         self._flush()
         total = torch.stack(self.grams).sum(0)
-        full = psd_eigenvalues(total / num_samples)
         if groups < 2:
-            return full, []
-        return full, [(total - gram) * (keep / num_samples) for gram in self.grams]
+            return total / num_samples, []
+        return total / num_samples, [(total - gram) * (keep / num_samples) for gram in self.grams]
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         """The jackknifed spectral summary of ``F̂`` over ``num_samples`` samples, its standard
-        errors (``blocks["stderr"]``) and the plain summary (``blocks["uncorrected"]``)."""
-        full, leave_outs = self._spectra(num_samples)
+        errors (``blocks["stderr"]``) and the plain summary (``blocks["uncorrected"]``).
+        Factorisations in float32 where that is accurate (:func:`factorisation_dtype`)."""
+        matrix, leave_outs = self._matrices(num_samples)
+        dtype = factorisation_dtype(float(matrix.diagonal().sum()), lam, self.precision)
+        full = psd_eigenvalues(matrix, dtype)
         plain = spectral_summary(full, lam)
-        corrected, stderr = jackknife(plain, [_leave_out_summary(m, lam) for m in leave_outs])
+        summaries = [_leave_out_summary(m, lam, dtype) for m in leave_outs]
+        corrected, stderr = jackknife(plain, summaries)
         nonzero = full[full > 0]
         return CurvatureEstimate(
             summary=corrected,
@@ -253,11 +258,11 @@ def symmetric_gram(rows: Tensor, blocks: int = 8) -> Tensor:
     return out
 
 
-def _leave_out_summary(matrix: Tensor, lam: float) -> SpectralSummary:
+def _leave_out_summary(matrix: Tensor, lam: float, dtype: torch.dtype) -> SpectralSummary:
     """The trace functions of a leave-one-group-out estimate from a Cholesky factorisation
     (:func:`~lightning_flatness.core.spectral.cholesky_summary`: no spectrum, half the time);
     from its eigenvalues if round-off made it indefinite beyond λ."""
     try:
-        return cholesky_summary(matrix, lam)
+        return cholesky_summary(matrix, lam, dtype)
     except torch.linalg.LinAlgError:
-        return spectral_summary(psd_eigenvalues(matrix), lam)
+        return spectral_summary(psd_eigenvalues(matrix, dtype), lam)
