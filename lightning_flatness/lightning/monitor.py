@@ -48,6 +48,7 @@ from lightning_flatness.core.options import HOOK_ROWS, MATRIX_FREE_STRUCTURES, s
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.figures import gap_figure, log10_spectrum, summary_table
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
+from lightning_flatness.lightning.stream_buffer import StreamBuffer
 from lightning_flatness.lightning.trainer_facts import (
     all_dataloaders,
     first_dataloader,
@@ -327,6 +328,12 @@ class FlatnessMonitor(Callback):
         self._active_structure = structure
         self._coverage_logged = False
         self._last_report: FlatnessReport | None = None
+        #: batches the loops drew this epoch, measured when the dataset is a stream
+        self._streams = {
+            "training": StreamBuffer(max_samples),
+            "validation": StreamBuffer(max_val_samples),
+        }
+        self._check_on_first_batch = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -424,8 +431,12 @@ class FlatnessMonitor(Callback):
         )
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         samples = self.resolved_num_train_samples
-        if samples is not None and self.max_samples is not None:
-            samples = min(samples, self.max_samples)
+        cap = self.max_samples
+        loader = first_dataloader(trainer.train_dataloader)
+        if loader is not None and not is_sized(loader):
+            cap = self._streams["training"].max_samples
+        if samples is not None and cap is not None:
+            samples = min(samples, cap)
         if samples is not None and trainer.world_size > 1:
             samples = math.ceil(samples / trainer.world_size)
         choice = choose_structure(trainable, samples, options, summable=trainer.world_size > 1)
@@ -433,7 +444,8 @@ class FlatnessMonitor(Callback):
         rank_zero_info(f"FlatnessMonitor: structure='auto' measures {choice.reason}.")
 
     def _check_configuration(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Read one real training (and validation) batch as every measurement will.
+        """Read one real training (and validation) batch as every measurement will; for a
+        stream, the first batch the training loop draws (:meth:`on_train_batch_start`).
 
         Raises (``strict=True``) or warns once and switches the monitor off (``strict=False``)
         when the batch, the model's output or the targets cannot be measured.
@@ -444,30 +456,83 @@ class FlatnessMonitor(Callback):
                 f"FlatnessMonitor: {len(val_loaders)} validation dataloaders; the held-out "
                 f"numbers use dataloader {self.val_dataloader_idx} (val_dataloader_idx)."
             )
-        splits = [("training", trainer.train_dataloader, self.max_samples)]
-        if val_loaders:
-            splits.append(("validation", val_loaders, self.max_val_samples))
-        try:
-            for split, loaders, max_samples in splits:
-                batch = next(iter(self._batches(trainer, loaders, max_samples, split)), None)
-                if batch is None:
-                    continue
-                check_batch(
-                    pl_module,
-                    batch,
-                    loss=self.loss,
-                    unpack_batch=self.unpack_batch,
-                    logits_fn=self.logits_fn,
-                )
-        except Exception as error:
-            message = (
-                f"FlatnessMonitor cannot measure {type(pl_module).__name__} "
-                f"({type(error).__name__}): {error}"
+        train_loader = first_dataloader(trainer.train_dataloader)
+        if train_loader is not None and not is_sized(train_loader):
+            self._check_on_first_batch = True
+            rank_zero_info(
+                "FlatnessMonitor: the training data is a stream (an IterableDataset); the "
+                f"monitor measures the first {self._streams['training'].max_samples:,} samples "
+                "the training loop draws in each measured epoch and never iterates the stream "
+                "itself (max_samples sets the number)."
             )
-            if self.strict:
-                raise ValueError(message) from error
-            self.disabled_reason = str(error)
-            rank_zero_warn(f"{message} The monitor is switched off for this fit (strict=False).")
+        splits = [] if self._check_on_first_batch else [("training", trainer.train_dataloader)]
+        if val_loaders:
+            splits.append(("validation", val_loaders))
+        try:
+            for split, loaders in splits:
+                batch = next(iter(self._batches(trainer, loaders, split)), None)
+                if batch is not None:
+                    self._check_batch(pl_module, batch)
+        except Exception as error:
+            self._refuse(pl_module, error)
+
+    def _check_batch(self, pl_module: LightningModule, batch: Any) -> None:
+        check_batch(
+            pl_module,
+            batch,
+            loss=self.loss,
+            unpack_batch=self.unpack_batch,
+            logits_fn=self.logits_fn,
+        )
+
+    def _refuse(self, pl_module: LightningModule, error: Exception) -> None:
+        """Raise (``strict=True``), or warn once and switch the monitor off."""
+        message = (
+            f"FlatnessMonitor cannot measure {type(pl_module).__name__} "
+            f"({type(error).__name__}): {error}"
+        )
+        if self.strict:
+            raise ValueError(message) from error
+        self.disabled_reason = str(error)
+        if self.regularizer is not None:
+            self.regularizer.disabled = True
+        rank_zero_warn(f"{message} The monitor is switched off for this fit (strict=False).")
+
+    # ------------------------------------------------------------------ streams
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._streams["training"].reset()
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._streams["validation"].reset()
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        loader = first_dataloader(trainer.train_dataloader)
+        if loader is None or is_sized(loader) or self.disabled_reason is not None:
+            return
+        if self._check_on_first_batch:
+            self._check_on_first_batch = False
+            try:
+                self._check_batch(pl_module, batch)
+            except Exception as error:
+                self._refuse(pl_module, error)
+                return
+        self._streams["training"].add(batch)
+
+    def on_validation_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if trainer.sanity_checking or dataloader_idx != self.val_dataloader_idx:
+            return
+        loader = select_dataloader(trainer.val_dataloaders, self.val_dataloader_idx)
+        if loader is not None and not is_sized(loader):
+            self._streams["validation"].add(batch)
 
     # ------------------------------------------------------------------ schedule
     def _due(self, trainer: Trainer) -> bool:
@@ -508,15 +573,18 @@ class FlatnessMonitor(Callback):
             rank_zero_info(summary_table(self.history[-1], self._active_structure))
 
     # ------------------------------------------------------------------ measurement
-    def _batches(
-        self, trainer: Trainer, loaders: object, max_samples: int | None, split: str
-    ) -> Iterable:
+    def _batches(self, trainer: Trainer, loaders: object, split: str) -> Iterable:
+        """A fixed subset of a sized dataset, or this epoch's batches of a stream."""
         if split == "validation":
             loader = select_dataloader(loaders, self.val_dataloader_idx)
+            max_samples = self.max_val_samples
         else:
             loader = first_dataloader(loaders)
+            max_samples = self.max_samples
         if loader is None:
             return []
+        if not is_sized(loader):
+            return list(self._streams[split].batches)
         return fixed_subset_batches(
             loader,
             max_samples,
@@ -549,13 +617,9 @@ class FlatnessMonitor(Callback):
 
     def _run_measure(self, trainer: Trainer, pl_module: LightningModule) -> FlatnessReport:
         val_loaders = trainer.val_dataloaders if self.use_val else None
-        train_batches = self._batches(
-            trainer, trainer.train_dataloader, self.max_samples, "training"
-        )
+        train_batches = self._batches(trainer, trainer.train_dataloader, "training")
         val_batches = (
-            self._batches(trainer, val_loaders, self.max_val_samples, "validation")
-            if val_loaders
-            else None
+            None if val_loaders is None else self._batches(trainer, val_loaders, "validation")
         )
         with torch.inference_mode(False), torch.enable_grad():
             return measure(

@@ -131,19 +131,31 @@ def is_sized(loader: DataLoader) -> bool:
     return True
 
 
+def dataset_length(loader: DataLoader | None) -> int | None:
+    """``len(loader.dataset)`` where the dataset defines one (map-style, or an iterable
+    dataset with ``__len__``), else None."""
+    try:
+        return len(loader.dataset)  # type: ignore[arg-type, union-attr]
+    except (TypeError, AttributeError):
+        return None
+
+
 def resolve_num_train_samples(loader: DataLoader | None, explicit: int | None) -> int:
-    """n, the global training-set size: ``explicit``, else ``len(loader.dataset)``.
+    """n, the global training-set size: ``explicit``, else ``len(loader.dataset)`` (an iterable
+    dataset's ``__len__`` included).
 
     Under DDP the sampler shards the data, but ``loader.dataset`` is still the whole set.
     """
     if explicit is not None:
         return int(explicit)
-    if loader is None or not is_sized(loader):
+    length = dataset_length(loader)
+    if length is None:
         raise ValueError(
             "Cannot read the training-set size n from the training dataloader (none, or an "
-            "iterable dataset without a length). Pass FlatnessMonitor(num_train_samples=n)."
+            "iterable dataset without __len__). Pass FlatnessMonitor(num_train_samples=n), "
+            "the number of training samples per epoch."
         )
-    return len(loader.dataset)
+    return length
 
 
 def fixed_subset_batches(
