@@ -189,6 +189,11 @@ class Likelihood(ABC):
                 f"returns {logits.shape[1]}. A single-logit binary classifier uses loss='bce'."
             )
 
+    def check_not_transformed(self, logits: Tensor) -> None:
+        """Refuse outputs that are plainly the loss's link already applied (only the softmax's
+        can be told apart from logits with certainty; see :class:`CategoricalLikelihood`)."""
+        del logits  # sigmoid or identity outputs look like logits: nothing to refuse
+
     def prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         """The targets in the form the loss uses (dtype, shape), after checking that the
         outputs (:meth:`check_outputs`) and the targets fit the loss.
@@ -271,6 +276,23 @@ class CategoricalLikelihood(Likelihood):
 
     def sample_rank(self, num_outputs: int) -> int:
         return max(int(num_outputs) - 1, 0)
+
+    def check_not_transformed(self, logits: Tensor) -> None:
+        """Refuse a batch whose every row is non-negative and sums to 1: probabilities, whose
+        softmax is not the model's predictive distribution. Log-probabilities (``log_softmax``)
+        are logits of the same distribution and pass."""
+        values = logits.detach().to(torch.float64)
+        if values.shape[0] < 1 or values.shape[1] < 2:
+            return
+        sums = values.sum(1)
+        if bool((values >= 0).all()) and bool(torch.allclose(sums, torch.ones_like(sums))):
+            raise TargetError(
+                f"The model's outputs look like probabilities (every one of the {values.shape[0]} "
+                f"rows is non-negative and sums to 1), but loss='cross_entropy' reads logits: "
+                "the measured Fisher and losses would be those of softmax(probabilities). "
+                "Return logits (drop the softmax), or pass logits_fn=lambda model, x: "
+                "model(x).log() (log-probabilities are valid logits)."
+            )
 
     def _prepare_targets(self, targets: Tensor, logits: Tensor) -> Tensor:
         if targets.is_floating_point() or targets.dtype == torch.bool:

@@ -225,7 +225,8 @@ def check_batch(
     """Read one real batch the way :func:`measure` will, and fail now if it cannot.
 
     Unpacks the batch, calls the model (eval mode, no gradient, forked RNG; every module's mode
-    restored), reads the logits and checks the targets against ``loss``. Nothing of the
+    restored), reads the logits (refusing probabilities where logits are due) and checks the
+    targets against ``loss``. Nothing of the
     model's state changes.
 
     Returns:
@@ -246,5 +247,6 @@ def check_batch(
     ):
         logits = wrapped(*inputs)
     likelihood.check_outputs(logits, num_samples(inputs))
+    likelihood.check_not_transformed(logits)
     likelihood.prepare_targets(targets, logits)
     return num_samples(inputs), int(logits.shape[1])
