@@ -61,7 +61,8 @@ def exact_cases():
 def _exact_eigenvalues(model, inputs, targets):
     """The dense reference Fisher's spectrum of any zoo model (tensor or dict inputs)."""
     wrapped, _, _ = wrap_for_batches(original_module(model), [(inputs, targets)])
-    leaf = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
+    leaf = tuple(inputs.values()) if isinstance(inputs, dict) else inputs
+    leaf = leaf[0] if isinstance(leaf, tuple) and len(leaf) == 1 else leaf
     with left_as_found(wrapped):
         return spectral.psd_eigenvalues(reference.dense_fisher(wrapped, leaf))
 

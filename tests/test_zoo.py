@@ -22,6 +22,7 @@ from zoo import ZOO, build, zoo_data
 from lightning_flatness import FlatnessMonitor, measure
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.batches import wrap_for_batches
+from lightning_flatness.core.layer_rules import is_transposed_linear
 from lightning_flatness.core.model_state import left_as_found, original_module
 
 LAM = 1e-3
@@ -41,11 +42,12 @@ def _reference(model, inputs, targets):
     """Dense F, C, per-parameter slices (the user's names) and the mean NLL."""
     plain = original_module(model)
     wrapped, _, _ = wrap_for_batches(plain, [(inputs, targets)])
-    leaf = next(iter(inputs.values())) if isinstance(inputs, dict) else inputs
+    leaf = tuple(inputs.values()) if isinstance(inputs, dict) else inputs
+    leaf = leaf[0] if isinstance(leaf, tuple) and len(leaf) == 1 else leaf
     with left_as_found(wrapped):
         fisher = reference.dense_fisher(wrapped, leaf)
         cov = reference.dense_gradient_covariance(wrapped, leaf, targets)
-        logits = wrapped(leaf)
+        logits = wrapped(*leaf) if isinstance(leaf, tuple) else wrapped(leaf)
     nll = float(torch.nn.functional.cross_entropy(logits, targets))
     slices = {name.removeprefix("model."): sl for name, sl in reference.parameter_blocks(wrapped)}
     return fisher, cov, slices, nll
@@ -352,3 +354,38 @@ def test_regularized_fit_trains_on_batchnorm_and_token_models(name, params, esti
     )
     assert changed
     assert all(torch.isfinite(p).all() for p in regularized.parameters())
+
+
+#: weights of linear maps that are rightly not Kronecker-factored, and why
+NOT_KRONECKER = {
+    ("tied_mlp", "head.weight"): "also used outside its layer (F.linear)",
+    ("compiled", "head.weight"): "also used outside its layer (F.linear)",
+    ("gpt2", "wpe.weight"): "position embedding looked up without a batch dimension",
+    # nn.MultiheadAttention applies its output projection inside its fused forward, not through
+    # the nn.Linear's forward: exact per-sample gradients, a diagonal block under kfac
+    ("transformer", "encoder.self_attn.out_proj.weight"): "inside nn.MultiheadAttention",
+    ("vit", "encoder.layers.0.self_attn.out_proj.weight"): "inside nn.MultiheadAttention",
+}
+
+
+@pytest.mark.parametrize("name", _models())
+def test_no_ordinary_weight_matrix_falls_back_to_a_diagonal(name):
+    """Every linear map (``nn.Linear``, Hugging Face's transposed ``Conv1D``, convolutions,
+    embeddings) is measured as one, unless the model shares it in a way no layer rule can
+    split by sample (:data:`NOT_KRONECKER`)."""
+    model, inputs, targets = _model_and_data(name)
+    report = measure(
+        model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100, structure="kfac"
+    )
+    linear_maps = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Embedding)
+    checked = 0
+    for module_name, module in original_module(model).named_modules():
+        if not (isinstance(module, linear_maps) or is_transposed_linear(module)):
+            continue
+        key = f"{module_name}.weight"
+        if key not in report.coverage:  # a tied weight, reported under its first name
+            continue
+        expected = "diagonal" if (name, key) in NOT_KRONECKER else "kronecker"
+        assert report.coverage[key].startswith(expected), (key, report.coverage[key])
+        checked += 1
+    assert checked >= 2

@@ -131,6 +131,59 @@ class TiedMLP(nn.Module):
         return self.head(h) + 0.5 * F.linear(h, self.head.weight)
 
 
+class Conv1D(nn.Module):
+    """Hugging Face's GPT-2 projection as that library defines it: ``y = x W + b`` with the
+    weight stored (in, out), applied through ``torch.addmm``."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) / nx**0.5)
+        self.bias = nn.Parameter(0.1 * torch.randn(nf))
+
+    def forward(self, x: Tensor) -> Tensor:
+        size_out = (*x.size()[:-1], self.nf)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class TinyGPT2(nn.Module):
+    """GPT-2 for sequence classification, written as its library writes it: token and position
+    embeddings, a pre-norm block with ``Conv1D`` attention (causal and padding masks) and MLP
+    projections, and a bias-free score head read at each sequence's last non-padding token.
+    Takes ``{"input_ids", "attention_mask"}``."""
+
+    def __init__(self, vocab: int = 11, width: int = 8, heads: int = 2, classes: int = 3) -> None:
+        super().__init__()
+        self.heads = heads
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(6, width)
+        self.ln_1 = nn.LayerNorm(width)
+        self.c_attn = Conv1D(3 * width, width)
+        self.attn_proj = Conv1D(width, width)
+        self.ln_2 = nn.LayerNorm(width)
+        self.c_fc = Conv1D(2 * width, width)
+        self.mlp_proj = Conv1D(width, 2 * width)
+        self.ln_f = nn.LayerNorm(width)
+        self.score = nn.Linear(width, classes, bias=False)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        batch, length = input_ids.shape
+        h = self.wte(input_ids) + self.wpe(torch.arange(length, device=input_ids.device))
+        q, k, v = self.c_attn(self.ln_1(h)).split(h.shape[-1], dim=-1)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        causal = torch.ones(length, length, dtype=torch.bool, device=h.device).tril()
+        allowed = causal & attention_mask[:, None, None, :].bool()
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, -1)
+        h = h + self.attn_proj(attended)
+        h = h + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(h))))
+        logits = self.score(self.ln_f(h))
+        last = attention_mask.sum(1) - 1
+        return logits[torch.arange(batch, device=h.device), last]
+
+
 def _images(n: int, size: int, generator: torch.Generator) -> Tensor:
     return torch.randn(n, 1, size, size, generator=generator, dtype=torch.float64)
 
@@ -161,6 +214,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
         "transformer": TextTransformer,
         "vit": TinyViT,
         "tied_mlp": lambda: TiedMLP(features=49),
+        "gpt2": TinyGPT2,
     }[name]().double()
     if name == "resnet":
         generator = torch.Generator().manual_seed(seed + 7)
@@ -173,6 +227,10 @@ def zoo_data(name: str, n: int, seed: int = 1) -> tuple[object, Tensor]:
     generator = torch.Generator().manual_seed(seed)
     if name == "transformer":
         return {"input_ids": _tokens(n, generator)}, torch.randint(0, 3, (n,), generator=generator)
+    if name == "gpt2":
+        ids = _tokens(n, generator)
+        inputs = {"input_ids": ids, "attention_mask": (ids != 0).long()}
+        return inputs, torch.randint(0, 3, (n,), generator=generator)
     classes = {"functional_cnn": 5, "resnet": 4}.get(name, 3)
     if name in ("tied_mlp", "compiled"):
         inputs = torch.randn(n, 49, generator=generator, dtype=torch.float64)
@@ -181,4 +239,4 @@ def zoo_data(name: str, n: int, seed: int = 1) -> tuple[object, Tensor]:
     return inputs, torch.randint(0, classes, (n,), generator=generator)
 
 
-ZOO = ("functional_cnn", "resnet", "transformer", "vit", "tied_mlp", "compiled")
+ZOO = ("functional_cnn", "resnet", "transformer", "vit", "tied_mlp", "compiled", "gpt2")

@@ -502,11 +502,16 @@ class HookedPass:
                 continue
             num_rows = rule.parameters()["weight"].shape[0]
             if self.rows_only:
-                shape = rule.parameters()["weight"].shape
-                terms.rows[name] = weight_rows(a, s[rows.curvature], embedding, shape).detach()
+                shape = rule.weight_shape
+                found = weight_rows(a, s[rows.curvature], embedding, shape).detach()
+                if rule.transposed:
+                    found = rule.to_weight_layout(found.unflatten(-1, shape)).flatten(2)
+                terms.rows[name] = found
             elif self.diagonal_only:
                 chosen = [0, *range(rows.curvature.start, rows.curvature.stop)]
-                squares = weight_square_sums(a, s[chosen], embedding, num_rows)
+                squares = rule.to_weight_layout(
+                    weight_square_sums(a, s[chosen], embedding, num_rows)
+                )
                 terms.cov_diagonal[name] = _f64(squares[0])
                 terms.diagonal[name] = _f64(squares[1:].sum(0))
             else:
@@ -576,9 +581,10 @@ class HookedPass:
             if isinstance(rule, KroneckerRule):
                 a, s = rule.patches(), rule.output_gradients(grads)
                 for attr, name in rule.names.items():
-                    param = rule.parameters()[attr]
                     if attr == "weight":
-                        total = weight_batch_gradient(a, s[0], rule.is_embedding, param.shape)
+                        total = rule.to_weight_layout(
+                            weight_batch_gradient(a, s[0], rule.is_embedding, rule.weight_shape)
+                        )
                         norms = float(weight_squared_norms(a, s, rule.is_embedding)[0])
                     else:
                         per_sample = s[0].sum(1)
@@ -623,10 +629,13 @@ class HookedPass:
         row_grads = {
             id(rule): [by_output[id(call.output)] for call in rule.calls] for rule in self.rules
         }
-        for rule in self.rules:
-            rule.batch_dim = _samples_dimension(rule, row_grads.get(id(rule)), samples, batch)
-        tolerance = 1e-4 if logits.dtype != torch.float64 else 1e-8
         wrong: set[str] = set()
+        for rule in self.rules:
+            dim = _samples_dimension(rule, row_grads.get(id(rule)), samples, batch)
+            if dim is None:  # no dimension of the output holds the samples: shared by them
+                wrong.update(rule.names.values())
+            rule.batch_dim = dim or 0
+        tolerance = 1e-4 if logits.dtype != torch.float64 else 1e-8
         for row in range(len(samples)):
             one_row = {key: [g[row : row + 1] for g in value] for key, value in row_grads.items()}
             try:
@@ -697,9 +706,11 @@ def _apply_plan(hooked: HookedPass) -> bool:
 
 def _samples_dimension(
     rule: Rule, grads: list[Tensor] | None, samples: list[int], batch: int
-) -> int:
+) -> int | None:
     """The dimension (0 or 1) of a layer's output along which the gradients of one-sample
-    cotangents vanish outside their sample; 0 when neither or both do (the check decides)."""
+    cotangents vanish outside their sample; 0 when both do (the check decides); None when
+    neither does: the layer's output is shared by the samples (position embeddings looked up
+    without a batch dimension), and no split of its gradient is a per-sample one."""
     if isinstance(rule.module, nn.MultiheadAttention):
         return 0 if rule.module.batch_first else 1
     if not grads:
@@ -717,6 +728,8 @@ def _samples_dimension(
                 vanishes = False
         if vanishes:
             candidates.append(dim)
+    if not candidates:
+        return None
     return candidates[0] if len(candidates) == 1 else 0
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "LocalRule",
     "NormRule",
     "Rule",
+    "is_transposed_linear",
     "make_rule",
     "weight_rows",
     "weight_square_sums",
@@ -108,15 +109,50 @@ def _conv_padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...]:
     return tuple(padding)
 
 
+def is_transposed_linear(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` (GPT-2's attention and MLP projections): ``y = x W + b`` with
+    ``W`` of shape (in, out) — a linear layer whose weight is stored transposed. Recognised by
+    its class name and its ``nf`` (out) attribute; the coverage check then confirms the rule
+    against autograd's gradients, as for every rule."""
+    weight = getattr(module, "weight", None)
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(weight, Tensor)
+        and weight.dim() == 2
+        and getattr(module, "nf", None) == weight.shape[1]
+        and not any(True for _ in module.children())
+    )
+
+
+def _is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_transposed_linear(module)
+
+
 class KroneckerRule(Rule):
-    """``nn.Linear``, ``nn.Conv1d``/``nn.Conv2d`` (``groups=1``, zero padding) and
-    ``nn.Embedding``: patches ``a`` (N, T, d) and output gradients ``s`` (K, N, T, o)."""
+    """``nn.Linear`` (and Hugging Face's transposed ``Conv1D``), ``nn.Conv1d``/``nn.Conv2d``
+    (``groups=1``, zero padding) and ``nn.Embedding``: patches ``a`` (N, T, d) and output
+    gradients ``s`` (K, N, T, o)."""
 
     kind = "kronecker"
 
     @property
     def is_embedding(self) -> bool:
         return isinstance(self.module, nn.Embedding)
+
+    @property
+    def weight_shape(self) -> torch.Size:
+        """The weight's shape as (out, in, ...): the layout the weight formulas produce."""
+        shape = self.parameters()["weight"].shape
+        return torch.Size((shape[1], shape[0])) if self.transposed else shape
+
+    @property
+    def transposed(self) -> bool:
+        """The weight is stored (in, out) (:func:`is_transposed_linear`)."""
+        return is_transposed_linear(self.module)
+
+    def to_weight_layout(self, values: Tensor) -> Tensor:
+        """``values`` (..., out, in) in the weight's own layout."""
+        return values.transpose(-1, -2) if self.transposed else values
 
     def patches(self) -> Tensor:
         """``a`` (N, T, d) over all recorded calls (several calls: more positions); token
@@ -129,7 +165,7 @@ class KroneckerRule(Rule):
 
     @staticmethod
     def _patches(module: nn.Module, x: Tensor) -> Tensor:
-        if isinstance(module, nn.Linear):
+        if _is_linear(module):
             return x.reshape(x.shape[0], -1, x.shape[-1])
         if isinstance(module, nn.Embedding):
             indices = x.reshape(x.shape[0], -1)
@@ -151,7 +187,7 @@ class KroneckerRule(Rule):
         pieces = []
         for grad in grads:
             grad = grad.movedim(self.batch_dim + 1, 1)
-            if isinstance(self.module, (nn.Linear, nn.Embedding)):
+            if _is_linear(self.module) or self.is_embedding:
                 pieces.append(grad.reshape(grad.shape[0], grad.shape[1], -1, grad.shape[-1]))
             else:
                 pieces.append(_positions_first(grad, channel_dim=2))
@@ -390,7 +426,7 @@ _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
 
 def _kronecker_ready(module: nn.Module) -> bool:
-    if isinstance(module, nn.Linear):
+    if _is_linear(module):
         return True
     if isinstance(module, nn.Embedding):
         return module.max_norm is None and not module.scale_grad_by_freq
@@ -416,7 +452,9 @@ def make_rule(modules: list[nn.Module], names: dict[str, str]) -> Rule | None:
     BatchNorm without running statistics (samples coupled even in eval mode)."""
     module = modules[0]
     kronecker = all(
-        type(m) is type(module) and type(m).forward in _STOCK_FORWARDS and _kronecker_ready(m)
+        type(m) is type(module)
+        and (type(m).forward in _STOCK_FORWARDS or is_transposed_linear(m))
+        and _kronecker_ready(m)
         for m in modules
     )
     if kronecker:

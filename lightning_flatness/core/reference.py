@@ -39,28 +39,38 @@ def _trainable(model: nn.Module) -> dict[str, Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
+def _one_sample_args(x: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """One sample's input(s) with a batch dimension of one: the model's positional arguments
+    (a tuple of inputs for a model of several, e.g. token ids and an attention mask)."""
+    if isinstance(x, tuple):
+        return tuple(t.unsqueeze(0) for t in x)
+    return (x.unsqueeze(0),)
+
+
 def _flatten_rows(per_param: dict[str, Tensor], leading: int) -> Tensor:
     """Concatenate per-parameter tensors with ``leading`` batch dims along a flat P axis."""
     return torch.cat([t.reshape(*t.shape[:leading], -1) for t in per_param.values()], dim=-1)
 
 
-def per_sample_jacobians(model: nn.Module, inputs: Tensor) -> Tensor:
+def per_sample_jacobians(model: nn.Module, inputs: Tensor | tuple[Tensor, ...]) -> Tensor:
     """Output Jacobians ``J_i = ∂z(x_i)/∂θ`` of shape (m, C, P); for Gaussian regression
     ``F = (1/m) Σ_i J_iᵀ J_i``."""
     params = _trainable(model)
 
     def outputs(theta: dict[str, Tensor], x: Tensor) -> Tensor:
-        return functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
+        return functional_call(model, theta, _one_sample_args(x)).squeeze(0)
 
     return _flatten_rows(vmap(jacrev(outputs), in_dims=(None, 0))(params, inputs), leading=2)
 
 
-def per_sample_sqrt_fisher(model: nn.Module, inputs: Tensor, loss: str = "cross_entropy") -> Tensor:
+def per_sample_sqrt_fisher(
+    model: nn.Module, inputs: Tensor | tuple[Tensor, ...], loss: str = "cross_entropy"
+) -> Tensor:
     """Square-root Fisher factors ``V`` of shape (m, C, P) (module docstring)."""
     params = _trainable(model)
 
     def logits_of(theta: dict[str, Tensor], x: Tensor) -> Tensor:
-        return functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
+        return functional_call(model, theta, _one_sample_args(x)).squeeze(0)
 
     def log_probs(theta: dict[str, Tensor], x: Tensor) -> Tensor:
         return torch.log_softmax(logits_of(theta, x), dim=-1)
@@ -94,32 +104,40 @@ def _sample_loss(loss: str, logits: Tensor, target: Tensor) -> Tensor:
 
 
 def per_sample_gradients(
-    model: nn.Module, inputs: Tensor, targets: Tensor, loss: str = "cross_entropy"
+    model: nn.Module,
+    inputs: Tensor | tuple[Tensor, ...],
+    targets: Tensor,
+    loss: str = "cross_entropy",
 ) -> Tensor:
     """Per-sample gradients (m, P) of ``−log p(y_i | z_i)`` at the true targets."""
     params = _trainable(model)
 
     def sample_loss(theta: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
-        logits = functional_call(model, theta, (x.unsqueeze(0),)).squeeze(0)
+        logits = functional_call(model, theta, _one_sample_args(x)).squeeze(0)
         return _sample_loss(loss, logits, y)
 
     grads = vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, inputs, targets)
     return _flatten_rows(grads, leading=1)
 
 
-def dense_fisher(model: nn.Module, inputs: Tensor, loss: str = "cross_entropy") -> Tensor:
+def dense_fisher(
+    model: nn.Module, inputs: Tensor | tuple[Tensor, ...], loss: str = "cross_entropy"
+) -> Tensor:
     """The P × P Fisher ``F = (1/m) Σ_i V_iᵀ V_i`` over the m rows of ``inputs``."""
     factors = per_sample_sqrt_fisher(model, inputs, loss)
     flat = factors.reshape(-1, factors.shape[-1])
-    return flat.T @ flat / inputs.shape[0]
+    return flat.T @ flat / factors.shape[0]
 
 
 def dense_gradient_covariance(
-    model: nn.Module, inputs: Tensor, targets: Tensor, loss: str = "cross_entropy"
+    model: nn.Module,
+    inputs: Tensor | tuple[Tensor, ...],
+    targets: Tensor,
+    loss: str = "cross_entropy",
 ) -> Tensor:
     """The P × P uncentered gradient covariance ``C = (1/m) Σ_i g_i g_iᵀ``."""
     grads = per_sample_gradients(model, inputs, targets, loss)
-    return grads.T @ grads / inputs.shape[0]
+    return grads.T @ grads / grads.shape[0]
 
 
 def parameter_blocks(model: nn.Module) -> list[tuple[str, slice]]:
