@@ -200,7 +200,9 @@ def test_compiled_module_is_measured_as_the_module_it_compiles(one_thread):
     assert first.soft_rank == pytest.approx(second.soft_rank, rel=1e-10)
 
 
-@pytest.mark.parametrize("name", ["functional_cnn", "resnet", "transformer", "vit", "tied_mlp"])
+@pytest.mark.parametrize(
+    "name", ["functional_cnn", "resnet", "transformer", "vit", "tied_mlp", "gpt2"]
+)
 def test_matrix_free_structures_agree_with_the_reference(references, name, one_thread):
     model, inputs, targets, (fisher, _, _, _) = references[name]
     truth = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
@@ -244,7 +246,9 @@ def test_measuring_leaves_the_model_as_found(name):
 # ------------------------------------------------------------------ the regularizer on the zoo
 
 
-@pytest.mark.parametrize("name", ["functional_cnn", "resnet", "transformer", "vit", "tied_mlp"])
+@pytest.mark.parametrize(
+    "name", ["functional_cnn", "resnet", "transformer", "vit", "tied_mlp", "gpt2"]
+)
 def test_penalty_gradient_matches_finite_differences_on_the_zoo(name, one_thread):
     """BatchNorm in training mode (its running statistics are used), Dropout on (switched
     off), dict token batches, class tokens, attention and tied weights: the penalty's gradient
@@ -268,11 +272,16 @@ class ZooClassifier(LightningModule):
         super().__init__()
         self.net = build(name).float().train()
 
-    def forward(self, inputs):
-        return self.net(**inputs) if isinstance(inputs, dict) else self.net(inputs)
+    def forward(self, inputs=None, **features):
+        """A tensor, or (as Hugging Face models take them) keyword features."""
+        return self.net(**features) if features else self.net(inputs)
 
     def training_step(self, batch, _):
-        inputs, targets = (batch.pop("labels"), batch)[::-1] if isinstance(batch, dict) else batch
+        if isinstance(batch, dict):
+            features = dict(batch)
+            targets = features.pop("labels")
+            return torch.nn.functional.cross_entropy(self(**features), targets)
+        inputs, targets = batch
         return torch.nn.functional.cross_entropy(self(inputs), targets)
 
     def validation_step(self, batch, _):
@@ -286,8 +295,8 @@ def _zoo_loaders(name: str):
     inputs, targets = zoo_data(name, 32, seed=3)
     if isinstance(inputs, dict):
         rows = [
-            {"input_ids": ids, "labels": y}
-            for ids, y in zip(inputs["input_ids"], targets, strict=True)
+            {**{key: value[i] for key, value in inputs.items()}, "labels": targets[i]}
+            for i in range(targets.shape[0])
         ]
     else:
         rows = list(zip(inputs.float(), targets, strict=True))
@@ -318,7 +327,7 @@ def _quiet_monitor(**kwargs) -> FlatnessMonitor:
     return FlatnessMonitor(print_summary=False, log_spectrum=False, max_samples=32, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["resnet", "transformer", "vit"])
+@pytest.mark.parametrize("name", ["resnet", "transformer", "vit", "gpt2"])
 def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
     monitor = _quiet_monitor()
     with_monitor = _zoo_fit(name, monitor)
@@ -339,6 +348,8 @@ def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
         ("resnet", "all", "compositional"),
         ("transformer", "all", "compositional"),
         ("vit", "all", "compositional"),
+        ("gpt2", "all", "batched"),
+        ("gpt2", "all", "compositional"),
     ],
 )
 def test_regularized_fit_trains_on_batchnorm_and_token_models(name, params, estimator):

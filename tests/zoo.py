@@ -151,7 +151,9 @@ class TinyGPT2(nn.Module):
     """GPT-2 for sequence classification, written as its library writes it: token and position
     embeddings, a pre-norm block with ``Conv1D`` attention (causal and padding masks) and MLP
     projections, and a bias-free score head read at each sequence's last non-padding token.
-    Takes ``{"input_ids", "attention_mask"}``."""
+    Takes ``{"input_ids", "attention_mask"}``; like the library's mask code, its control flow
+    depends on the data (the padding mask is applied only when some token is padding), which
+    ``vmap`` over samples cannot follow."""
 
     def __init__(self, vocab: int = 11, width: int = 8, heads: int = 2, classes: int = 3) -> None:
         super().__init__()
@@ -173,8 +175,9 @@ class TinyGPT2(nn.Module):
         q, k, v = self.c_attn(self.ln_1(h)).split(h.shape[-1], dim=-1)
         q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-        causal = torch.ones(length, length, dtype=torch.bool, device=h.device).tril()
-        allowed = causal & attention_mask[:, None, None, :].bool()
+        allowed = torch.ones(length, length, dtype=torch.bool, device=h.device).tril()
+        if bool((attention_mask == 0).any()):  # data-dependent, as the library's mask code
+            allowed = allowed & attention_mask[:, None, None, :].bool()
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         attended = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, length, -1)
         h = h + self.attn_proj(attended)

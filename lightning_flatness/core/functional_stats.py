@@ -30,6 +30,7 @@ from torch.func import grad, jacrev, jvp, vjp, vmap
 from lightning_flatness.core.batches import Leaves, LogitsModule, take_rows, unsqueeze_leaves
 from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.likelihoods import LOSSES, OutputCore, get_likelihood
+from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.core.statistics import StatisticSums, output_sums
 
 __all__ = [
@@ -70,6 +71,8 @@ class FunctionalModel:
     def __init__(self, model: LogitsModule) -> None:
         named = dict(model.model.named_parameters())
         self.module = model
+        #: the user's module (the one a per-sample fallback is remembered for)
+        self.user_module = getattr(model, "model", model)
         self.params = {name: p.detach() for name, p in named.items() if p.requires_grad}
         if not self.params:
             raise ValueError(
@@ -141,7 +144,8 @@ class FunctionalModel:
             output = self.logits(params, unsqueeze_leaves(x))
             return likelihood.nll(output, y.unsqueeze(0)).squeeze(0)
 
-        return vmap(grad(sample_loss), in_dims=(None, 0, 0))(self.params, inputs, targets)
+        per_sample = map_samples(grad(sample_loss), (None, 0, 0), self.user_module)
+        return per_sample(self.params, inputs, targets)
 
     def per_sample_jacobians(self, inputs: Leaves) -> dict[str, Tensor]:
         """Jacobians ``J_i = ∂z(x_i)/∂θ`` as ``{name: (B, C, *shape)}``."""
@@ -149,7 +153,7 @@ class FunctionalModel:
         def sample_logits(params: dict[str, Tensor], x: Leaves) -> Tensor:
             return self.logits(params, unsqueeze_leaves(x)).squeeze(0)
 
-        return vmap(jacrev(sample_logits), in_dims=(None, 0))(self.params, inputs)
+        return map_samples(jacrev(sample_logits), (None, 0), self.user_module)(self.params, inputs)
 
     @contextmanager
     def capture_last_layer_input(self) -> Iterator[list[Tensor]]:
@@ -226,7 +230,6 @@ def batch_statistics(
     if not math.isfinite(sums.loss):
         return sums, logits64
     num_params = model.num_parameters
-    core64 = likelihood.fisher_matrices(logits64)
     for rows in _chunks(batch, max(1, chunk_elements // num_params)):
         grads = model.per_sample_gradients(take_rows(inputs, rows), targets[rows], loss)
         sums.grad_norm_sq += _squared_norm(grads.values())
@@ -234,7 +237,8 @@ def batch_statistics(
             for name, view in model.unflatten(grad_sq_sum).items():
                 for row in grads[name]:
                     view.addcmul_(row, row)
-    if trace_estimator == "exact":
+    if trace_estimator == "exact":  # C·P small: the (B, C, C) output Fisher is too
+        core64 = likelihood.fisher_matrices(logits64)
         for rows in _chunks(batch, max(1, chunk_elements // (num_params * classes))):
             jacobians = model.per_sample_jacobians(take_rows(inputs, rows)).values()
             gram = sum(torch.einsum("nc...,nd...->ncd", j, j).to(torch.float64) for j in jacobians)

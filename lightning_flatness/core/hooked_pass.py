@@ -69,6 +69,7 @@ from lightning_flatness.core.layer_rules import (
     weight_squared_norms,
 )
 from lightning_flatness.core.likelihoods import Likelihood
+from lightning_flatness.core.per_sample import map_samples
 
 __all__ = ["COVERAGE", "BatchTerms", "HookedPass", "position_signs"]
 
@@ -563,7 +564,7 @@ class HookedPass:
         with torch.no_grad():
             for start in range(0, cotangents.shape[1], per_chunk):
                 rows = slice(start, min(cotangents.shape[1], start + per_chunk))
-                batched = vmap(one_sample, in_dims=(0, 1), out_dims=1)
+                batched = map_samples(one_sample, (0, 1), self.model.model, out_dims=1)
                 pieces.append(batched(take_rows(inputs, rows), cotangents[:, rows]))
         return {name: torch.cat([p[name] for p in pieces], dim=1) for name in self.fallback}
 

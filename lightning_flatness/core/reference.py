@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call, jacrev
+
+from lightning_flatness.core.per_sample import map_samples
 
 __all__ = [
     "dense_fisher",
@@ -60,7 +62,8 @@ def per_sample_jacobians(model: nn.Module, inputs: Tensor | tuple[Tensor, ...]) 
     def outputs(theta: dict[str, Tensor], x: Tensor) -> Tensor:
         return functional_call(model, theta, _one_sample_args(x)).squeeze(0)
 
-    return _flatten_rows(vmap(jacrev(outputs), in_dims=(None, 0))(params, inputs), leading=2)
+    jacobians = map_samples(jacrev(outputs), (None, 0), model)(params, inputs)
+    return _flatten_rows(jacobians, leading=2)
 
 
 def per_sample_sqrt_fisher(
@@ -87,7 +90,7 @@ def per_sample_sqrt_fisher(
             raise ValueError(f"unknown loss {loss!r}")
         return weights.unsqueeze(-1) * _flatten_rows(grads, leading=1)
 
-    return vmap(one_sample)(inputs)
+    return map_samples(one_sample, (0,), model)(inputs)
 
 
 def _sample_loss(loss: str, logits: Tensor, target: Tensor) -> Tensor:
@@ -116,7 +119,8 @@ def per_sample_gradients(
         logits = functional_call(model, theta, _one_sample_args(x)).squeeze(0)
         return _sample_loss(loss, logits, y)
 
-    grads = vmap(torch.func.grad(sample_loss), in_dims=(None, 0, 0))(params, inputs, targets)
+    per_sample = map_samples(torch.func.grad(sample_loss), (None, 0, 0), model)
+    grads = per_sample(params, inputs, targets)
     return _flatten_rows(grads, leading=1)
 
 

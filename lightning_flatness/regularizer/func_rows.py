@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torch.func import grad, jacrev, vmap
+from torch.func import grad, jacrev
 
 from lightning_flatness.core.batches import (
     Leaves,
@@ -15,6 +15,7 @@ from lightning_flatness.core.batches import (
     unsqueeze_leaves,
 )
 from lightning_flatness.core.likelihoods import Likelihood, get_likelihood
+from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.regularizer.arguments import (
     LabelSpec,
     ParamSpec,
@@ -98,7 +99,7 @@ def func_rows(
             flat = torch.cat([j.reshape(j.shape[0], -1) for j in jac.values()], dim=-1)
             return weight.unsqueeze(-1) * flat  # row c of V_i = A_i J_i: w_c ∇θ s_c
 
-        rows = vmap(weighted_jacobian, in_dims=(None, 0))(selected, leaves)
+        rows = map_samples(weighted_jacobian, (None, 0), wrapped.model)(selected, leaves)
         return rows.reshape(-1, rows.shape[-1])
 
     chosen = targets_for(wrapped, leaves, mode, generator, likelihood)
@@ -106,5 +107,6 @@ def func_rows(
     def log_prob_at(theta: dict[str, Tensor], x: Leaves, target: Tensor) -> Tensor:
         return score(likelihood, mode, logits_of(theta, x), target.unsqueeze(0)).squeeze(0)
 
-    grads = vmap(grad(log_prob_at), in_dims=(None, 0, 0))(selected, leaves, chosen)
+    per_sample = map_samples(grad(log_prob_at), (None, 0, 0), wrapped.model)
+    grads = per_sample(selected, leaves, chosen)
     return torch.cat([g.reshape(batch_size, -1) for g in grads.values()], dim=-1)
