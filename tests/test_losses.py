@@ -15,7 +15,7 @@ from conftest import batches, random_data, tiny_model
 
 from lightning_flatness import measure
 from lightning_flatness.core import reference, spectral
-from lightning_flatness.core.likelihoods import TargetError
+from lightning_flatness.core.likelihoods import TargetError, get_likelihood
 
 LAM = 1e-3
 N_TRAIN = 1000
@@ -199,3 +199,14 @@ def test_targets_that_do_not_fit_the_loss_name_the_fix(loss, targets, match):
 def test_unknown_loss_is_refused():
     with pytest.raises(ValueError, match="loss must be one of"):
         measure(tiny_model("mlp"), [], lam=LAM, num_train_samples=N_TRAIN, loss="hinge")
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "bce", "mse"])
+def test_weight_traces_equal_the_dense_output_fisher_form(loss):
+    """Tr(Wᵀ Λ_i W) without Λ_i (relative flatness at a thousand classes) equals the dense form."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 5, generator=generator, dtype=torch.float64)
+    weight = torch.randn(5, 3, generator=generator, dtype=torch.float64)
+    likelihood = get_likelihood(loss)
+    dense = torch.einsum("ab,nab->n", weight @ weight.T, likelihood.fisher_matrices(logits))
+    torch.testing.assert_close(likelihood.weight_traces(logits, weight), dense)

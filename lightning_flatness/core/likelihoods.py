@@ -219,7 +219,12 @@ class Likelihood(ABC):
 
     @abstractmethod
     def fisher_matrices(self, logits: Tensor) -> Tensor:
-        """``Λ_i`` as dense (B, C, C) matrices (for small C: exact traces, relative flatness)."""
+        """``Λ_i`` as dense (B, C, C) matrices (for small C: exact traces)."""
+
+    @abstractmethod
+    def weight_traces(self, logits: Tensor, weight: Tensor) -> Tensor:
+        """``Tr(Wᵀ Λ_i W)`` per sample (B,) for a (C, d) matrix ``W``, without forming
+        ``Λ_i``: O(B·C·d) (relative flatness at any number of classes)."""
 
     @abstractmethod
     def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
@@ -332,6 +337,11 @@ class CategoricalLikelihood(Likelihood):
         p = torch.softmax(logits.detach(), dim=-1)
         return torch.diag_embed(p) - p.unsqueeze(-1) * p.unsqueeze(-2)
 
+    def weight_traces(self, logits: Tensor, weight: Tensor) -> Tensor:
+        # Tr(Wᵀ (diag p − p pᵀ) W) = Σ_c p_c ‖w_c‖² − ‖Wᵀ p‖²
+        p = torch.softmax(logits.detach(), dim=-1)
+        return p @ weight.square().sum(-1) - (p @ weight).square().sum(-1)
+
     def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
         p = torch.softmax(logits.detach().to(torch.float64), dim=-1)
         onehot = F.one_hot(targets, logits.shape[-1]).to(torch.float64)
@@ -380,6 +390,10 @@ class BernoulliLikelihood(Likelihood):
         sigma = torch.sigmoid(logits.detach())
         return torch.diag_embed(sigma * (1.0 - sigma))
 
+    def weight_traces(self, logits: Tensor, weight: Tensor) -> Tensor:
+        sigma = torch.sigmoid(logits.detach())
+        return (sigma * (1.0 - sigma)) @ weight.square().sum(-1)
+
     def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
         sigma = torch.sigmoid(logits.detach().to(torch.float64))
         y = targets.to(torch.float64)
@@ -420,6 +434,9 @@ class GaussianLikelihood(Likelihood):
     def fisher_matrices(self, logits: Tensor) -> Tensor:
         eye = torch.eye(logits.shape[-1], dtype=logits.dtype, device=logits.device)
         return eye.expand(logits.shape[0], -1, -1)
+
+    def weight_traces(self, logits: Tensor, weight: Tensor) -> Tensor:
+        return weight.square().sum().expand(logits.shape[0])
 
     def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
         return SampleScores(math.nan, math.nan, math.nan)

@@ -90,18 +90,19 @@ def output_sums(
         error=scores.error,
         uncertainty=scores.uncertainty,
         correct=scores.correct,
-        relative_flatness=_relative_flatness_sum(
-            last_layer, features, likelihood.fisher_matrices(logits)
-        ),
+        relative_flatness=_relative_flatness_sum(likelihood, logits, last_layer, features),
     )
 
 
-def _relative_flatness_sum(layer: nn.Module | None, features: Tensor | None, core: Tensor) -> float:
+def _relative_flatness_sum(
+    likelihood: Likelihood, logits: Tensor, layer: nn.Module | None, features: Tensor | None
+) -> float:
     """``Σ_i ‖φ_i‖² Tr(W Wᵀ Λ_i)`` for the last linear layer (docs/math.md, "Relative
-    flatness"), if it produces the outputs; NaN otherwise."""
-    if not isinstance(layer, nn.Linear) or features is None or layer.out_features != core.shape[-1]:
+    flatness"), if it produces the outputs; NaN otherwise. O(B·C·d): ``Λ_i`` is never formed."""
+    classes = logits.shape[-1]
+    if not isinstance(layer, nn.Linear) or features is None or layer.out_features != classes:
         return math.nan
-    features = features.to(torch.float64).reshape(core.shape[0], -1)
+    features = features.to(torch.float64).reshape(logits.shape[0], -1)
     weight = layer.weight.detach().to(torch.float64)
-    gram = weight @ weight.T
-    return float((features.square().sum(-1) * torch.einsum("ab,nab->n", gram, core)).sum())
+    traces = likelihood.weight_traces(logits, weight)
+    return float((features.square().sum(-1) * traces).sum())

@@ -530,4 +530,5 @@ class MatrixFreeBackend(Backend):
             kfac=self.kfac,
             max_steps=settings.cg_steps,
             tol=settings.cg_tol,
+            dtype=functional.dtype,
         )
