@@ -31,7 +31,7 @@ Batches, model calls and outputs are read by :mod:`lightning_flatness.core.batch
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,7 @@ from lightning_flatness.core.batches import (
     prepared_batches,
     wrap_for_batches,
 )
+from lightning_flatness.core.decay import DECAY_STRUCTURES, ParameterDecay, resolve_decay
 from lightning_flatness.core.defaults import AUTO, choose_structure
 from lightning_flatness.core.failures import MeasurementError
 from lightning_flatness.core.likelihoods import get_likelihood
@@ -62,7 +63,7 @@ def measure(
     model: nn.Module,
     train_batches: Iterable,
     *,
-    lam: float,
+    lam: float | Mapping[str, float],
     num_train_samples: int,
     structure: str = "auto",
     val_batches: Iterable | None = None,
@@ -90,7 +91,11 @@ def measure(
         train_batches: iterable of training batches, ``(inputs, targets, ...)`` or mappings
             (see ``unpack_batch``); all are used (up to ``max_samples``), since the soft rank is
             biased low on subsets. Inputs may be a tensor, a tuple or a dict of tensors.
-        lam: the coupled L2 weight decay λ > 0 of the objective ``mean loss + ½λ‖θ‖²``.
+        lam: the coupled L2 weight decay λ > 0 of the objective ``mean loss + ½λ‖θ‖²``; or
+            ``{parameter name: λ_j ≥ 0}`` for per-group decay (objective
+            ``mean loss + ½ Σ_j λ_j‖θ_j‖²``, soft rank ``Tr(F(F+D)⁻¹)``;
+            :mod:`lightning_flatness.core.decay`), measured by ``probe_kernel``, ``kfac``,
+            ``diag`` and ``diag_mc``; the report's ``lam`` is then the largest λ_j.
         num_train_samples: n, the size of the training set (scales the predicted gap).
         structure: ``"auto"`` (default: ``"probe_kernel"`` where it fits, else ``"cg"``;
             :mod:`lightning_flatness.core.defaults`), ``"probe_kernel"`` (the whole Fisher's
@@ -148,7 +153,8 @@ def measure(
         UnsupportedModelError: a layer BackPACK cannot handle, for ``dense`` and ``gram``
             (names the module type).
     """
-    lam = check_lam(lam)
+    decay = resolve_decay(lam)
+    lam = decay.representative if isinstance(decay, ParameterDecay) else check_lam(decay)
     if int(num_train_samples) < 1:
         raise ValueError(
             f"num_train_samples (n, the training-set size) must be ≥ 1, got {num_train_samples!r}."
@@ -162,6 +168,12 @@ def measure(
         seen = min(int(num_train_samples), int(max_samples or num_train_samples))
         summable = all_reduce is not None
         structure = choose_structure(trainable, seen, kernel, summable=summable).structure
+    if isinstance(decay, ParameterDecay) and structure not in DECAY_STRUCTURES:
+        raise ValueError(
+            f"structure={structure!r} measures one weight decay; the parameters have several "
+            f"({decay.describe()}). Per-group decay D is measured by {DECAY_STRUCTURES}; pass "
+            "one of them, or lam=<one λ>."
+        )
     options = structure_options(
         structure,
         trace_estimator=trace_estimator,
@@ -191,6 +203,7 @@ def measure(
             repeatable_train_batches=train_batches,
             max_samples=max_samples,
             shard=shard,
+            decay=decay if isinstance(decay, ParameterDecay) else None,
         )
         curvature, train_sums, val_sums = run_pipeline(
             backend,

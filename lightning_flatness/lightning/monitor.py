@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_flatness.core.batches import LogitsFn, UnpackBatch
 from lightning_flatness.core.checks import check_choice, check_count
 from lightning_flatness.core.curvature import describe_coverage
+from lightning_flatness.core.decay import DECAY_STRUCTURES, ParameterDecay
 from lightning_flatness.core.defaults import AUTO, choose_structure
 from lightning_flatness.core.failures import UnsupportedModelError
 from lightning_flatness.core.likelihoods import LOSSES
@@ -399,13 +400,33 @@ class FlatnessMonitor(Callback):
 
     # ------------------------------------------------------------------ setup
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
+        self.resolved_lam = resolve_lam(trainer.optimizers, self.lam, pl_module)
+        if isinstance(self.resolved_lam, ParameterDecay):
+            rank_zero_info(
+                "FlatnessMonitor: the optimizer's groups decay differently "
+                f"({self.resolved_lam.describe()}); the soft rank is Tr(F(F+D)⁻¹) with "
+                "D = diag(λ_j), and a group without decay counts each Fisher direction it "
+                "carries (lam= sets one λ instead)."
+            )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._resolve(trainer)
         if not self._checked:
             self._checked = True
             self._check_configuration(trainer, pl_module)
+            decay = self.resolved_lam
+            if isinstance(decay, ParameterDecay) and self.structure not in (
+                AUTO,
+                *DECAY_STRUCTURES,
+            ):
+                self._refuse(
+                    pl_module,
+                    ValueError(
+                        f"structure={self.structure!r} measures one weight decay, but the "
+                        f"optimizer's groups decay differently ({decay.describe()}). Use one "
+                        f"of {DECAY_STRUCTURES}, or pass lam=<one λ>."
+                    ),
+                )
             if self.structure == AUTO and self.disabled_reason is None:
                 self._choose_structure(trainer, pl_module)
             if self.regularizer is not None and self.disabled_reason is not None:
@@ -418,6 +439,7 @@ class FlatnessMonitor(Callback):
             self.lam,
             self.num_train_samples,
             (self.resolved_lam, self.resolved_num_train_samples),
+            trainer.lightning_module,
         )
 
     def _choose_structure(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -440,6 +462,15 @@ class FlatnessMonitor(Callback):
         if samples is not None and trainer.world_size > 1:
             samples = math.ceil(samples / trainer.world_size)
         choice = choose_structure(trainable, samples, options, summable=trainer.world_size > 1)
+        if isinstance(self.resolved_lam, ParameterDecay) and choice.structure not in (
+            DECAY_STRUCTURES
+        ):
+            raise ValueError(
+                f"FlatnessMonitor: structure='auto' measures {choice.reason}, which needs one "
+                f"weight decay, but the optimizer's groups decay differently "
+                f"({self.resolved_lam.describe()}). Pass lam=<one λ>, or measure fewer samples "
+                "(max_samples=) so that probe_kernel fits."
+            )
         self._active_structure = choice.structure
         rank_zero_info(f"FlatnessMonitor: structure='auto' measures {choice.reason}.")
 
@@ -625,7 +656,7 @@ class FlatnessMonitor(Callback):
             return measure(
                 pl_module,
                 train_batches,
-                lam=self.resolved_lam,
+                lam=self._lam_argument(),
                 num_train_samples=self.resolved_num_train_samples,
                 structure=self._active_structure,
                 val_batches=val_batches,
@@ -639,6 +670,12 @@ class FlatnessMonitor(Callback):
                 logits_fn=self.logits_fn,
                 **self.measure_kwargs,
             )
+
+    def _lam_argument(self) -> float | dict[str, float]:
+        """λ for :func:`measure`: one value, or each parameter's (per-group decay)."""
+        if isinstance(self.resolved_lam, ParameterDecay):
+            return self.resolved_lam.decays
+        return self.resolved_lam
 
     def _measure(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
         """One measurement as a plain dict; NaN (and a warning) if it fails."""
@@ -662,9 +699,10 @@ class FlatnessMonitor(Callback):
                 f"FlatnessMonitor: the measurement at epoch {trainer.current_epoch} failed and "
                 f"is recorded as NaN ({type(error).__name__}: {error})"
             )
+            lam = self.resolved_lam
             report = FlatnessReport.failed(
                 self._active_structure,
-                self.resolved_lam,
+                lam.representative if isinstance(lam, ParameterDecay) else lam,
                 self.resolved_num_train_samples or 0,
             )
         self._last_report = report

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, Subset
 
+from lightning_flatness.core.decay import ParameterDecay
+
 __all__ = [
     "LambdaResolutionError",
     "all_dataloaders",
@@ -36,13 +38,20 @@ class LambdaResolutionError(ValueError):
     """λ cannot be read from the optimizer; the message says to pass ``lam=``."""
 
 
-def resolve_lam(optimizers: Sequence[torch.optim.Optimizer], explicit: float | None) -> float:
-    """λ for the soft rank: ``explicit`` if given, else the optimizers' coupled weight decay.
+def resolve_lam(
+    optimizers: Sequence[torch.optim.Optimizer],
+    explicit: float | None,
+    module: torch.nn.Module | None = None,
+) -> float | ParameterDecay:
+    """λ for the soft rank: ``explicit`` if given, else the optimizers' coupled weight decay;
+    when the parameter groups decay differently (no decay on biases and norms), the decay of
+    each of ``module``'s trainable parameters (:class:`ParameterDecay`, soft rank
+    ``Tr(F(F+D)⁻¹)``).
 
     Raises:
-        LambdaResolutionError: no optimizer, decoupled decay (AdamW), ``weight_decay=0``, or
-            different decays across parameter groups; each message names the value and says to
-            pass ``FlatnessMonitor(lam=...)``.
+        LambdaResolutionError: no optimizer, decoupled decay (AdamW), ``weight_decay=0`` on
+            every group, or different decays across groups without a ``module`` to name them;
+            each message names the value and says to pass ``FlatnessMonitor(lam=...)``.
     """
     if explicit is not None:
         return float(explicit)
@@ -50,6 +59,7 @@ def resolve_lam(optimizers: Sequence[torch.optim.Optimizer], explicit: float | N
     if not optimizers:
         raise LambdaResolutionError(f"The trainer has no optimizer to read λ from. {fix}")
     decays = set()
+    by_parameter: dict[int, float] = {}
     for optimizer in optimizers:
         name = type(optimizer).__name__
         groups = [group.get("weight_decay", 0.0) for group in optimizer.param_groups]
@@ -64,11 +74,16 @@ def resolve_lam(optimizers: Sequence[torch.optim.Optimizer], explicit: float | N
                 f"Cannot tell whether {name}'s weight_decay is a coupled L2 term. {fix}"
             )
         decays.update(float(decay) for decay in groups)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                by_parameter[id(param)] = float(group.get("weight_decay", 0.0))
     if len(decays) > 1:
-        raise LambdaResolutionError(
-            f"The parameter groups use different weight decays {sorted(decays)}; the soft rank "
-            f"needs one λ. {fix}"
-        )
+        if module is None:
+            raise LambdaResolutionError(
+                f"The parameter groups use different weight decays {sorted(decays)}; this "
+                f"needs one λ. {fix}"
+            )
+        return _parameter_decay(module, by_parameter, fix)
     (lam,) = decays
     if lam <= 0.0:
         raise LambdaResolutionError(
@@ -140,6 +155,27 @@ def dataset_length(loader: DataLoader | None) -> int | None:
         return None
 
 
+def _parameter_decay(
+    module: torch.nn.Module, by_parameter: dict[int, float], fix: str
+) -> ParameterDecay:
+    """The decay of each trainable parameter of ``module`` by name (frozen ones are not
+    measured); a trainable parameter no optimizer holds has no decay to read."""
+    decays = {}
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        if id(param) not in by_parameter:
+            raise LambdaResolutionError(
+                f"The trainable parameter {name!r} is in no optimizer group, so its weight "
+                f"decay is unknown. {fix}"
+            )
+        decays[name] = by_parameter[id(param)]
+    try:
+        return ParameterDecay(decays)
+    except ValueError as error:
+        raise LambdaResolutionError(f"{error} {fix}") from error
+
+
 def resolve_num_train_samples(loader: DataLoader | None, explicit: int | None) -> int:
     """n, the global training-set size: ``explicit``, else ``len(loader.dataset)`` (an iterable
     dataset's ``__len__`` included).
@@ -198,14 +234,16 @@ def resolve_missing(
     trainer: Any,
     lam: float | None,
     num_train_samples: int | None,
-    resolved: tuple[float | None, int | None],
-) -> tuple[float, int]:
+    resolved: tuple[float | ParameterDecay | None, int | None],
+    module: torch.nn.Module | None = None,
+) -> tuple[float | ParameterDecay, int]:
     """``resolved`` = (λ, n) with what is still None read off ``trainer``: λ from its optimizers
     (:func:`resolve_lam`, ``lam`` if given), n from its training dataloader
-    (:func:`resolve_num_train_samples`, ``num_train_samples`` if given)."""
+    (:func:`resolve_num_train_samples`, ``num_train_samples`` if given). With ``module``,
+    per-group decays are read as a :class:`ParameterDecay`."""
     known_lam, known_n = resolved
     if known_lam is None:
-        known_lam = resolve_lam(trainer.optimizers, lam)
+        known_lam = resolve_lam(trainer.optimizers, lam, module)
     if known_n is None:
         known_n = resolve_num_train_samples(
             first_dataloader(trainer.train_dataloader), num_train_samples

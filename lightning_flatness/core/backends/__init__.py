@@ -13,6 +13,7 @@ from torch import Tensor
 from lightning_flatness.core.backends.hooks import HookBackend
 from lightning_flatness.core.backends.matrix_free import MatrixFreeBackend
 from lightning_flatness.core.batches import LogitsModule, UnpackBatch
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.options import (
     HOOK_STRUCTURES,
     MATRIX_FREE_STRUCTURES,
@@ -35,9 +36,11 @@ def make_backend(
     repeatable_train_batches: Iterable,
     max_samples: int | None,
     shard: tuple[int, int] | None = None,
+    decay: ParameterDecay | None = None,
 ) -> Backend:
     """The backend that measures ``structure`` with its validated ``options``
-    (:func:`~lightning_flatness.core.options.structure_options`; the rest as for ``measure()``)."""
+    (:func:`~lightning_flatness.core.options.structure_options`; the rest as for ``measure()``;
+    ``decay``: per-parameter weight decays, layer-hook structures only)."""
     if structure in MATRIX_FREE_STRUCTURES:
         return MatrixFreeBackend(
             model,
@@ -53,7 +56,14 @@ def make_backend(
     if structure in HOOK_STRUCTURES:
         summable = all_reduce is not None
         return HookBackend(
-            model, structure, options, loss=loss, seed=seed, summable=summable, shard=shard
+            model,
+            structure,
+            options,
+            loss=loss,
+            seed=seed,
+            summable=summable,
+            shard=shard,
+            decay=decay,
         )
     # BackPACK is imported only when one of its structures is measured.
     from lightning_flatness.core.backpack.backend import BackpackBackend

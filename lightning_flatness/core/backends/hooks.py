@@ -25,8 +25,9 @@ from lightning_flatness.core.curvature.base import CurvatureAccumulator, Curvatu
 from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import check_finite_loss
-from lightning_flatness.core.hooked_pass import HookedPass
+from lightning_flatness.core.hooked_pass import BatchTerms, HookedPass
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.options import DiagOptions, KernelOptions, KFACOptions
@@ -52,6 +53,9 @@ class HookBackend(Backend):
         shard: ``(rank, world_size)`` when this process measures every world_size-th sample of
             the measured set from ``rank`` on (its probes are then those one process would draw;
             :class:`~lightning_flatness.core.hooked_pass.HookedPass`).
+        decay: per-parameter weight decays ``D``: the rows are scaled by ``λ_j^{-1/2}`` and the
+            estimate is taken at λ = 1, which is ``Tr(F(F+D)⁻¹)``
+            (:mod:`~lightning_flatness.core.decay`).
     """
 
     def __init__(
@@ -64,8 +68,10 @@ class HookBackend(Backend):
         seed: int,
         summable: bool = False,
         shard: tuple[int, int] | None = None,
+        decay: ParameterDecay | None = None,
     ) -> None:
         self.model = model
+        self.decay = decay
         self.structure = structure
         self.likelihood = get_likelihood(loss)
         if isinstance(options, KernelOptions):
@@ -131,6 +137,8 @@ class HookBackend(Backend):
             self.estimator.check_batch(logits.shape[0])
         terms = hooked.terms(logits, targets, inputs, curvature=training)
         sums.grad_norm_sq, sums.fisher_trace = terms.grad_norm_sq, terms.fisher_trace
+        if training and self.decay is not None:
+            _scale_terms(terms, self.decay)
         if training and isinstance(self.estimator, ProbeKernelFisher):
             self.estimator.add(torch.cat([terms.rows[n] for n in self.hooked.names], dim=-1))
         elif training:
@@ -161,10 +169,24 @@ class HookBackend(Backend):
         return self.estimator.summable_states() if self.estimator is not None else []
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        curvature = self.estimator.estimate(num_samples, lam)
+        """The estimate at ``lam``; with per-parameter decays, of the scaled Fisher at λ = 1."""
+        curvature = self.estimator.estimate(num_samples, 1.0 if self.decay else lam)
         if not isinstance(self.estimator, ProbeKernelFisher):  # block structures say how
             curvature.coverage = self.hooked.coverage()
         curvature.rank_bound = self.likelihood.fisher_rank_bound(
             self.num_parameters, num_samples, self.num_outputs or 0
         )
         return curvature
+
+
+def _scale_terms(terms: BatchTerms, decay: ParameterDecay) -> None:
+    """Scale one batch's Fisher terms to those of ``D^{-1/2} F D^{-1/2}``: rows by
+    ``λ_j^{-1/2}``, blocks, diagonals and the Kronecker ``G`` factor by ``1/λ_j`` (and the
+    diagonal of C alike, so the diagonal TIC ``Σ C_kk/(F_kk + λ_k)`` is unchanged)."""
+    for name, rows in terms.rows.items():
+        terms.rows[name] = decay.scale_rows(name, rows)
+    for name, (g, a) in terms.kronecker.items():
+        terms.kronecker[name] = (g * decay.scale(name), a)
+    for table in (terms.blocks, terms.diagonal, terms.cov_diagonal):
+        for name, value in table.items():
+            table[name] = value * decay.scale(name)

@@ -1,0 +1,97 @@
+"""Per-group weight decay: the soft rank ``Tr(F(F+D)⁻¹)`` with ``D = diag(λ_j)``.
+
+Optimizers usually decay some parameter groups and not others (no decay on biases and norm
+weights, as Hugging Face and timm scripts do). The objective is then
+``mean loss + ½ Σ_j λ_j‖θ_j‖²``, its Hessian at a minimum is ``F + D`` and the soft rank is
+``Tr(F(F+D)⁻¹)`` (docs/math.md, "Per-group weight decay"). With ``S = D^{-1/2}``,
+
+    Tr(F(F+D)⁻¹) = Tr(F̃(F̃+I)⁻¹),   F̃ = S F S,
+
+the soft rank at λ = 1 of the Fisher whose per-sample gradient rows are scaled by
+``λ_j^{-1/2}`` — the Fisher of the model in the coordinates ``φ_j = √λ_j θ_j``. So every
+layer-hook structure measures it by scaling its rows (its Kronecker ``G`` factors, blocks and
+diagonals by ``1/λ_j``) and estimating at λ = 1; rank⁽²⁾ and the log-det
+``½ log det(I + F D⁻¹)`` follow the same way.
+
+A trainable group without decay (λ_j = 0) counts each Fisher direction it carries (the limit
+λ_j → 0); it is measured at ``λ_j = ZERO_DECAY_FRACTION × (the smallest positive λ)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from torch import Tensor
+
+__all__ = [
+    "DECAY_STRUCTURES",
+    "ZERO_DECAY_FRACTION",
+    "ParameterDecay",
+    "resolve_decay",
+]
+
+#: the structures that measure ``Tr(F(F+D)⁻¹)`` with a per-parameter ``D``
+DECAY_STRUCTURES = ("probe_kernel", "kfac", "diag", "diag_mc")
+#: a trainable group without decay is measured at this fraction of the smallest positive λ
+ZERO_DECAY_FRACTION = 1e-6
+
+
+class ParameterDecay:
+    """``λ_j`` of each measured parameter (by its name in ``model.named_parameters()``).
+
+    Args:
+        decays: ``{parameter name: λ ≥ 0}``, at least one positive.
+    """
+
+    def __init__(self, decays: Mapping[str, float]) -> None:
+        values = {name: float(value) for name, value in decays.items()}
+        bad = {n: v for n, v in values.items() if not (math.isfinite(v) and v >= 0.0)}
+        if bad:
+            raise ValueError(
+                f"Per-parameter weight decays must be finite and ≥ 0; got {bad}. Pass the "
+                "coupled L2 decay of each parameter group (0 for groups without decay)."
+            )
+        positive = [v for v in values.values() if v > 0]
+        if not positive:
+            raise ValueError(
+                "Every parameter group has weight_decay 0: the soft rank needs λ > 0 on at "
+                "least one group (with λ = 0 everywhere it is the plain rank of F). Pass lam=... "
+                "with the coupled L2 weight decay of your objective."
+            )
+        self.decays = values
+        floor = ZERO_DECAY_FRACTION * min(positive)
+        self.effective = {n: (v if v > 0 else floor) for n, v in values.items()}
+
+    @property
+    def representative(self) -> float:
+        """The largest λ_j: the report's ``lam`` (the decay of the decayed groups in the usual
+        decay / no-decay split)."""
+        return max(self.decays.values())
+
+    def describe(self) -> str:
+        """The groups, e.g. ``λ = 0.01 on 12 parameters, 0 on 8``."""
+        counts: dict[float, int] = {}
+        for value in self.decays.values():
+            counts[value] = counts.get(value, 0) + 1
+        parts = [f"{value:g} on {count}" for value, count in sorted(counts.items(), reverse=True)]
+        return "λ = " + ", ".join(parts) + " parameter tensors"
+
+    def scale(self, name: str) -> float:
+        """``1/λ_j`` for the parameter ``name`` (a measured parameter missing here: 1/λ_max)."""
+        return 1.0 / self.effective.get(name, self.representative)
+
+    def scale_rows(self, name: str, rows: Tensor) -> Tensor:
+        """Per-sample gradient rows of ``name`` scaled by ``λ_j^{-1/2}``."""
+        return rows * math.sqrt(self.scale(name))
+
+
+def resolve_decay(lam: float | Mapping[str, float]) -> float | ParameterDecay:
+    """``lam`` as one λ, or a :class:`ParameterDecay` when the decays differ between
+    parameters (a mapping whose values all agree is one λ)."""
+    if not isinstance(lam, Mapping):
+        return lam
+    values = {float(v) for v in lam.values()}
+    if len(values) == 1:
+        return values.pop()
+    return ParameterDecay(lam)

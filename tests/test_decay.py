@@ -1,0 +1,181 @@
+"""Per-group weight decay: Tr(F(F+D)⁻¹) with D = diag(λ_j), against the dense reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import batches, random_data, tiny_model
+from lightning.pytorch import Trainer
+
+from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.decay import ParameterDecay
+from lightning_flatness.lightning.trainer_facts import resolve_lam
+
+LAM = 1e-2
+
+
+def _decays(model, bias_decay: float) -> dict[str, float]:
+    """λ on weights, ``bias_decay`` on biases (the usual no-decay group when 0)."""
+    return {
+        name: (bias_decay if name.endswith("bias") else LAM) for name, p in model.named_parameters()
+    }
+
+
+def _exact(model, inputs, decays: dict[str, float]) -> spectral.SpectralSummary:
+    """Tr(F(F+D)⁻¹) as the λ = 1 summary of D^{-1/2} F D^{-1/2} (dense, float64)."""
+    fisher = reference.dense_fisher(model, inputs)
+    effective = ParameterDecay(decays).effective
+    scale = torch.cat(
+        [
+            torch.full((p.numel(),), effective[name] ** -0.5, dtype=torch.float64)
+            for name, p in model.named_parameters()
+        ]
+    )
+    whitened = scale[:, None] * fisher * scale[None, :]
+    return spectral.spectral_summary(spectral.psd_eigenvalues(whitened), 1.0)
+
+
+@pytest.mark.parametrize("architecture", ["mlp", "cnn"])
+@pytest.mark.parametrize("bias_decay", [0.0, 1e-3])
+@pytest.mark.parametrize("batch_size", [1, 7])
+def test_probe_kernel_exact_rows_give_the_generalised_soft_rank(
+    architecture, bias_decay, batch_size, one_thread
+):
+    model = tiny_model(architecture)
+    inputs, targets = random_data(24)
+    decays = _decays(model, bias_decay)
+    report = measure(
+        model,
+        batches(inputs, targets, batch_size),
+        lam=decays,
+        num_train_samples=100,
+        structure="probe_kernel",
+        kernel_options={"probes": 10, "groups": 1},  # 10 classes: the exact rows
+    )
+    expected = _exact(model, inputs, decays)
+    assert report.soft_rank == pytest.approx(expected.soft_rank, rel=1e-7)
+    assert report.logdet == pytest.approx(expected.logdet, rel=1e-7)
+    assert report.lam == LAM
+
+
+def test_diag_is_the_exact_generalised_diagonal_soft_rank(one_thread):
+    model = tiny_model("mlp")
+    inputs, targets = random_data(20)
+    decays = _decays(model, 1e-4)
+    report = measure(
+        model, batches(inputs, targets, 6), lam=decays, num_train_samples=100, structure="diag"
+    )
+    diagonal = reference.dense_fisher(model, inputs).diagonal()
+    lam = torch.cat(
+        [
+            torch.full((p.numel(),), decays[n], dtype=torch.float64)
+            for n, p in model.named_parameters()
+        ]
+    )
+    assert report.soft_rank == pytest.approx(float((diagonal / (diagonal + lam)).sum()), rel=1e-9)
+
+
+def test_kfac_blocks_use_their_own_decay(one_thread):
+    """The exact bias blocks of kfac at their group's λ, against the dense blocks."""
+    model = tiny_model("mlp")
+    inputs, targets = random_data(20)
+    decays = _decays(model, 1e-4)
+    report = measure(
+        model, batches(inputs, targets, 5), lam=decays, num_train_samples=100, structure="kfac"
+    )
+    fisher = reference.dense_fisher(model, inputs)
+    start = 0
+    for name, param in model.named_parameters():
+        block = fisher[start : start + param.numel(), start : start + param.numel()]
+        start += param.numel()
+        if name.endswith("bias"):
+            expected = spectral.soft_rank(spectral.psd_eigenvalues(block), decays[name])
+            assert report.blocks[name].soft_rank == pytest.approx(expected, rel=1e-8), name
+
+
+def test_one_decay_for_all_is_the_plain_soft_rank_and_zero_decay_counts_directions(one_thread):
+    model = tiny_model("mlp")
+    inputs, targets = random_data(20)
+    data = batches(inputs, targets, 7)
+    plain = measure(model, data, lam=LAM, num_train_samples=100)
+    same = measure(model, data, lam=_decays(model, LAM), num_train_samples=100)
+    assert same.soft_rank == plain.soft_rank
+    free_biases = measure(model, data, lam=_decays(model, 0.0), num_train_samples=100)
+    assert free_biases.soft_rank > plain.soft_rank
+
+
+def test_structures_without_per_group_decay_say_which_have_it():
+    model = tiny_model("mlp")
+    inputs, targets = random_data(8)
+    with pytest.raises(ValueError, match="probe_kernel"):
+        measure(
+            model,
+            batches(inputs, targets, 4),
+            lam=_decays(model, 0.0),
+            num_train_samples=100,
+            structure="lanczos",
+        )
+    with pytest.raises(ValueError, match="weight_decay 0"):
+        ParameterDecay({"a": 0.0, "b": 0.0})
+
+
+def _grouped(model, decay: float, bias_decay: float) -> torch.optim.Optimizer:
+    weights = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return torch.optim.Adam(
+        [
+            {"params": weights, "weight_decay": decay},
+            {"params": biases, "weight_decay": bias_decay},
+        ],
+        lr=1e-3,
+    )
+
+
+def test_optimizer_groups_give_per_parameter_decays():
+    model = tiny_model("mlp")
+    resolved = resolve_lam([_grouped(model, 1e-3, 0.0)], None, model)
+    assert isinstance(resolved, ParameterDecay)
+    assert resolved.decays == _decays(model, 0.0) | {
+        n: 1e-3 for n in resolved.decays if not n.endswith("bias")
+    }
+    assert resolve_lam([_grouped(model, 1e-3, 1e-3)], None, model) == 1e-3
+    assert resolve_lam([_grouped(model, 1e-3, 0.0)], 5e-4, model) == 5e-4  # explicit wins
+
+
+class GroupedClassifier(FlatnessClassifier):
+    def configure_optimizers(self):
+        return _grouped(self, 1e-3, 0.0)
+
+
+def test_a_fit_with_no_decay_groups_is_measured(tmp_path):
+    monitor = FlatnessMonitor(print_summary=False, max_samples=64)
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = MNIST7DataModule(train_size=128, val_size=64, batch_size=32)
+    trainer.fit(GroupedClassifier(architecture="mlp"), data)
+    record = monitor.history[-1]
+    assert record["lam"] == 1e-3
+    assert record["soft_rank"] > 0 and record["predicted_gap"] > 0
+
+
+def test_a_structure_without_per_group_decay_is_refused_at_fit_start(tmp_path):
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        callbacks=[FlatnessMonitor(structure="lanczos", print_summary=False)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
+    with pytest.raises(ValueError, match=r"structure='lanczos'.*lam="):
+        trainer.fit(GroupedClassifier(architecture="mlp"), data)
