@@ -240,7 +240,7 @@ def test_measuring_leaves_the_model_as_found(name):
     for key, value in model.state_dict().items():
         assert torch.equal(value, state[key]), key
     assert all(p.grad is None for p in model.parameters())
-    assert torch.backends.mha.get_fastpath_enabled()
+    assert torch.backends.mha.get_fastpath_enabled() and torch.backends.mkldnn.enabled
 
 
 # ------------------------------------------------------------------ the regularizer on the zoo
@@ -299,7 +299,8 @@ def _zoo_loaders(name: str):
             for i in range(targets.shape[0])
         ]
     else:
-        rows = list(zip(inputs.float(), targets, strict=True))
+        inputs = inputs.float() if inputs.is_floating_point() else inputs
+        rows = list(zip(inputs, targets, strict=True))
     generator = torch.Generator().manual_seed(0)
     return DataLoader(rows, batch_size=8, shuffle=True, generator=generator), DataLoader(
         rows[:16], batch_size=8
@@ -327,7 +328,7 @@ def _quiet_monitor(**kwargs) -> FlatnessMonitor:
     return FlatnessMonitor(print_summary=False, log_spectrum=False, max_samples=32, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["resnet", "transformer", "vit", "gpt2"])
+@pytest.mark.parametrize("name", ["resnet", "transformer", "vit", "gpt2", "lstm"])
 def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
     monitor = _quiet_monitor()
     with_monitor = _zoo_fit(name, monitor)
@@ -350,6 +351,8 @@ def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
         ("vit", "all", "compositional"),
         ("gpt2", "all", "batched"),
         ("gpt2", "all", "compositional"),
+        ("lstm", "all", "batched"),
+        ("lstm", "all", "compositional"),
     ],
 )
 def test_regularized_fit_trains_on_batchnorm_and_token_models(name, params, estimator):

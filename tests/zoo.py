@@ -187,6 +187,21 @@ class TinyGPT2(nn.Module):
         return logits[torch.arange(batch, device=h.device), last]
 
 
+class RecurrentClassifier(nn.Module):
+    """Token classifier: embedding, a two-layer bidirectional ``nn.LSTM`` (batch first), and a
+    head on the last time step (PyTorch's fused recurrent kernel)."""
+
+    def __init__(self, vocab: int = 11, width: int = 4, hidden: int = 3, classes: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.rnn = nn.LSTM(width, hidden, num_layers=2, batch_first=True, bidirectional=True)
+        self.head = nn.Linear(2 * hidden, classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        out, _ = self.rnn(self.embed(tokens))
+        return self.head(out[:, -1])
+
+
 def _images(n: int, size: int, generator: torch.Generator) -> Tensor:
     return torch.randn(n, 1, size, size, generator=generator, dtype=torch.float64)
 
@@ -218,6 +233,7 @@ def build(name: str, seed: int = 0) -> nn.Module:
         "vit": TinyViT,
         "tied_mlp": lambda: TiedMLP(features=49),
         "gpt2": TinyGPT2,
+        "lstm": RecurrentClassifier,
     }[name]().double()
     if name == "resnet":
         generator = torch.Generator().manual_seed(seed + 7)
@@ -234,6 +250,8 @@ def zoo_data(name: str, n: int, seed: int = 1) -> tuple[object, Tensor]:
         ids = _tokens(n, generator)
         inputs = {"input_ids": ids, "attention_mask": (ids != 0).long()}
         return inputs, torch.randint(0, 3, (n,), generator=generator)
+    if name == "lstm":
+        return _tokens(n, generator), torch.randint(0, 3, (n,), generator=generator)
     classes = {"functional_cnn": 5, "resnet": 4}.get(name, 3)
     if name in ("tied_mlp", "compiled"):
         inputs = torch.randn(n, 49, generator=generator, dtype=torch.float64)
@@ -242,4 +260,4 @@ def zoo_data(name: str, n: int, seed: int = 1) -> tuple[object, Tensor]:
     return inputs, torch.randint(0, classes, (n,), generator=generator)
 
 
-ZOO = ("functional_cnn", "resnet", "transformer", "vit", "tied_mlp", "compiled", "gpt2")
+ZOO = ("functional_cnn", "resnet", "transformer", "vit", "tied_mlp", "compiled", "gpt2", "lstm")

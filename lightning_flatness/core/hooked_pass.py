@@ -564,7 +564,9 @@ class HookedPass:
         with torch.no_grad():
             for start in range(0, cotangents.shape[1], per_chunk):
                 rows = slice(start, min(cotangents.shape[1], start + per_chunk))
-                batched = map_samples(one_sample, (0, 1), self.model.model, out_dims=1)
+                batched = map_samples(
+                    one_sample, (0, 1), self.model.model, out_dims=1, any_error=True
+                )
                 pieces.append(batched(take_rows(inputs, rows), cotangents[:, rows]))
         return {name: torch.cat([p[name] for p in pieces], dim=1) for name in self.fallback}
 
@@ -712,7 +714,7 @@ def _samples_dimension(
     cotangents vanish outside their sample; 0 when both do (the check decides); None when
     neither does: the layer's output is shared by the samples (position embeddings looked up
     without a batch dimension), and no split of its gradient is a per-sample one."""
-    if isinstance(rule.module, nn.MultiheadAttention):
+    if isinstance(rule.module, (nn.MultiheadAttention, nn.RNNBase)):
         return 0 if rule.module.batch_first else 1
     if not grads:
         return 0

@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
+from lightning_flatness.core.per_sample import map_samples
+
 __all__ = [
     "KroneckerRule",
     "LayerCall",
@@ -350,16 +352,19 @@ class LocalRule(Rule):
 
     @property
     def _sequence_first(self) -> bool:
-        """Query, key, value and output carry the samples on dimension 1."""
-        return isinstance(self.module, nn.MultiheadAttention) and not self.module.batch_first
+        """The output carries the samples on dimension 1 (and so do an attention's query, key
+        and value, and a recurrent layer's input and state)."""
+        return self.batch_dim == 1
 
     def _batch_dims(self, call: LayerCall, batch: int) -> tuple[tuple, dict]:
         seq_first = self._sequence_first
+        attention = isinstance(self.module, nn.MultiheadAttention)
 
         def dim_of(value: object, position: int | None) -> int | None:
             if not isinstance(value, Tensor):
                 return None
-            dim = 1 if seq_first and position is not None and position < 3 else 0
+            sequence_arg = not attention or (position is not None and position < 3)
+            dim = 1 if seq_first and sequence_arg else 0
             if value.dim() > dim and value.shape[dim] == batch:
                 return dim
             return None
@@ -408,7 +413,9 @@ class LocalRule(Rule):
         sample_grad = grad.movedim(out_dim + 1, 1)
         numel = sum(p.numel() for p in params.values()) * grad.shape[0]
         per_chunk = max(1, CHUNK_ELEMENTS // max(1, numel))
-        batched = vmap(one_sample, in_dims=(arg_dims, kwarg_dims, 1), out_dims=1)
+        batched = map_samples(
+            one_sample, (arg_dims, kwarg_dims, 1), self.module, out_dims=1, any_error=True
+        )
         pieces = []
         for rows in _chunks(batch, per_chunk):
             args = tuple(rows_of(v, d, rows) for v, d in zip(call.args, arg_dims, strict=True))

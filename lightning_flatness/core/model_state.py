@@ -4,7 +4,8 @@
 a private copy) runs in: eval mode (Dropout off, BatchNorm on its running statistics), gradients
 enabled, the global RNG forked, PyTorch's fused attention kernels off (the encoder layers' fast
 path and the flash kernel of ``scaled_dot_product_attention`` have no forward-mode derivative
-and no batching rule; the plain "math" kernel computes the same attention), and every module's
+and no batching rule; the plain "math" kernel computes the same attention; so does oneDNN's
+fused recurrent kernel, switched off alike), and every module's
 mode restored on exit. :func:`uncompiled` swaps ``torch.compile`` wrappers for the modules they
 compile, so a compiled model is measured as the module it is: the same numbers as uncompiled.
 """
@@ -70,18 +71,24 @@ def original_module(model: nn.Module) -> nn.Module:
 @contextmanager
 def per_sample_modes(model: nn.Module) -> Iterator[None]:
     """Every module in eval mode (BatchNorm on its running statistics, Dropout off, attention
-    without dropout) and PyTorch's fused attention kernels off, for the block; every module's
+    without dropout), PyTorch's fused attention kernels off and, in a model with recurrent
+    layers, its oneDNN (mkldnn) kernels too (the fused recurrent kernel has no forward-mode
+    derivative; the native one computes the same recurrence), for the block; every module's
     mode restored on exit. Under it each sample's output depends on that sample alone and is
     deterministic, so per-sample gradients and Fisher factors are defined."""
     modes = [(module, module.training) for module in model.modules()]
     fast_path = torch.backends.mha.get_fastpath_enabled()
+    onednn = torch.backends.mkldnn.enabled
     try:
         with sdpa_kernel([SDPBackend.MATH]):
             torch.backends.mha.set_fastpath_enabled(False)
+            if any(isinstance(module, nn.RNNBase) for module, _ in modes):
+                torch.backends.mkldnn.enabled = False
             model.eval()
             yield
     finally:
         torch.backends.mha.set_fastpath_enabled(fast_path)
+        torch.backends.mkldnn.enabled = onednn
         for module, mode in modes:
             module.training = mode
 

@@ -1,0 +1,79 @@
+"""Recurrent layers (nn.RNN, nn.LSTM, nn.GRU): every structure that measures per-sample
+gradients gets them exactly, against the dense reference, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_flatness import measure
+from lightning_flatness.core import reference, spectral
+
+LAM = 1e-3
+LAYERS = {"rnn": nn.RNN, "lstm": nn.LSTM, "gru": nn.GRU}
+
+
+class SequenceClassifier(nn.Module):
+    def __init__(self, kind: str, batch_first: bool, bidirectional: bool, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.rnn = LAYERS[kind](
+            4, 3, num_layers=layers, batch_first=batch_first, bidirectional=bidirectional
+        )
+        self.batch_first = batch_first
+        self.head = nn.Linear(3 * (2 if bidirectional else 1), 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)  # (N, T, E)
+        if not self.batch_first:
+            x = x.transpose(0, 1)
+        out, _ = self.rnn(x)
+        out = out if self.batch_first else out.transpose(0, 1)
+        return self.head(out[:, -1])
+
+
+def _data(n: int):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 11, (n, 6), generator=generator)
+    lengths = torch.randint(2, 7, (n,), generator=generator)
+    ids = ids.masked_fill(torch.arange(6) >= lengths.unsqueeze(1), 0)
+    return ids, torch.randint(0, 3, (n,), generator=generator)
+
+
+CASES = [
+    ("rnn", True, False, 1),
+    ("gru", False, True, 1),
+    ("lstm", True, True, 2),
+    ("lstm", False, False, 2),
+]
+
+
+@pytest.mark.parametrize(("kind", "batch_first", "bidirectional", "layers"), CASES)
+def test_recurrent_models_are_measured_exactly(kind, batch_first, bidirectional, layers):
+    torch.manual_seed(0)
+    model = SequenceClassifier(kind, batch_first, bidirectional, layers).double().eval()
+    inputs, targets = _data(10)
+    fisher = reference.dense_fisher(model, inputs)
+    exact = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
+    data = [(inputs[i : i + 4], targets[i : i + 4]) for i in range(0, 10, 4)]
+    with pytest.warns(UserWarning, match="one sample at a time"):
+        default = measure(model, data, lam=LAM, num_train_samples=100)  # 3 classes: exact rows
+    assert default.soft_rank == pytest.approx(exact.soft_rank, rel=1e-8)
+    assert default.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-8)
+    diag = measure(model, data, lam=LAM, num_train_samples=100, structure="diag")
+    assert diag.soft_rank == pytest.approx(spectral.soft_rank(fisher.diagonal(), LAM), rel=1e-8)
+
+
+def test_a_float32_lstm_is_measured_by_the_matrix_free_path():
+    """oneDNN's fused LSTM kernel has no forward-mode derivative; the measurement switches it
+    off (and back on), so cg's Fisher-vector products run and agree with the exact rows."""
+    torch.manual_seed(0)
+    model = SequenceClassifier("lstm", True, True, 1).eval()
+    inputs, targets = _data(16)
+    data = [(inputs[i : i + 8], targets[i : i + 8]) for i in range(0, 16, 8)]
+    exact = measure(model, data, lam=LAM, num_train_samples=100, structure="probe_kernel")
+    cg = measure(model, data, lam=LAM, num_train_samples=100, structure="cg")
+    stderr = cg.blocks["stderr"].soft_rank
+    assert abs(cg.soft_rank - exact.soft_rank) <= 4 * stderr + 0.05 * exact.soft_rank
+    assert torch.backends.mkldnn.enabled
