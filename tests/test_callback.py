@@ -128,12 +128,17 @@ def test_monitor_does_not_change_training(tmp_path, architecture):
         assert torch.equal(a, b), name
 
 
-def test_failed_measurement_records_nan_and_training_continues(tmp_path):
-    monitor = FlatnessMonitor(structure="dense", measure_kwargs={"dense_max_parameters": 10})
-    with pytest.warns(UserWarning, match="recorded as NaN.*dense_max_parameters"):
+def test_a_structure_that_cannot_measure_the_model_fails_once_at_fit_start(tmp_path):
+    """The structure is tried on one real training batch at fit start: strict, the fit stops
+    there naming the fix; strict=False, one warning and the monitor is off (no NaN epochs)."""
+    kwargs = {"structure": "dense", "measure_kwargs": {"dense_max_parameters": 10}}
+    with pytest.raises(ValueError, match=r"structure='dense' failed.*dense_max_parameters"):
+        fit(tmp_path, [FlatnessMonitor(**kwargs)])
+    monitor = FlatnessMonitor(strict=False, **kwargs)
+    with pytest.warns(UserWarning, match=r"dense_max_parameters.*switched off"):
         trainer, _, _ = fit(tmp_path, [monitor])
     assert trainer.current_epoch == 2
-    assert all(math.isnan(record["soft_rank"]) for record in monitor.history)
+    assert monitor.history == [] and "dense_max_parameters" in monitor.disabled_reason
 
 
 def test_every_n_epochs_and_fit_end(tmp_path):

@@ -71,7 +71,9 @@ def clean_eigenvalues(eigenvalues: Tensor) -> Tensor:
     """Flatten to float64 and clamp round-off negatives of a PSD spectrum to zero."""
     values = eigenvalues.detach().reshape(-1).to(torch.float64)
     if values.numel() and not bool(torch.isfinite(values).all()):
-        raise ValueError("The spectrum contains NaN or inf; the curvature could not be computed.")
+        raise FloatingPointError(
+            "The spectrum contains NaN or inf; the curvature could not be computed."
+        )
     return values.clamp_min(0.0)
 
 

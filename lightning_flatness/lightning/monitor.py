@@ -42,7 +42,7 @@ from lightning_flatness.core.checks import check_choice, check_count
 from lightning_flatness.core.curvature import describe_coverage
 from lightning_flatness.core.decay import DECAY_STRUCTURES, ParameterDecay
 from lightning_flatness.core.defaults import AUTO, choose_structure
-from lightning_flatness.core.failures import UnsupportedModelError
+from lightning_flatness.core.failures import MeasurementError, UnsupportedModelError
 from lightning_flatness.core.likelihoods import LOSSES
 from lightning_flatness.core.measure import check_batch, measure
 from lightning_flatness.core.options import HOOK_ROWS, MATRIX_FREE_STRUCTURES, structure_options
@@ -335,6 +335,8 @@ class FlatnessMonitor(Callback):
             "validation": StreamBuffer(max_val_samples),
         }
         self._check_on_first_batch = False
+        #: the training batch the fit-start check read, for the trial measurement
+        self._first_batch: Any = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -429,6 +431,8 @@ class FlatnessMonitor(Callback):
                 )
             if self.structure == AUTO and self.disabled_reason is None:
                 self._choose_structure(trainer, pl_module)
+            self._trial(trainer, pl_module, self._first_batch)
+            self._first_batch = None
             if self.regularizer is not None and self.disabled_reason is not None:
                 self.regularizer.disabled = True
 
@@ -504,6 +508,8 @@ class FlatnessMonitor(Callback):
                 batch = next(iter(self._batches(trainer, loaders, split)), None)
                 if batch is not None:
                     self._check_batch(pl_module, batch)
+                if split == "training":
+                    self._first_batch = batch
         except Exception as error:
             self._refuse(pl_module, error)
 
@@ -548,6 +554,9 @@ class FlatnessMonitor(Callback):
                 self._check_batch(pl_module, batch)
             except Exception as error:
                 self._refuse(pl_module, error)
+                return
+            self._trial(trainer, pl_module, batch)
+            if self.disabled_reason is not None:
                 return
         self._streams["training"].add(batch)
 
@@ -652,6 +661,22 @@ class FlatnessMonitor(Callback):
         val_batches = (
             None if val_loaders is None else self._batches(trainer, val_loaders, "validation")
         )
+        return self._call_measure(
+            pl_module,
+            train_batches,
+            val_batches,
+            all_reduce=self._all_reduce(trainer),
+            shard=self._shard(trainer),
+        )
+
+    def _call_measure(
+        self,
+        pl_module: LightningModule,
+        train_batches: Iterable,
+        val_batches: Iterable | None,
+        all_reduce: Any = None,
+        shard: tuple[int, int] | None = None,
+    ) -> FlatnessReport:
         with torch.inference_mode(False), torch.enable_grad():
             return measure(
                 pl_module,
@@ -663,13 +688,59 @@ class FlatnessMonitor(Callback):
                 trace_estimator=self.trace_estimator,
                 kfac_mode=self.kfac_mode,
                 seed=self.seed,
-                all_reduce=self._all_reduce(trainer),
-                shard=self._shard(trainer),
+                all_reduce=all_reduce,
+                shard=shard,
                 loss=self.loss,
                 unpack_batch=self.unpack_batch,
                 logits_fn=self.logits_fn,
                 **self.measure_kwargs,
             )
+
+    def _trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        """Measure one real training batch with the structure every epoch will use, once at
+        fit start: a structure that cannot measure this model fails here, once, instead of
+        logging NaN every epoch (a BackPACK structure it cannot convert switches to
+        ``fallback_structure`` here, and says so). A numerical failure (a NaN loss) is left to
+        the epochs; under DDP every process refuses if any one does."""
+        if self.disabled_reason is not None:
+            return
+        error = self._trial_error(pl_module, batch) if batch is not None else None
+        reduce = self._all_reduce(trainer)
+        if reduce is not None:
+            failed = int(reduce(torch.tensor([float(error is not None)])).item())
+            if failed and error is None:
+                error = RuntimeError(
+                    f"the structure failed at fit start on {failed} other process(es); see "
+                    "their messages"
+                )
+        if error is not None:
+            self._refuse(pl_module, error)
+
+    def _trial_error(self, pl_module: LightningModule, batch: Any) -> Exception | None:
+        """What stops the structure on ``batch``, or None (numerical failures included)."""
+        try:
+            try:
+                self._call_measure(pl_module, [batch], None)
+            except UnsupportedModelError as error:
+                if self.fallback_structure is None or self._active_structure in (
+                    MATRIX_FREE_STRUCTURES
+                ):
+                    raise
+                rank_zero_info(
+                    f"FlatnessMonitor: {error} Switching to the matrix-free structure "
+                    f"{self.fallback_structure!r} for this model."
+                )
+                self._active_structure = self.fallback_structure
+                self._call_measure(pl_module, [batch], None)
+        except (MeasurementError, FloatingPointError):  # NaN on this batch: not the structure
+            return None
+        except Exception as error:
+            return RuntimeError(
+                f"structure={self._active_structure!r} failed on a real training batch "
+                f"({type(error).__name__}: {error}); pick another structure "
+                "(FlatnessMonitor(structure=...))."
+            )
+        return None
 
     def _lam_argument(self) -> float | dict[str, float]:
         """λ for :func:`measure`: one value, or each parameter's (per-group decay)."""
