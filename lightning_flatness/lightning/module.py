@@ -103,8 +103,16 @@ class FlatnessClassifier(LightningModule):
         logits = self(x)
         loss = self.loss_fn(logits, y)
         accuracy(logits, y)
-        # on_step=False keeps the logged keys exactly "<stage>/loss" and "<stage>/acc".
-        self.log(f"{stage}/loss", loss, on_step=False, on_epoch=True, prog_bar=stage == "val")
+        # on_step=False keeps the logged keys exactly "<stage>/loss" and "<stage>/acc"; under
+        # DDP the loss is averaged over processes (the accuracy metric syncs itself).
+        self.log(
+            f"{stage}/loss",
+            loss,
+            on_step=False,
+            on_epoch=True,
+            prog_bar=stage == "val",
+            sync_dist=True,
+        )
         self.log(f"{stage}/acc", accuracy, on_step=False, on_epoch=True, prog_bar=stage == "val")
         return loss
 

@@ -58,6 +58,7 @@ from lightning_flatness.lightning.trainer_facts import (
     resolve_lam,
     resolve_missing,
     select_dataloader,
+    sharding_refusal,
 )
 from lightning_flatness.regularizer import SoftRankPenalty
 
@@ -402,6 +403,10 @@ class FlatnessMonitor(Callback):
 
     # ------------------------------------------------------------------ setup
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        refusal = sharding_refusal(trainer.strategy, pl_module)
+        if refusal is not None:
+            self._refuse(pl_module, ValueError(refusal))
+            return
         self.resolved_lam = resolve_lam(trainer.optimizers, self.lam, pl_module)
         if isinstance(self.resolved_lam, ParameterDecay):
             rank_zero_info(
@@ -412,6 +417,8 @@ class FlatnessMonitor(Callback):
             )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.disabled_reason is not None:  # refused at fit start (strict=False)
+            return
         self._resolve(trainer)
         if not self._checked:
             self._checked = True
@@ -792,13 +799,17 @@ class FlatnessMonitor(Callback):
         self.history.append(record)
         metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
         on_bar = {key: metrics.pop(self.log_prefix + key) for key in _PROGRESS_BAR_KEYS}
-        pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+        # The values are already the same on every process (reduced before any eigenvalue);
+        # syncing them (a mean of equal numbers) keeps Lightning's sync_dist advice quiet.
+        sync = trainer.world_size > 1
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1, sync_dist=sync)
         pl_module.log_dict(
             {self.log_prefix + key: value for key, value in on_bar.items()},
             on_step=False,
             on_epoch=True,
             batch_size=1,
             prog_bar=True,
+            sync_dist=sync,
         )
         if trainer.progress_bar_callback is None:  # no bar to show them: one line instead
             rank_zero_info(

@@ -252,6 +252,12 @@ class SoftRankRegularizer(Callback):
         with trainer.precision_plugin.forward_context():
             penalty = self.penalty(pl_module, inputs)
         loss.add_(self.strength / trainer.accumulate_grad_batches * penalty.to(loss.dtype))
+        # each process's penalty is its own batch's: logged as the mean over processes
         pl_module.log(
-            f"{self.log_prefix}penalty", penalty.detach(), on_step=True, on_epoch=True, batch_size=1
+            f"{self.log_prefix}penalty",
+            penalty.detach(),
+            on_step=True,
+            on_epoch=True,
+            batch_size=1,
+            sync_dist=trainer.world_size > 1,
         )

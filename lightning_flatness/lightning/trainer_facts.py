@@ -25,6 +25,7 @@ __all__ = [
     "resolve_missing",
     "resolve_num_train_samples",
     "select_dataloader",
+    "sharding_refusal",
 ]
 
 #: Optimizers whose ``weight_decay`` adds ``λθ`` to the gradient (coupled L2), i.e. minimise
@@ -174,6 +175,34 @@ def _parameter_decay(
         return ParameterDecay(decays)
     except ValueError as error:
         raise LambdaResolutionError(f"{error} {fix}") from error
+
+
+#: strategies and module wrappers that shard parameters across processes (docs/sharded.md)
+SHARDING_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy")
+SHARDED_MODULES = ("FullyShardedDataParallel", "FSDPModule", "DeepSpeedEngine")
+
+
+def sharding_refusal(strategy: object, module: torch.nn.Module) -> str | None:
+    """Why the monitor cannot measure under ``strategy`` or a sharded ``module`` (FSDP, FSDP2,
+    DeepSpeed ZeRO), or None. Matched by class name, so that the optional libraries need not
+    be installed to be recognised."""
+    strategy_names = {cls.__name__ for cls in type(strategy).__mro__}
+    found = strategy_names.intersection(SHARDING_STRATEGIES)
+    wrapped = [
+        type(m).__name__
+        for m in module.modules()
+        if {cls.__name__ for cls in type(m).__mro__}.intersection(SHARDED_MODULES)
+    ]
+    if not found and not wrapped:
+        return None
+    what = f"the {sorted(found)[0]}" if found else f"a {wrapped[0]} module"
+    return (
+        f"The monitor cannot measure a model sharded across processes ({what}): every process "
+        "holds only a shard of each parameter outside the forward pass, and the measurement's "
+        "hooks and Fisher-vector products need whole parameters (docs/sharded.md). Train with "
+        "strategy='ddp' (the monitor runs under DDP), or measure the gathered model after "
+        "training with measure()."
+    )
 
 
 def resolve_num_train_samples(loader: DataLoader | None, explicit: int | None) -> int:

@@ -66,6 +66,8 @@ def main() -> None:
     trainer.fit(model, MNIST7DataModule(train_size=256, val_size=128, batch_size=32))
     rank = trainer.global_rank
     (output / f"rank{rank}.json").write_text(json.dumps(monitor.history[-1]))
+    logged = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    (output / f"logged{rank}.json").write_text(json.dumps(logged))
     torch.save(model.state_dict(), output / f"weights{rank}.pt")
     if monitor.regularizer is not None:
         torch.save(monitor.regularizer.state_dict(), output / f"regularizer{rank}.pt")
