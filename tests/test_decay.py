@@ -179,3 +179,25 @@ def test_a_structure_without_per_group_decay_is_refused_at_fit_start(tmp_path):
     data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
     with pytest.raises(ValueError, match=r"structure='lanczos'.*lam="):
         trainer.fit(GroupedClassifier(architecture="mlp"), data)
+
+
+def test_auto_choosing_a_structure_without_per_group_decay_refuses_once(tmp_path):
+    """Guards that leave only cg for 'auto': one warning at fit start, monitor off."""
+    monitor = FlatnessMonitor(
+        strict=False,
+        print_summary=False,
+        measure_kwargs={"kernel_options": {"max_parameters": 10, "max_kernel_size": 10}},
+    )
+    trainer = Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=1,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
+    with pytest.warns(UserWarning, match=r"measures cg.*lam="):
+        trainer.fit(GroupedClassifier(architecture="mlp"), data)
+    assert monitor.history == [] and monitor.disabled_reason is not None

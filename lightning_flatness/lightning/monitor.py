@@ -473,16 +473,20 @@ class FlatnessMonitor(Callback):
         if samples is not None and trainer.world_size > 1:
             samples = math.ceil(samples / trainer.world_size)
         choice = choose_structure(trainable, samples, options, summable=trainer.world_size > 1)
+        self._active_structure = choice.structure
         if isinstance(self.resolved_lam, ParameterDecay) and choice.structure not in (
             DECAY_STRUCTURES
         ):
-            raise ValueError(
-                f"FlatnessMonitor: structure='auto' measures {choice.reason}, which needs one "
-                f"weight decay, but the optimizer's groups decay differently "
-                f"({self.resolved_lam.describe()}). Pass lam=<one λ>, or measure fewer samples "
-                "(max_samples=) so that probe_kernel fits."
+            self._refuse(
+                pl_module,
+                ValueError(
+                    f"structure='auto' measures {choice.reason}, which needs one weight decay, "
+                    f"but the optimizer's groups decay differently "
+                    f"({self.resolved_lam.describe()}). Pass lam=<one λ>, or measure fewer "
+                    "samples (max_samples=) so that probe_kernel fits."
+                ),
             )
-        self._active_structure = choice.structure
+            return
         rank_zero_info(f"FlatnessMonitor: structure='auto' measures {choice.reason}.")
 
     def _check_configuration(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -709,13 +713,12 @@ class FlatnessMonitor(Callback):
         logging NaN every epoch (a BackPACK structure it cannot convert switches to
         ``fallback_structure`` here, and says so). A numerical failure (a NaN loss) is left to
         the epochs; under DDP every process refuses if any one does."""
-        if self.disabled_reason is not None:
-            return
-        error = self._trial_error(pl_module, batch) if batch is not None else None
+        disabled = self.disabled_reason is not None
+        error = None if disabled or batch is None else self._trial_error(pl_module, batch)
         reduce = self._all_reduce(trainer)
-        if reduce is not None:
-            failed = int(reduce(torch.tensor([float(error is not None)])).item())
-            if failed and error is None:
+        if reduce is not None:  # every process takes part, so all decide alike
+            failed = int(reduce(torch.tensor([float(error is not None or disabled)])).item())
+            if failed and error is None and not disabled:
                 error = RuntimeError(
                     f"the structure failed at fit start on {failed} other process(es); see "
                     "their messages"
