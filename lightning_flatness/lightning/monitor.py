@@ -28,7 +28,7 @@ import inspect
 import math
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -729,19 +729,7 @@ class FlatnessMonitor(Callback):
     def _trial_error(self, pl_module: LightningModule, batch: Any) -> Exception | None:
         """What stops the structure on ``batch``, or None (numerical failures included)."""
         try:
-            try:
-                self._call_measure(pl_module, [batch], None)
-            except UnsupportedModelError as error:
-                if self.fallback_structure is None or self._active_structure in (
-                    MATRIX_FREE_STRUCTURES
-                ):
-                    raise
-                rank_zero_info(
-                    f"FlatnessMonitor: {error} Switching to the matrix-free structure "
-                    f"{self.fallback_structure!r} for this model."
-                )
-                self._active_structure = self.fallback_structure
-                self._call_measure(pl_module, [batch], None)
+            self._with_fallback(lambda: self._call_measure(pl_module, [batch], None))
         except (MeasurementError, FloatingPointError):  # NaN on this batch: not the structure
             return None
         except Exception as error:
@@ -751,6 +739,23 @@ class FlatnessMonitor(Callback):
                 "(FlatnessMonitor(structure=...))."
             )
         return None
+
+    def _with_fallback(self, run: Callable[[], FlatnessReport]) -> FlatnessReport:
+        """``run()``; when BackPACK cannot convert the model (``dense``/``gram``), switch to
+        ``fallback_structure`` for the rest of the fit, say so, and run again."""
+        try:
+            return run()
+        except UnsupportedModelError as error:
+            if self.fallback_structure is None or self._active_structure in (
+                MATRIX_FREE_STRUCTURES
+            ):
+                raise
+            rank_zero_info(
+                f"FlatnessMonitor: {error} Switching to the matrix-free structure "
+                f"{self.fallback_structure!r} for this model."
+            )
+            self._active_structure = self.fallback_structure
+            return run()
 
     def _lam_argument(self) -> float | dict[str, float]:
         """λ for :func:`measure`: one value, or each parameter's (per-group decay)."""
@@ -762,19 +767,7 @@ class FlatnessMonitor(Callback):
         """One measurement as a plain dict; NaN (and a warning) if it fails."""
         self._resolve(trainer)
         try:
-            try:
-                report = self._run_measure(trainer, pl_module)
-            except UnsupportedModelError as error:
-                if self.fallback_structure is None or self._active_structure in (
-                    MATRIX_FREE_STRUCTURES
-                ):
-                    raise
-                rank_zero_info(
-                    f"FlatnessMonitor: {error} Switching to the matrix-free structure "
-                    f"{self.fallback_structure!r} for this model."
-                )
-                self._active_structure = self.fallback_structure
-                report = self._run_measure(trainer, pl_module)
+            report = self._with_fallback(lambda: self._run_measure(trainer, pl_module))
         except Exception as error:  # a metric must never stop training
             rank_zero_warn(
                 f"FlatnessMonitor: the measurement at epoch {trainer.current_epoch} failed and "
