@@ -144,7 +144,7 @@ class FunctionalModel:
             output = self.logits(params, unsqueeze_leaves(x))
             return likelihood.nll(output, y.unsqueeze(0)).squeeze(0)
 
-        per_sample = map_samples(grad(sample_loss), (None, 0, 0), self.user_module, any_error=True)
+        per_sample = map_samples(grad(sample_loss), (None, 0, 0), self.user_module)
         return per_sample(self.params, inputs, targets)
 
     def per_sample_jacobians(self, inputs: Leaves) -> dict[str, Tensor]:
@@ -153,9 +153,7 @@ class FunctionalModel:
         def sample_logits(params: dict[str, Tensor], x: Leaves) -> Tensor:
             return self.logits(params, unsqueeze_leaves(x)).squeeze(0)
 
-        return map_samples(jacrev(sample_logits), (None, 0), self.user_module, any_error=True)(
-            self.params, inputs
-        )
+        return map_samples(jacrev(sample_logits), (None, 0), self.user_module)(self.params, inputs)
 
     @contextmanager
     def capture_last_layer_input(self) -> Iterator[list[Tensor]]:

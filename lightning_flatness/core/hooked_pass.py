@@ -564,9 +564,7 @@ class HookedPass:
         with torch.no_grad():
             for start in range(0, cotangents.shape[1], per_chunk):
                 rows = slice(start, min(cotangents.shape[1], start + per_chunk))
-                batched = map_samples(
-                    one_sample, (0, 1), self.model.model, out_dims=1, any_error=True
-                )
+                batched = map_samples(one_sample, (0, 1), self.model.model, out_dims=1)
                 pieces.append(batched(take_rows(inputs, rows), cotangents[:, rows]))
         return {name: torch.cat([p[name] for p in pieces], dim=1) for name in self.fallback}
 

@@ -413,9 +413,7 @@ class LocalRule(Rule):
         sample_grad = grad.movedim(out_dim + 1, 1)
         numel = sum(p.numel() for p in params.values()) * grad.shape[0]
         per_chunk = max(1, CHUNK_ELEMENTS // max(1, numel))
-        batched = map_samples(
-            one_sample, (arg_dims, kwarg_dims, 1), self.module, out_dims=1, any_error=True
-        )
+        batched = map_samples(one_sample, (arg_dims, kwarg_dims, 1), self.module, out_dims=1)
         pieces = []
         for rows in _chunks(batch, per_chunk):
             args = tuple(rows_of(v, d, rows) for v, d in zip(call.args, arg_dims, strict=True))

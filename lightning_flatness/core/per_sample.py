@@ -20,9 +20,9 @@ import torch
 from torch.func import vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["DATA_DEPENDENT_MESSAGE", "is_data_dependent_error", "map_samples"]
+__all__ = ["LOOPING_MESSAGE", "is_data_dependent_error", "map_samples"]
 
-DATA_DEPENDENT_MESSAGE = (
+LOOPING_MESSAGE = (
     "torch.func.vmap cannot batch {model}'s forward over samples ({reason}); its per-sample "
     "quantities are computed one sample at a time instead (exact, slower)."
 )
@@ -42,10 +42,10 @@ def map_samples(
     in_dims: Sequence[Any],
     model: torch.nn.Module | None = None,
     out_dims: int = 0,
-    any_error: bool = False,
 ) -> Callable[..., Any]:
-    """``vmap(function, in_dims, out_dims)``, falling back to a loop over the samples when the
-    model's control flow depends on the data.
+    """``vmap(function, in_dims, out_dims)``, falling back to a loop over the samples when
+    ``vmap`` cannot batch the model (its control flow depends on the data, or a kernel has no
+    batching rule). A loop over samples is always right; an error it raises too propagates.
 
     Args:
         function: the per-sample function.
@@ -55,9 +55,6 @@ def map_samples(
         model: the model the function calls; once ``vmap`` fails on it, later calls loop
             directly.
         out_dims: the dimension of every output along which the samples are stacked.
-        any_error: loop after any ``RuntimeError`` of ``vmap`` (for a function of one module,
-            where a loop is always right: PyTorch's recurrent layers, whose kernels ``vmap``
-            cannot batch), not only after data-dependent control flow.
     """
     batched = vmap(function, in_dims=tuple(in_dims), out_dims=out_dims)
 
@@ -66,8 +63,6 @@ def map_samples(
             try:
                 return batched(*args)
             except RuntimeError as error:
-                if not (any_error or is_data_dependent_error(error)):
-                    raise
                 reason = (
                     "its control flow depends on the inputs' values, e.g. a padding-mask check"
                     if is_data_dependent_error(error)
@@ -76,7 +71,7 @@ def map_samples(
             if model is not None:
                 _LOOPING.add(model)
             name = type(model).__name__ if model is not None else "the model"
-            warnings.warn(DATA_DEPENDENT_MESSAGE.format(model=name, reason=reason), stacklevel=2)
+            warnings.warn(LOOPING_MESSAGE.format(model=name, reason=reason), stacklevel=2)
         return _loop(function, in_dims, out_dims, args)
 
     return call

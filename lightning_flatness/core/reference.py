@@ -62,7 +62,7 @@ def per_sample_jacobians(model: nn.Module, inputs: Tensor | tuple[Tensor, ...]) 
     def outputs(theta: dict[str, Tensor], x: Tensor) -> Tensor:
         return functional_call(model, theta, _one_sample_args(x)).squeeze(0)
 
-    jacobians = map_samples(jacrev(outputs), (None, 0), model, any_error=True)(params, inputs)
+    jacobians = map_samples(jacrev(outputs), (None, 0), model)(params, inputs)
     return _flatten_rows(jacobians, leading=2)
 
 
@@ -90,7 +90,7 @@ def per_sample_sqrt_fisher(
             raise ValueError(f"unknown loss {loss!r}")
         return weights.unsqueeze(-1) * _flatten_rows(grads, leading=1)
 
-    return map_samples(one_sample, (0,), model, any_error=True)(inputs)
+    return map_samples(one_sample, (0,), model)(inputs)
 
 
 def _sample_loss(loss: str, logits: Tensor, target: Tensor) -> Tensor:
@@ -119,7 +119,7 @@ def per_sample_gradients(
         logits = functional_call(model, theta, _one_sample_args(x)).squeeze(0)
         return _sample_loss(loss, logits, y)
 
-    per_sample = map_samples(torch.func.grad(sample_loss), (None, 0, 0), model, any_error=True)
+    per_sample = map_samples(torch.func.grad(sample_loss), (None, 0, 0), model)
     grads = per_sample(params, inputs, targets)
     return _flatten_rows(grads, leading=1)
 

@@ -99,9 +99,7 @@ def func_rows(
             flat = torch.cat([j.reshape(j.shape[0], -1) for j in jac.values()], dim=-1)
             return weight.unsqueeze(-1) * flat  # row c of V_i = A_i J_i: w_c ∇θ s_c
 
-        rows = map_samples(weighted_jacobian, (None, 0), wrapped.model, any_error=True)(
-            selected, leaves
-        )
+        rows = map_samples(weighted_jacobian, (None, 0), wrapped.model)(selected, leaves)
         return rows.reshape(-1, rows.shape[-1])
 
     chosen = targets_for(wrapped, leaves, mode, generator, likelihood)
@@ -109,6 +107,6 @@ def func_rows(
     def log_prob_at(theta: dict[str, Tensor], x: Leaves, target: Tensor) -> Tensor:
         return score(likelihood, mode, logits_of(theta, x), target.unsqueeze(0)).squeeze(0)
 
-    per_sample = map_samples(grad(log_prob_at), (None, 0, 0), wrapped.model, any_error=True)
+    per_sample = map_samples(grad(log_prob_at), (None, 0, 0), wrapped.model)
     grads = per_sample(selected, leaves, chosen)
     return torch.cat([g.reshape(batch_size, -1) for g in grads.values()], dim=-1)
