@@ -36,6 +36,25 @@ def batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> lis
     ]
 
 
+def quiet_trainer(tmp_path, callbacks, max_epochs: int = 1, **kwargs):
+    """A one-process CPU ``Trainer`` without logger, checkpoints, progress bar or model summary
+    (the fit tests' usual trainer); ``kwargs`` add to or override that."""
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        default_root_dir=tmp_path,
+        max_epochs=max_epochs,
+        callbacks=list(callbacks),
+        **{
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            **kwargs,
+        },
+    )
+
+
 def assert_records_equal(first: dict, second: dict) -> None:
     """Equal flatness records, NaN equal to NaN."""
     assert first.keys() == second.keys()

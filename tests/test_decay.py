@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batches, random_data, tiny_model
-from lightning.pytorch import Trainer
+from conftest import batches, quiet_trainer, random_data, tiny_model
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
 from lightning_flatness.core import reference, spectral
@@ -150,15 +149,7 @@ class GroupedClassifier(FlatnessClassifier):
 
 def test_a_fit_with_no_decay_groups_is_measured(tmp_path):
     monitor = FlatnessMonitor(print_summary=False, max_samples=64)
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_epochs=1,
-        callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(tmp_path, [monitor])
     data = MNIST7DataModule(train_size=128, val_size=64, batch_size=32)
     trainer.fit(GroupedClassifier(architecture="mlp"), data)
     record = monitor.history[-1]
@@ -167,15 +158,7 @@ def test_a_fit_with_no_decay_groups_is_measured(tmp_path):
 
 
 def test_a_structure_without_per_group_decay_is_refused_at_fit_start(tmp_path):
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_epochs=1,
-        callbacks=[FlatnessMonitor(structure="lanczos", print_summary=False)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(tmp_path, [FlatnessMonitor(structure="lanczos", print_summary=False)])
     data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
     with pytest.raises(ValueError, match=r"structure='lanczos'.*lam="):
         trainer.fit(GroupedClassifier(architecture="mlp"), data)
@@ -188,15 +171,7 @@ def test_auto_choosing_a_structure_without_per_group_decay_refuses_once(tmp_path
         print_summary=False,
         measure_kwargs={"kernel_options": {"max_parameters": 10, "max_kernel_size": 10}},
     )
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_epochs=1,
-        callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(tmp_path, [monitor])
     data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
     with pytest.warns(UserWarning, match=r"measures cg.*lam="):
         trainer.fit(GroupedClassifier(architecture="mlp"), data)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from conftest import quiet_trainer
+from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -54,15 +55,7 @@ def test_probabilities_are_refused_and_log_probabilities_pass():
 
 
 def test_a_fit_on_probabilities_stops_at_its_start(tmp_path):
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_epochs=1,
-        callbacks=[FlatnessMonitor(print_summary=False)],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(tmp_path, [FlatnessMonitor(print_summary=False)])
     model = Classifier("probabilities")
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=r"probabilities.*logits_fn="):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from conftest import quiet_trainer
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 from torch import nn
 
@@ -38,16 +38,7 @@ StandInFSDP.__name__ = "FSDPStrategy"
 @pytest.mark.parametrize("strict", [True, False])
 def test_a_sharded_fit_is_refused_at_its_start(tmp_path, strict):
     monitor = FlatnessMonitor(strict=strict, print_summary=False)
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        strategy=StandInFSDP(device=torch.device("cpu")),
-        max_epochs=1,
-        callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(tmp_path, [monitor], strategy=StandInFSDP(device=torch.device("cpu")))
     data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
     model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3)
     if strict:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer, seed_everything
+from conftest import quiet_trainer
+from lightning.pytorch import LightningModule, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -66,16 +67,7 @@ def _fit(tmp_path, stream_type, callbacks=()):
     train = stream_type(*_data(96, 1))
     val = stream_type(*_data(40, 2))
     model = Classifier()
-    trainer = Trainer(
-        default_root_dir=tmp_path,
-        max_epochs=3,
-        callbacks=list(callbacks),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = quiet_trainer(tmp_path, callbacks, max_epochs=3, num_sanity_val_steps=0)
     trainer.fit(model, DataLoader(train, batch_size=16), DataLoader(val, batch_size=16))
     return model, train, val
 
