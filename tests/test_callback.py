@@ -119,7 +119,9 @@ def test_logged_values_equal_a_direct_measurement(tmp_path):
 @pytest.mark.parametrize("architecture", ["mlp", "cnn"])
 def test_monitor_does_not_change_training(tmp_path, architecture):
     _, plain, _ = fit(tmp_path / "plain", [], architecture=architecture, max_epochs=2)
-    monitor = FlatnessMonitor(structure="kfac", kfac_mode="sampled", trace_estimator="sampled")
+    monitor = FlatnessMonitor(
+        structure="kfac", kfac_mode="sampled", trace_estimator="sampled", overhead_budget=None
+    )
     _, monitored, _ = fit(tmp_path / "monitored", [monitor], architecture=architecture)
     assert len(monitor.history) == 2
     for (name, a), b in zip(
@@ -142,7 +144,7 @@ def test_a_structure_that_cannot_measure_the_model_fails_once_at_fit_start(tmp_p
 
 
 def test_every_n_epochs_and_fit_end(tmp_path):
-    monitor = FlatnessMonitor(every_n_epochs=2, measure_on_fit_end=True)
+    monitor = FlatnessMonitor(every_n_epochs=2, measure_on_fit_end=True, overhead_budget=None)
     fit(tmp_path, [monitor], max_epochs=3)
     assert [record["epoch"] for record in monitor.history] == [1.0, 2.0]
 
@@ -180,7 +182,7 @@ def test_tensorboard_gets_spectrum_and_figure_and_other_loggers_skip(tmp_path):
 
     tensorboard = TensorBoardLogger(tmp_path, name="tb")
     csv = CSVLogger(tmp_path, name="csv")
-    fit(tmp_path, [FlatnessMonitor()], logger=[tensorboard, csv])
+    fit(tmp_path, [FlatnessMonitor(overhead_budget=None)], logger=[tensorboard, csv])
     events = EventAccumulator(tensorboard.log_dir, size_guidance={"histograms": 0, "images": 0})
     events.Reload()
     tags = events.Tags()
@@ -245,7 +247,9 @@ def test_progress_shows_the_gaps_on_the_bar_or_in_a_line_per_measurement(tmp_pat
     shown = trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)
     assert {"flatness/predicted_gap", "flatness/observed_gap"} <= set(shown)
     assert "flatness/soft_rank" not in shown
-    quiet = FlatnessMonitor(max_samples=64, max_val_samples=64, print_summary=False)
+    quiet = FlatnessMonitor(
+        max_samples=64, max_val_samples=64, print_summary=False, overhead_budget=None
+    )
     with caplog.at_level("INFO"):
         fit(tmp_path / "line", [quiet], max_epochs=2)
     lines = [r.getMessage() for r in caplog.records if "predicted gap" in r.getMessage()]

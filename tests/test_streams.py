@@ -76,7 +76,7 @@ def _fit(tmp_path, stream_type, callbacks=()):
 def test_a_stream_is_left_alone_and_its_drawn_batches_are_measured(tmp_path, stream_type):
     plain, plain_train, plain_val = _fit(tmp_path / "plain", stream_type)
     kwargs = {} if stream_type is SizedStream else {"num_train_samples": 96}
-    monitor = FlatnessMonitor(every_n_epochs=1, print_summary=False, **kwargs)
+    monitor = FlatnessMonitor(print_summary=False, overhead_budget=None, **kwargs)
     watched, train, val = _fit(tmp_path / "watched", stream_type, [monitor])
     for name, value in plain.state_dict().items():
         assert torch.equal(value, watched.state_dict()[name]), name
@@ -96,7 +96,7 @@ def test_a_stream_without_a_length_names_num_train_samples(tmp_path):
 
 def test_the_stream_budget_keeps_whole_batches_up_to_max_samples(tmp_path):
     seed_everything(0)
-    monitor = FlatnessMonitor(every_n_epochs=1, max_samples=40, print_summary=False)
+    monitor = FlatnessMonitor(max_samples=40, print_summary=False, overhead_budget=None)
     _fit(tmp_path, SizedStream, [monitor])
     assert [record["num_samples"] for record in monitor.history] == [48.0] * 3
     buffer = StreamBuffer(None)

@@ -35,7 +35,7 @@ def fitted_logdir(tmp_path: Path) -> Path:
         default_root_dir=tmp_path,
         max_epochs=2,
         logger=TensorBoardLogger(tmp_path / "logs", name="mlp"),
-        callbacks=[FlatnessMonitor(max_samples=128)],
+        callbacks=[FlatnessMonitor(max_samples=128, overhead_budget=None)],
         enable_progress_bar=False,
         enable_model_summary=False,
     )

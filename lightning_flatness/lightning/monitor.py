@@ -27,12 +27,14 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import time
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -47,6 +49,14 @@ from lightning_flatness.core.likelihoods import LOSSES
 from lightning_flatness.core.measure import check_batch, measure
 from lightning_flatness.core.options import HOOK_ROWS, MATRIX_FREE_STRUCTURES, structure_options
 from lightning_flatness.core.report import FlatnessReport
+from lightning_flatness.lightning.budget import (
+    CHEAP,
+    EXACT,
+    FILL_IN,
+    OverheadBudget,
+    cost_message,
+    fill_in_record,
+)
 from lightning_flatness.lightning.figures import gap_figure, log10_spectrum, summary_table
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
 from lightning_flatness.lightning.stream_buffer import StreamBuffer
@@ -142,7 +152,14 @@ class FlatnessMonitor(Callback):
         lam: λ, the coupled L2 weight decay. ``None`` reads it from the optimizer (SGD, Adam,
             RMSprop ``weight_decay``); AdamW's decoupled decay, ``weight_decay=0`` or different
             decays across parameter groups are refused with a message to pass ``lam``.
-        every_n_epochs: measure at the end of every n-th training epoch.
+        every_n_epochs: measure at the end of every n-th training epoch (within
+            ``overhead_budget``).
+        overhead_budget: the largest share of the fit's wall time the monitor may take (default
+            0.3): a scheduled measurement of exact quality runs only when it keeps the monitor
+            within it, the cheap Kronecker estimate scaled by the last exact ratio fills in
+            when that one does not (``flatness/fill_in`` = 1), and the last epoch always gets
+            the exact one (:mod:`lightning_flatness.lightning.budget`). ``None``: every
+            scheduled measurement is exact, whatever it costs (said once, with the cost).
         max_samples: training samples the Fisher averages over (``None``, the default: the
             whole training set, the least biased soft rank; see docs/math.md, "Sample size").
         max_val_samples: held-out samples for the trace ratio and the observed gap.
@@ -211,6 +228,7 @@ class FlatnessMonitor(Callback):
         structure: str = AUTO,
         lam: float | None = None,
         every_n_epochs: int = 1,
+        overhead_budget: float | None = 0.3,
         max_samples: int | None = None,
         max_val_samples: int | None = DEFAULT_MAX_VAL_SAMPLES,
         use_val: bool = True,
@@ -299,6 +317,12 @@ class FlatnessMonitor(Callback):
         self.structure = structure
         self.lam = None if lam is None else float(lam)
         self.every_n_epochs = every_n_epochs
+        self.overhead_budget = overhead_budget
+        self.budget = OverheadBudget(overhead_budget)
+        self._calibration = math.nan  # exact ÷ fill-in soft rank at the last exact measurement
+        self._fill_in_failed = False
+        self._cost_told = False
+        self._trial_samples = 0
         self.max_samples = max_samples
         self.max_val_samples = max_val_samples
         self.use_val = use_val
@@ -419,6 +443,7 @@ class FlatnessMonitor(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.disabled_reason is not None:  # refused at fit start (strict=False)
             return
+        self.budget.start()
         self._resolve(trainer)
         if not self._checked:
             self._checked = True
@@ -438,7 +463,7 @@ class FlatnessMonitor(Callback):
                 )
             if self.structure == AUTO and self.disabled_reason is None:
                 self._choose_structure(trainer, pl_module)
-            self._trial(trainer, pl_module, self._first_batch)
+            self._timed_trial(trainer, pl_module, self._first_batch)
             self._first_batch = None
             if self.regularizer is not None and self.disabled_reason is not None:
                 self.regularizer.disabled = True
@@ -518,14 +543,16 @@ class FlatnessMonitor(Callback):
             for split, loaders in splits:
                 batch = next(iter(self._batches(trainer, loaders, split)), None)
                 if batch is not None:
-                    self._check_batch(pl_module, batch)
+                    samples, _ = self._check_batch(pl_module, batch)
+                    if split == "training":
+                        self._trial_samples = samples
                 if split == "training":
                     self._first_batch = batch
         except Exception as error:
             self._refuse(pl_module, error)
 
-    def _check_batch(self, pl_module: LightningModule, batch: Any) -> None:
-        check_batch(
+    def _check_batch(self, pl_module: LightningModule, batch: Any) -> tuple[int, int]:
+        return check_batch(
             pl_module,
             batch,
             loss=self.loss,
@@ -562,11 +589,11 @@ class FlatnessMonitor(Callback):
         if self._check_on_first_batch:
             self._check_on_first_batch = False
             try:
-                self._check_batch(pl_module, batch)
+                self._trial_samples, _ = self._check_batch(pl_module, batch)
             except Exception as error:
                 self._refuse(pl_module, error)
                 return
-            self._trial(trainer, pl_module, batch)
+            self._timed_trial(trainer, pl_module, batch)
             if self.disabled_reason is not None:
                 return
         self._streams["training"].add(batch)
@@ -599,11 +626,88 @@ class FlatnessMonitor(Callback):
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
         if trainer.is_last_batch and self._due(trainer):
-            self._measure_and_log(trainer, pl_module)
+            self._scheduled(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._due(trainer):
+            self._scheduled(trainer, pl_module)
+
+    def _has_fill_in(self) -> bool:
+        return not self._fill_in_failed and self._active_structure not in (
+            FILL_IN,
+            "diag",
+            "diag_mc",
+        )
+
+    def _scheduled(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A scheduled measurement: exact, the cheap fill-in or none, as the budget allows
+        (the same decision on every process)."""
+        epochs_done = trainer.current_epoch + 1
+        max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
+        last = max_epochs is not None and epochs_done >= max_epochs
+        decision = self.budget.decide(
+            epochs_done, max_epochs, last, self._has_fill_in(), self._read_every_epoch(trainer)
+        )
+        if trainer.world_size > 1:
+            decision = trainer.strategy.broadcast(decision, src=0)
+        started = time.perf_counter()
+        if decision == EXACT:
             self._measure_and_log(trainer, pl_module)
+            self.budget.exact_seconds = time.perf_counter() - started
+            if self.budget.share is not None and not last and self._has_fill_in():
+                self._calibrate(trainer, pl_module)
+        elif decision == CHEAP:
+            self._fill_in(trainer, pl_module)
+        self.budget.charge(time.perf_counter() - started)
+        if decision == EXACT and not self._cost_told:
+            self._cost_told = True
+            rank_zero_info(
+                cost_message(
+                    self.budget,
+                    self.history[-1]["seconds"],
+                    epochs_done,
+                    self.every_n_epochs,
+                    self._active_structure,
+                )
+            )
+
+    def _read_every_epoch(self, trainer: Trainer) -> bool:
+        """Whether EarlyStopping or ModelCheckpoint monitors one of this monitor's values (it
+        then needs one at every scheduled epoch)."""
+        return any(
+            isinstance(callback, (EarlyStopping, ModelCheckpoint))
+            and str(getattr(callback, "monitor", None) or "").startswith(self.log_prefix)
+            for callback in trainer.callbacks
+        )
+
+    def _cheap_record(self, trainer: Trainer, pl_module: LightningModule) -> dict | None:
+        """The fill-in structure's record, or None (it cannot measure this model: said once,
+        and the fill-in is off for the fit)."""
+        started = time.perf_counter()
+        try:
+            report = self._run_measure(trainer, pl_module, FILL_IN)
+        except Exception as error:
+            self._fill_in_failed = True
+            rank_zero_warn(
+                f"FlatnessMonitor: the cheap fill-in structure {FILL_IN!r} cannot measure this "
+                f"model ({type(error).__name__}: {error}); between exact measurements nothing "
+                "is logged."
+            )
+            return None
+        self.budget.cheap_seconds = time.perf_counter() - started
+        return {k: v for k, v in report.as_dict().items() if k != "structure"}
+
+    def _calibrate(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The ratio exact ÷ fill-in soft rank on the weights just measured exactly."""
+        cheap = self._cheap_record(trainer, pl_module)
+        if cheap is not None:
+            exact = self.history[-1]["soft_rank"]
+            self._calibration = exact / cheap["soft_rank"] if cheap["soft_rank"] else math.nan
+
+    def _fill_in(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        cheap = self._cheap_record(trainer, pl_module)
+        if cheap is not None:
+            self._log_record(trainer, pl_module, fill_in_record(cheap, self._calibration))
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         last_epoch = trainer.current_epoch - 1 if trainer.current_epoch else 0
@@ -611,9 +715,15 @@ class FlatnessMonitor(Callback):
             self.measure_on_fit_end
             and self.disabled_reason is None
             and trainer.global_step > 0
-            and not any(record["epoch"] >= last_epoch for record in self.history)
+            and not any(
+                record["epoch"] >= last_epoch and not record.get("fill_in")
+                for record in self.history
+            )
         ):
+            started = time.perf_counter()
             record = self._measure(trainer, pl_module)
+            record.update(fill_in=0.0, calibration=1.0)
+            self.budget.charge(time.perf_counter() - started)
             record["epoch"] = float(last_epoch)
             self.history.append(record)
             metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
@@ -666,7 +776,9 @@ class FlatnessMonitor(Callback):
 
         return all_reduce
 
-    def _run_measure(self, trainer: Trainer, pl_module: LightningModule) -> FlatnessReport:
+    def _run_measure(
+        self, trainer: Trainer, pl_module: LightningModule, structure: str | None = None
+    ) -> FlatnessReport:
         val_loaders = trainer.val_dataloaders if self.use_val else None
         train_batches = self._batches(trainer, trainer.train_dataloader, "training")
         val_batches = (
@@ -678,6 +790,7 @@ class FlatnessMonitor(Callback):
             val_batches,
             all_reduce=self._all_reduce(trainer),
             shard=self._shard(trainer),
+            structure=structure,
         )
 
     def _call_measure(
@@ -687,6 +800,7 @@ class FlatnessMonitor(Callback):
         val_batches: Iterable | None,
         all_reduce: Any = None,
         shard: tuple[int, int] | None = None,
+        structure: str | None = None,
     ) -> FlatnessReport:
         with torch.inference_mode(False), torch.enable_grad():
             return measure(
@@ -694,7 +808,7 @@ class FlatnessMonitor(Callback):
                 train_batches,
                 lam=self._lam_argument(),
                 num_train_samples=self.resolved_num_train_samples,
-                structure=self._active_structure,
+                structure=structure or self._active_structure,
                 val_batches=val_batches,
                 trace_estimator=self.trace_estimator,
                 kfac_mode=self.kfac_mode,
@@ -706,6 +820,16 @@ class FlatnessMonitor(Callback):
                 logits_fn=self.logits_fn,
                 **self.measure_kwargs,
             )
+
+    def _timed_trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        """The fit-start trial, charged to the budget; its cost per sample predicts the first
+        exact measurement's."""
+        started = time.perf_counter()
+        self._trial(trainer, pl_module, batch)
+        seconds = time.perf_counter() - started
+        self.budget.charge(seconds)
+        samples = min(self.resolved_num_train_samples or 0, self.max_samples or math.inf)
+        self.budget.predict_exact(seconds, self._trial_samples, int(samples))
 
     def _trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         """Measure one real training batch with the structure every epoch will use, once at
@@ -791,9 +915,20 @@ class FlatnessMonitor(Callback):
 
     def _measure_and_log(self, trainer: Trainer, pl_module: LightningModule) -> None:
         record = self._measure(trainer, pl_module)
+        record.update(fill_in=0.0, calibration=1.0)
+        self._log_record(trainer, pl_module, record)
+
+    def _log_record(
+        self, trainer: Trainer, pl_module: LightningModule, record: dict[str, float]
+    ) -> None:
         record["epoch"] = float(trainer.current_epoch)
         self.history.append(record)
         metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
+        # the monitor's share of the fit so far, this measurement included (not in history:
+        # it depends on the machine's speed, the history does not)
+        seconds = record["seconds"] if math.isfinite(record["seconds"]) else 0.0
+        elapsed, spent = self.budget.elapsed(), self.budget.spent + seconds
+        metrics[self.log_prefix + "fit_share"] = spent / elapsed if elapsed > 0 else 0.0
         on_bar = {key: metrics.pop(self.log_prefix + key) for key in _PROGRESS_BAR_KEYS}
         # The values are already the same on every process (reduced before any eigenvalue);
         # syncing them (a mean of equal numbers) keeps Lightning's sync_dist advice quiet.
@@ -807,13 +942,16 @@ class FlatnessMonitor(Callback):
             prog_bar=True,
             sync_dist=sync,
         )
+        fill_in = bool(record.get("fill_in"))
+        structure = f"{FILL_IN} scaled" if fill_in else self._active_structure
         if trainer.progress_bar_callback is None:  # no bar to show them: one line instead
             rank_zero_info(
                 f"FlatnessMonitor, epoch {trainer.current_epoch}: predicted gap "
-                f"{on_bar['predicted_gap']:.4g} ({self._active_structure}), observed gap "
+                f"{on_bar['predicted_gap']:.4g} ({structure}), observed gap "
                 f"{on_bar['observed_gap']:.4g}, soft rank {record['soft_rank']:.4g}"
             )
-        self._draw(trainer)
+        if not fill_in:  # the spectrum and figure are the exact measurement's
+            self._draw(trainer)
 
     def _tensorboard_writers(self, trainer: Trainer) -> list:
         if not trainer.is_global_zero or not self.log_spectrum:

@@ -1,0 +1,181 @@
+"""What ``FlatnessMonitor()`` at its defaults adds to a fit, on the paper's models and a
+mid-size CNN, at n = 4,000 and a larger n.
+
+For each setup one run fits the same model twice, without and with ``FlatnessMonitor()`` (every
+default: ``structure="auto"``, every epoch scheduled, ``overhead_budget=0.3``), and prints the
+fit's wall time both ways, their ratio, the monitor's own share of the fit (its
+``flatness/fit_share`` at the end), how many scheduled epochs got the exact-quality measurement,
+the scaled fill-in or nothing, and whether the last value is exact.
+
+Setups: the paper's MLP and CNN on the bundled 7×7 MNIST; a mid-size CNN (three 3×3
+convolutions of 32, 64 and 64 channels with max pooling, 1×28×28 inputs: the bundled images
+upsampled); n = 4,000 (the bundled training set) and n = 20,000 (the 4,000 and noisy copies,
+``x + 0.5·N(0, 1)``). Adam, lr 1e-3, λ = 1/n, batch 64. Usage::
+
+    python benchmarks/bench_overhead.py [--threads 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from _common import markdown_table, mnist7, print_header, set_threads
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_flatness import FlatnessMonitor
+from lightning_flatness.core.models import build_model
+
+
+def mid_cnn() -> nn.Module:
+    """Three convolutions, 32-64-64 channels, for 1×28×28 inputs (P = 61,514)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 3 * 3, 10),
+    )
+
+
+class Classifier(LightningModule):
+    def __init__(self, model: nn.Module, lam: float) -> None:
+        super().__init__()
+        self.model, self.lam = model, lam
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3, weight_decay=self.lam)
+
+
+@dataclass
+class Setup:
+    name: str
+    build: object
+    size: int  # 7 or 28
+    n: int
+    epochs: int
+
+
+def _data(size: int, n: int) -> tuple[TensorDataset, TensorDataset]:
+    x, y, xv, yv = mnist7(train_size=4000, val_size=1000)
+    if n > x.shape[0]:
+        noise = torch.Generator().manual_seed(1)
+        index = torch.arange(n) % x.shape[0]
+        extra = x[index[x.shape[0] :]] + 0.5 * torch.randn(
+            (n - x.shape[0], *x.shape[1:]), generator=noise
+        )
+        x, y = torch.cat([x, extra]), y[index]
+    if size != x.shape[-1]:
+        x = F.interpolate(x, size=size, mode="bilinear", align_corners=False)
+        xv = F.interpolate(xv, size=size, mode="bilinear", align_corners=False)
+    return TensorDataset(x, y), TensorDataset(xv, yv)
+
+
+def _fit(setup: Setup, monitor: FlatnessMonitor | None) -> tuple[float, Trainer]:
+    train, val = _data(setup.size, setup.n)
+    seed_everything(0)
+    module = Classifier(setup.build(), 1.0 / setup.n)
+    trainer = Trainer(
+        max_epochs=setup.epochs,
+        callbacks=[monitor] if monitor else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    loaders = (
+        DataLoader(train, batch_size=64, shuffle=True),
+        DataLoader(val, batch_size=256),
+    )
+    start = time.perf_counter()
+    trainer.fit(module, *loaders)
+    return time.perf_counter() - start, trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="n = 4,000 only, fewer epochs")
+    args = parser.parse_args()
+    set_threads(args.threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    paper = {"mlp": lambda: build_model("mlp"), "cnn": lambda: build_model("cnn")}
+    setups = []
+    for n, epochs in ((4000, 10 if args.quick else 30), (20_000, 10)):
+        if args.quick and n > 4000:
+            continue
+        setups += [Setup(name, build, 7, n, epochs) for name, build in paper.items()]
+        setups.append(Setup("mid-size CNN", mid_cnn, 28, n, max(epochs // 3, 3)))
+    print_header(f"FlatnessMonitor() at its defaults ({args.threads} threads)")
+    rows = []
+    for setup in setups:
+        plain, _ = _fit(setup, None)
+        monitor = FlatnessMonitor(print_summary=False, log_spectrum=False)
+        watched, trainer = _fit(setup, monitor)
+        fill_ins = sum(1 for r in monitor.history if r.get("fill_in"))
+        exact = len(monitor.history) - fill_ins
+        last = monitor.history[-1] if monitor.history else {}
+        share = float(trainer.callback_metrics.get("flatness/fit_share", float("nan")))
+        parameters = sum(p.numel() for p in trainer.lightning_module.parameters())
+        rows.append(
+            [
+                setup.name,
+                f"{parameters:,}",
+                f"{setup.n:,}",
+                str(setup.epochs),
+                monitor._active_structure,
+                f"{plain:.1f}",
+                f"{watched:.1f}",
+                f"{watched / plain:.2f}",
+                f"{share:.0%}",
+                f"{exact} / {fill_ins} / {setup.epochs - exact - fill_ins}",
+                "fill-in" if last.get("fill_in") else "exact",
+                f"{last.get('soft_rank', float('nan')):,.1f}",
+            ]
+        )
+        print(f"<!-- {setup.name} n={setup.n}: {plain:.1f} s / {watched:.1f} s -->", flush=True)
+    header = [
+        "model",
+        "P",
+        "n",
+        "epochs",
+        "structure",
+        "fit without, s",
+        "fit with, s",
+        "ratio",
+        "monitor's share (logged)",
+        "epochs exact / fill-in / none",
+        "last value",
+        "last soft rank",
+    ]
+    print(markdown_table(header, rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The monitor's overhead budget: which scheduled measurement runs, so that the monitor's share
+of the fit's wall time stays within ``overhead_budget``.
+
+An exact-quality measurement (the probe kernel, ``cg``) costs tens of training epochs of a small
+model: its sums grow like m·P² while an epoch costs m·P. So the monitor does not run it at every
+scheduled epoch. At each scheduled epoch it runs, in this order of preference, whatever keeps
+
+    (monitor seconds so far + this measurement + the fit-end measurement still to come)
+        ≤ budget / (1 − budget) · projected training seconds of the whole fit
+
+(the training seconds so far scaled to ``max_epochs``):
+
+1. the exact-quality measurement;
+2. else the cheap one, :data:`FILL_IN` (the Kronecker factors of the layer hooks, about one
+   training epoch), its soft rank scaled by the ratio exact ÷ cheap of the last exact
+   measurement (both are measured then) and logged with ``fill_in = 1``; the reserve for the
+   fit-end measurement does not count against it, so that a fit whose one exact measurement
+   alone exceeds the budget still gets its curves;
+3. else nothing — unless another callback reads the values every scheduled epoch
+   (``EarlyStopping`` or ``ModelCheckpoint`` monitoring one of them): then the cheapest one runs,
+   over the budget if need be.
+
+The fit's last epoch (or the fit end, when training stops early) always gets the exact-quality
+measurement: it is the number the summary reports. Its cost is reserved from the start. Before
+the first exact measurement its cost is predicted from the fit-start trial on one batch, per
+sample; afterwards it is the last one's. This module has no Lightning import.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CHEAP",
+    "EXACT",
+    "FILL_IN",
+    "SCALED_FIELDS",
+    "SKIP",
+    "OverheadBudget",
+    "cost_message",
+    "fill_in_record",
+]
+
+#: the structure that fills in between exact-quality measurements
+FILL_IN = "kfac"
+#: the decisions of :meth:`OverheadBudget.decide`
+EXACT, CHEAP, SKIP = "exact", "cheap", "skip"
+#: the record fields proportional to the soft rank (scaled in a fill-in record)
+SCALED_FIELDS = ("soft_rank", "soft_rank_stderr", "predicted_gap", "predicted_gap_train")
+
+
+@dataclass
+class OverheadBudget:
+    """Wall-time bookkeeping of one fit (module docstring).
+
+    Args:
+        share: the largest share of the fit's wall time the monitor may take, in (0, 1);
+            None: no budget (every scheduled measurement is exact).
+        clock: seconds (``time.perf_counter``; a test may pass its own).
+    """
+
+    share: float | None
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+    started: float | None = None
+    #: monitor seconds charged so far
+    spent: float = 0.0
+    #: the last exact-quality measurement's seconds (or a prediction), and the cheap one's
+    exact_seconds: float | None = None
+    cheap_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.share is not None and not 0.0 < float(self.share) < 1.0:
+            raise ValueError(
+                f"`overhead_budget` must be a share of the fit's time in (0, 1) or None (no "
+                f"budget), got {self.share!r}."
+            )
+
+    def start(self) -> None:
+        """The fit's clock starts (training start)."""
+        self.started = self.clock()
+        self.spent = 0.0
+
+    def charge(self, seconds: float) -> None:
+        """Count ``seconds`` of monitor work."""
+        self.spent += float(seconds)
+
+    def elapsed(self) -> float:
+        return 0.0 if self.started is None else max(self.clock() - self.started, 0.0)
+
+    def fit_share(self) -> float:
+        """The monitor's share of the fit's wall time so far."""
+        elapsed = self.elapsed()
+        return self.spent / elapsed if elapsed > 0 else 0.0
+
+    def predict_exact(self, trial_seconds: float, trial_samples: int, samples: int) -> None:
+        """The exact measurement's cost before one has run: the fit-start trial's, per sample
+        (its fixed costs make this a lower estimate; the first real one replaces it)."""
+        if self.exact_seconds is None and trial_samples > 0:
+            self.exact_seconds = trial_seconds * max(samples, trial_samples) / trial_samples
+
+    def _projected_training(self, epochs_done: int, max_epochs: int | None) -> float:
+        training = max(self.elapsed() - self.spent, 0.0)
+        if max_epochs is not None and max_epochs > epochs_done > 0:
+            return training * max_epochs / epochs_done
+        return training
+
+    def _fits(self, cost: float, reserve: float, projected: float) -> bool:
+        share = float(self.share)
+        return self.spent + cost + reserve <= share / (1.0 - share) * projected
+
+    def decide(
+        self,
+        epochs_done: int,
+        max_epochs: int | None,
+        last: bool,
+        cheap: bool,
+        required: bool = False,
+    ) -> str:
+        """:data:`EXACT`, :data:`CHEAP` or :data:`SKIP` for a scheduled measurement after
+        ``epochs_done`` epochs; ``last``: the fit's last epoch (always exact); ``cheap``: a
+        fill-in structure exists (the measured structure is not cheap itself); ``required``:
+        another callback reads the values every scheduled epoch (EarlyStopping,
+        ModelCheckpoint), so the cheapest measurement runs even over the budget, never none."""
+        if self.share is None or last:
+            return EXACT
+        projected = self._projected_training(epochs_done, max_epochs)
+        exact = self.exact_seconds or 0.0
+        if self._fits(exact, exact, projected):
+            return EXACT
+        if cheap and (required or self._fits(self.cheap_seconds or 0.0, 0.0, projected)):
+            return CHEAP
+        return EXACT if required else SKIP
+
+
+def fill_in_record(record: dict[str, float], calibration: float) -> dict[str, float]:
+    """A fill-in measurement's record: the soft rank and the gaps it predicts (Eq. 13 is linear
+    in it) times ``calibration``, the ratio exact ÷ fill-in of the last exact measurement;
+    before the first one (``calibration`` NaN) the fill-in's own values, unscaled. Marked
+    ``fill_in = 1``; its ``trusted`` is the fill-in structure's own (0: it is not of exact
+    quality)."""
+    scaled = dict(record)
+    for name in SCALED_FIELDS:
+        if name in scaled and math.isfinite(calibration):
+            scaled[name] = scaled[name] * calibration
+    scaled.update(fill_in=1.0, calibration=calibration)
+    return scaled
+
+
+def cost_message(
+    budget: OverheadBudget, seconds: float, epochs_done: int, every_n_epochs: int, structure: str
+) -> str:
+    """What one exact measurement costs this fit, and what the budget does about it (said once,
+    after the first)."""
+    training = max(budget.elapsed() - budget.spent, 0.0)
+    epoch = training / epochs_done if epochs_done else float("nan")
+    epochs = f", {seconds / epoch:.0f} training epochs" if epoch > 0 else ""
+    head = f"FlatnessMonitor: one {structure} measurement takes {seconds:.1f} s{epochs}. "
+    if budget.share is None:
+        share = seconds / (seconds + every_n_epochs * epoch) if epoch > 0 else float("nan")
+        return (
+            head + f"Measuring every {every_n_epochs} epoch(s) (overhead_budget=None) makes the "
+            f"monitor about {share:.0%} of the fit; overhead_budget=0.3 keeps it under 30%."
+        )
+    return (
+        head + f"It runs when the monitor's share of the fit stays within overhead_budget="
+        f"{budget.share:g} (and always at the last epoch); {FILL_IN!r} scaled by the last exact "
+        "ratio fills in between (flatness/fill_in = 1). overhead_budget=None measures exactly "
+        "at every scheduled epoch."
+    )

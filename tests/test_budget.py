@@ -1,0 +1,146 @@
+"""The monitor's overhead budget: which scheduled measurement runs (exact, the scaled Kronecker
+fill-in, or none), that the fill-in is scaled by the last exact ratio, that callbacks reading the
+values every epoch still get one, and that none of it changes training."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import quiet_trainer
+from lightning.pytorch import Callback, seed_everything
+from lightning.pytorch.callbacks import EarlyStopping
+
+from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness.lightning.budget import (
+    CHEAP,
+    EXACT,
+    SKIP,
+    OverheadBudget,
+    fill_in_record,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _budget(share=0.3) -> tuple[OverheadBudget, FakeClock]:
+    clock = FakeClock()
+    budget = OverheadBudget(share, clock=clock)
+    budget.start()
+    return budget, clock
+
+
+def test_the_budget_prefers_exact_then_the_fill_in_then_nothing():
+    budget, clock = _budget(0.3)  # the monitor may spend 3/7 of the training time
+    clock.now = 10.0  # 10 s of training after 1 of 10 epochs: 100 s projected
+    budget.exact_seconds, budget.cheap_seconds = 20.0, 1.0
+    assert budget.decide(1, 10, last=False, cheap=True) == EXACT  # 20 + 20 ≤ 42.9
+    budget.charge(20.0)
+    clock.now = 40.0  # 20 s of training after 2 epochs: still 100 s projected
+    assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # 60 > 42.9, 21 ≤ 42.9
+    assert budget.decide(2, 10, last=False, cheap=False) == SKIP
+    budget.charge(30.0)
+    clock.now = 70.0  # 50 spent, 20 s of training after 2 epochs: nothing fits
+    assert budget.decide(2, 10, last=False, cheap=True) == SKIP
+    assert budget.decide(2, 10, last=False, cheap=True, required=True) == CHEAP
+    assert budget.decide(2, 10, last=False, cheap=False, required=True) == EXACT
+    assert budget.decide(2, 10, last=True, cheap=True) == EXACT  # the summary's number
+    assert budget.fit_share() == pytest.approx(50 / 70)
+
+
+def test_no_budget_measures_exactly_and_bad_shares_are_refused():
+    budget, _ = _budget(None)
+    budget.exact_seconds = 1e9
+    assert budget.decide(1, 10, last=False, cheap=True) == EXACT
+    for share in (0.0, 1.0, -0.2, 3):
+        with pytest.raises(ValueError, match="overhead_budget"):
+            OverheadBudget(share)
+
+
+def test_the_first_exact_cost_is_predicted_from_the_trial_per_sample():
+    budget, _ = _budget()
+    budget.predict_exact(0.5, 100, 4000)
+    assert budget.exact_seconds == pytest.approx(20.0)
+    budget.predict_exact(9.0, 100, 4000)  # only before one is known
+    assert budget.exact_seconds == pytest.approx(20.0)
+
+
+def test_a_fill_in_scales_the_soft_rank_and_the_gaps_by_the_last_exact_ratio():
+    record = {"soft_rank": 100.0, "predicted_gap": 0.2, "predicted_gap_train": 0.1, "tic": 3.0}
+    scaled = fill_in_record(record, 0.5)
+    assert scaled["soft_rank"] == 50.0 and scaled["predicted_gap"] == 0.1
+    assert scaled["predicted_gap_train"] == 0.05 and scaled["tic"] == 3.0
+    assert scaled["fill_in"] == 1.0 and scaled["calibration"] == 0.5
+    raw = fill_in_record(record, math.nan)  # before any exact measurement: unscaled
+    assert raw["soft_rank"] == 100.0 and math.isnan(raw["calibration"])
+
+
+class WeightsAtEpochEnd(Callback):
+    """A copy of the model after each training epoch (after the monitor measured it)."""
+
+    def __init__(self) -> None:
+        self.models: list[torch.nn.Module] = []
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.models.append(copy.deepcopy(pl_module).eval())
+
+
+def _fit(tmp_path, callbacks, max_epochs=3):
+    seed_everything(0)
+    data = MNIST7DataModule(train_size=64, val_size=32, batch_size=16)
+    model = FlatnessClassifier(weight_decay=1e-3)
+    trainer = quiet_trainer(tmp_path, callbacks, max_epochs=max_epochs, deterministic=True)
+    trainer.fit(model, data)
+    return trainer, model, data
+
+
+def _kfac_soft_rank(model, data) -> float:
+    x, y = data.train_set.tensors
+    return measure(
+        model, [(x, y)], lam=1e-3, num_train_samples=64, structure="kfac", kfac_mode="exact"
+    ).soft_rank
+
+
+def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path):
+    _, plain, _ = _fit(tmp_path / "plain", [])
+    monitor = FlatnessMonitor(kfac_mode="exact", print_summary=False)
+    script = [EXACT, CHEAP]
+    decide = monitor.budget.decide
+    monitor.budget.decide = lambda done, most, last, *args: (
+        decide(done, most, last, *args) if last else script.pop(0)
+    )
+    weights = WeightsAtEpochEnd()
+    trainer, watched, data = _fit(tmp_path / "watched", [monitor, weights])
+    assert [r["fill_in"] for r in monitor.history] == [0.0, 1.0, 0.0]
+    ratio = monitor.history[0]["soft_rank"] / _kfac_soft_rank(weights.models[0], data)
+    fill_in = monitor.history[1]
+    assert fill_in["calibration"] == pytest.approx(ratio, rel=1e-9)
+    kfac_now = _kfac_soft_rank(weights.models[1], data)
+    assert fill_in["soft_rank"] == pytest.approx(ratio * kfac_now, rel=1e-9)
+    assert 0.0 < float(trainer.callback_metrics["flatness/fit_share"]) <= 1.0
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, watched.state_dict()[name]), name
+
+
+def test_an_early_stopping_on_a_flatness_value_gets_one_every_epoch(tmp_path):
+    monitor = FlatnessMonitor(print_summary=False)
+    monitor.budget.exact_seconds = 1e9  # no exact measurement fits before the last epoch
+    stopping = EarlyStopping(monitor="flatness/predicted_gap", patience=10)
+    _fit(tmp_path, [monitor, stopping])
+    assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 0.0]
+    assert math.isnan(monitor.history[0]["calibration"])  # no exact ratio yet: raw kfac
+
+
+def test_what_does_not_fit_is_skipped_and_the_last_epoch_is_exact(tmp_path):
+    monitor = FlatnessMonitor(structure="kfac", print_summary=False)  # no cheaper fill-in
+    monitor.budget.exact_seconds = 1e9
+    _fit(tmp_path, [monitor])
+    assert [r["epoch"] for r in monitor.history] == [2.0]
