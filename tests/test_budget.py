@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 import pytest
 import torch
@@ -52,8 +53,12 @@ def test_the_budget_prefers_exact_then_the_fill_in_then_nothing():
     assert budget.decide(2, 10, last=False, cheap=True) == SKIP
     assert budget.decide(2, 10, last=False, cheap=True, required=True) == CHEAP
     assert budget.decide(2, 10, last=False, cheap=False, required=True) == EXACT
-    assert budget.decide(2, 10, last=True, cheap=True) == EXACT  # the summary's number
     assert budget.fit_share() == pytest.approx(50 / 70)
+    # the last epoch: exact if the fit's own training time allows it, no reserve to keep
+    assert budget.decide(2, 10, last=True, cheap=True) == CHEAP  # 50 + 20 > 8.6
+    assert budget.decide(2, 10, last=True, cheap=False) == SKIP
+    clock.now = 250.0  # 200 s of training: 70 ≤ 85.7
+    assert budget.decide(10, 10, last=True, cheap=True) == EXACT
 
 
 def test_no_budget_measures_exactly_and_bad_shares_are_refused():
@@ -112,11 +117,8 @@ def _kfac_soft_rank(model, data) -> float:
 def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path):
     _, plain, _ = _fit(tmp_path / "plain", [])
     monitor = FlatnessMonitor(kfac_mode="exact", print_summary=False)
-    script = [EXACT, CHEAP]
-    decide = monitor.budget.decide
-    monitor.budget.decide = lambda done, most, last, *args: (
-        decide(done, most, last, *args) if last else script.pop(0)
-    )
+    script = [EXACT, CHEAP, EXACT]
+    monitor.budget.decide = lambda *args: script.pop(0)
     weights = WeightsAtEpochEnd()
     trainer, watched, data = _fit(tmp_path / "watched", [monitor, weights])
     assert [r["fill_in"] for r in monitor.history] == [0.0, 1.0, 0.0]
@@ -130,17 +132,34 @@ def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path):
         assert torch.equal(value, watched.state_dict()[name]), name
 
 
-def test_an_early_stopping_on_a_flatness_value_gets_one_every_epoch(tmp_path):
+def test_an_early_stopping_on_a_flatness_value_gets_one_every_epoch(tmp_path, caplog):
+    """No exact measurement fits (it is said to cost 1e9 s): the fill-in runs every epoch,
+    unscaled, and the monitor says at fit end that the last values are not exact."""
     monitor = FlatnessMonitor(print_summary=False)
-    monitor.budget.exact_seconds = 1e9  # no exact measurement fits before the last epoch
+    monitor.budget.exact_seconds = 1e9
     stopping = EarlyStopping(monitor="flatness/predicted_gap", patience=10)
-    _fit(tmp_path, [monitor, stopping])
-    assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 0.0]
-    assert math.isnan(monitor.history[0]["calibration"])  # no exact ratio yet: raw kfac
+    with caplog.at_level("INFO"):
+        _fit(tmp_path, [monitor, stopping])
+    assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 1.0]
+    assert all(math.isnan(r["calibration"]) for r in monitor.history)  # no exact ratio
+    said = [
+        r.getMessage() for r in caplog.records if "did not fit overhead_budget" in r.getMessage()
+    ]
+    assert len(said) == 1 and "overhead_budget=None" in said[0] and "unscaled" in said[0]
 
 
-def test_what_does_not_fit_is_skipped_and_the_last_epoch_is_exact(tmp_path):
+def test_what_does_not_fit_is_skipped(tmp_path):
     monitor = FlatnessMonitor(structure="kfac", print_summary=False)  # no cheaper fill-in
     monitor.budget.exact_seconds = 1e9
+    trainer, _, _ = _fit(tmp_path, [monitor])
+    assert monitor.history == [] and trainer.current_epoch == 3
+
+
+def test_a_fit_end_measurement_follows_the_budget_too(tmp_path):
+    """every_n_epochs=2 over 3 epochs: the last epoch is measured at fit end, as a fill-in when
+    the exact measurement does not fit."""
+    monitor = FlatnessMonitor(every_n_epochs=2, print_summary=False)
+    monitor.budget.exact_seconds = 1e9
+    monitor.budget.clock = lambda: time.perf_counter() * 1e6  # a long fit: the fill-in fits
     _fit(tmp_path, [monitor])
-    assert [r["epoch"] for r in monitor.history] == [2.0]
+    assert [(r["epoch"], r["fill_in"]) for r in monitor.history] == [(1.0, 1.0), (2.0, 1.0)]

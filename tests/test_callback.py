@@ -104,7 +104,9 @@ def test_metrics_are_logged_and_monitorable(tmp_path):
 
 def test_logged_values_equal_a_direct_measurement(tmp_path):
     """The callback measures the end-of-epoch weights on the fixed subset it documents."""
-    monitor = FlatnessMonitor(structure="diag", max_samples=100, max_val_samples=50, seed=3)
+    monitor = FlatnessMonitor(
+        structure="diag", max_samples=100, max_val_samples=50, seed=3, overhead_budget=None
+    )
     trainer, model, _ = fit(tmp_path, [monitor], max_epochs=1)
     generator = torch.Generator().manual_seed(3)
     train_set = trainer.train_dataloader.dataset
@@ -150,7 +152,7 @@ def test_every_n_epochs_and_fit_end(tmp_path):
 
 
 def test_checkpoint_loads_weights_only_and_resume_continues(tmp_path):
-    monitor = FlatnessMonitor(max_samples=64)
+    monitor = FlatnessMonitor(max_samples=64, overhead_budget=None)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
     fit(tmp_path, [monitor, checkpoint], max_epochs=2)
     path = tmp_path / "ckpt" / "last.ckpt"
@@ -158,7 +160,7 @@ def test_checkpoint_loads_weights_only_and_resume_continues(tmp_path):
     (saved,) = [v for k, v in state["callbacks"].items() if "FlatnessMonitor" in k]
     assert len(saved["history"]) == 2
 
-    resumed = FlatnessMonitor(max_samples=64)
+    resumed = FlatnessMonitor(max_samples=64, overhead_budget=None)
     seed_everything(0)
     trainer = Trainer(
         default_root_dir=tmp_path,

@@ -148,7 +148,7 @@ class GroupedClassifier(FlatnessClassifier):
 
 
 def test_a_fit_with_no_decay_groups_is_measured(tmp_path):
-    monitor = FlatnessMonitor(print_summary=False, max_samples=64)
+    monitor = FlatnessMonitor(print_summary=False, max_samples=64, overhead_budget=None)
     trainer = quiet_trainer(tmp_path, [monitor])
     data = MNIST7DataModule(train_size=128, val_size=64, batch_size=32)
     trainer.fit(GroupedClassifier(architecture="mlp"), data)

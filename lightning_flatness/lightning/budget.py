@@ -20,10 +20,15 @@ scheduled epoch. At each scheduled epoch it runs, in this order of preference, w
    (``EarlyStopping`` or ``ModelCheckpoint`` monitoring one of them): then the cheapest one runs,
    over the budget if need be.
 
-The fit's last epoch (or the fit end, when training stops early) always gets the exact-quality
-measurement: it is the number the summary reports. Its cost is reserved from the start. Before
-the first exact measurement its cost is predicted from the fit-start trial on one batch, per
-sample; afterwards it is the last one's. This module has no Lightning import.
+The fit's last epoch (or the fit end) gets the exact-quality measurement whenever the fit's
+training time allows it: it is the number the summary reports, so its cost is reserved from the
+start (the intermediate exact measurements must leave room for it). When even that one does not
+fit — one exact measurement of a large model can cost a hundred epochs of a short fit — the last
+value is the fill-in, and the monitor says so once, with the cost and the two ways to get the
+exact number (``overhead_budget=None``, or :func:`~lightning_flatness.core.measure` on the
+trained model). Before the first exact measurement its cost is predicted from the
+fit-start trial on one batch, per sample; afterwards it is the last one's. This module has no
+Lightning import.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "OverheadBudget",
     "cost_message",
     "fill_in_record",
+    "not_exact_message",
 ]
 
 #: the structure that fills in between exact-quality measurements
@@ -120,14 +126,19 @@ class OverheadBudget:
         required: bool = False,
     ) -> str:
         """:data:`EXACT`, :data:`CHEAP` or :data:`SKIP` for a scheduled measurement after
-        ``epochs_done`` epochs; ``last``: the fit's last epoch (always exact); ``cheap``: a
+        ``epochs_done`` epochs; ``last``: the fit's last epoch or its end (exact when the fit's
+        training time so far allows it, no reserve left to keep); ``cheap``: a
         fill-in structure exists (the measured structure is not cheap itself); ``required``:
         another callback reads the values every scheduled epoch (EarlyStopping,
         ModelCheckpoint), so the cheapest measurement runs even over the budget, never none."""
-        if self.share is None or last:
+        if self.share is None:
             return EXACT
-        projected = self._projected_training(epochs_done, max_epochs)
         exact = self.exact_seconds or 0.0
+        if last:  # the summary's number: exact if the whole fit's budget allows it
+            if self._fits(exact, 0.0, max(self.elapsed() - self.spent, 0.0)):
+                return EXACT
+            return CHEAP if cheap else (EXACT if required else SKIP)
+        projected = self._projected_training(epochs_done, max_epochs)
         if self._fits(exact, exact, projected):
             return EXACT
         if cheap and (required or self._fits(self.cheap_seconds or 0.0, 0.0, projected)):
@@ -169,4 +180,21 @@ def cost_message(
         f"{budget.share:g} (and always at the last epoch); {FILL_IN!r} scaled by the last exact "
         "ratio fills in between (flatness/fill_in = 1). overhead_budget=None measures exactly "
         "at every scheduled epoch."
+    )
+
+
+def not_exact_message(budget: OverheadBudget, structure: str, calibrated_at: float) -> str:
+    """Said once when the fit's last value is the fill-in, not the exact measurement."""
+    training = max(budget.elapsed() - budget.spent, 0.0)
+    how = (
+        f"scaled by the exact ÷ {FILL_IN} ratio measured at epoch {int(calibrated_at)}"
+        if calibrated_at == calibrated_at  # not NaN
+        else "unscaled (no exact measurement fitted the budget): an upper estimate, not trusted"
+    )
+    return (
+        f"FlatnessMonitor: the {structure} measurement (about {budget.exact_seconds or 0:.1f} s) "
+        f"did not fit overhead_budget={budget.share:g} of this fit ({training:.1f} s of "
+        f"training), so the last values are {FILL_IN!r}, {how}. For the exact number pass "
+        "overhead_budget=None (or a larger share), or measure the trained model with "
+        "lightning_flatness.measure()."
     )

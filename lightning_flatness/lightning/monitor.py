@@ -56,6 +56,7 @@ from lightning_flatness.lightning.budget import (
     OverheadBudget,
     cost_message,
     fill_in_record,
+    not_exact_message,
 )
 from lightning_flatness.lightning.figures import gap_figure, log10_spectrum, summary_table
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
@@ -157,9 +158,10 @@ class FlatnessMonitor(Callback):
         overhead_budget: the largest share of the fit's wall time the monitor may take (default
             0.3): a scheduled measurement of exact quality runs only when it keeps the monitor
             within it, the cheap Kronecker estimate scaled by the last exact ratio fills in
-            when that one does not (``flatness/fill_in`` = 1), and the last epoch always gets
-            the exact one (:mod:`lightning_flatness.lightning.budget`). ``None``: every
-            scheduled measurement is exact, whatever it costs (said once, with the cost).
+            when that one does not (``flatness/fill_in`` = 1), and the last epoch gets the
+            exact one whenever the whole fit's budget allows (else the fill-in, said once at
+            fit end; :mod:`lightning_flatness.lightning.budget`). ``None``: every scheduled
+            measurement is exact, whatever it costs (said once, with the cost).
         max_samples: training samples the Fisher averages over (``None``, the default: the
             whole training set, the least biased soft rank; see docs/math.md, "Sample size").
         max_val_samples: held-out samples for the trace ratio and the observed gap.
@@ -320,6 +322,7 @@ class FlatnessMonitor(Callback):
         self.overhead_budget = overhead_budget
         self.budget = OverheadBudget(overhead_budget)
         self._calibration = math.nan  # exact ÷ fill-in soft rank at the last exact measurement
+        self._calibrated_at = math.nan  # and its epoch
         self._fill_in_failed = False
         self._cost_told = False
         self._trial_samples = 0
@@ -703,6 +706,7 @@ class FlatnessMonitor(Callback):
         if cheap is not None:
             exact = self.history[-1]["soft_rank"]
             self._calibration = exact / cheap["soft_rank"] if cheap["soft_rank"] else math.nan
+            self._calibrated_at = float(trainer.current_epoch)
 
     def _fill_in(self, trainer: Trainer, pl_module: LightningModule) -> None:
         cheap = self._cheap_record(trainer, pl_module)
@@ -715,23 +719,45 @@ class FlatnessMonitor(Callback):
             self.measure_on_fit_end
             and self.disabled_reason is None
             and trainer.global_step > 0
-            and not any(
-                record["epoch"] >= last_epoch and not record.get("fill_in")
-                for record in self.history
-            )
+            and not any(record["epoch"] >= last_epoch for record in self.history)
         ):
-            started = time.perf_counter()
+            self._fit_end_measurement(trainer, pl_module, last_epoch)
+        self._draw_gap_figure(trainer)
+        last = self.history[-1] if self.history else None
+        if last is not None and last.get("fill_in") and self.budget.share is not None:
+            rank_zero_info(
+                not_exact_message(self.budget, self._active_structure, self._calibrated_at)
+            )
+        if self.print_summary and last is not None and trainer.is_global_zero:
+            structure = FILL_IN if last.get("fill_in") else self._active_structure
+            rank_zero_info(summary_table(last, structure))
+
+    def _fit_end_measurement(
+        self, trainer: Trainer, pl_module: LightningModule, last_epoch: int
+    ) -> None:
+        """The last epoch was not measured (stopped early, or not scheduled): measure now,
+        exact or fill-in as the budget allows, and log it directly to the loggers."""
+        decision = self.budget.decide(
+            last_epoch + 1, None, True, self._has_fill_in(), self._read_every_epoch(trainer)
+        )
+        if trainer.world_size > 1:
+            decision = trainer.strategy.broadcast(decision, src=0)
+        started = time.perf_counter()
+        record = None
+        if decision == EXACT:
             record = self._measure(trainer, pl_module)
             record.update(fill_in=0.0, calibration=1.0)
-            self.budget.charge(time.perf_counter() - started)
-            record["epoch"] = float(last_epoch)
-            self.history.append(record)
-            metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
-        self._draw_gap_figure(trainer)
-        if self.print_summary and self.history and trainer.is_global_zero:
-            rank_zero_info(summary_table(self.history[-1], self._active_structure))
+        elif decision == CHEAP:
+            cheap = self._cheap_record(trainer, pl_module)
+            record = None if cheap is None else fill_in_record(cheap, self._calibration)
+        self.budget.charge(time.perf_counter() - started)
+        if record is None:
+            return
+        record["epoch"] = float(last_epoch)
+        self.history.append(record)
+        metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ measurement
     def _batches(self, trainer: Trainer, loaders: object, split: str) -> Iterable:
