@@ -40,32 +40,46 @@ def _budget(share=0.3) -> tuple[OverheadBudget, FakeClock]:
 
 
 def test_the_budget_prefers_exact_then_the_fill_in_then_nothing():
-    budget, clock = _budget(0.3)  # the monitor may spend 3/7 of the training time
-    clock.now = 10.0  # 10 s of training after 1 of 10 epochs: 100 s projected
-    budget.exact_seconds, budget.cheap_seconds = 20.0, 1.0
-    assert budget.decide(1, 10, last=False, cheap=True) == EXACT  # 20 + 20 ≤ 42.9
-    budget.charge(20.0)
-    clock.now = 40.0  # 20 s of training after 2 epochs: still 100 s projected
-    assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # 60 > 42.9, 21 ≤ 42.9
-    assert budget.decide(2, 10, last=False, cheap=False) == SKIP
-    budget.charge(30.0)
-    clock.now = 70.0  # 50 spent, 20 s of training after 2 epochs: nothing fits
-    assert budget.decide(2, 10, last=False, cheap=True) == SKIP
-    assert budget.decide(2, 10, last=False, cheap=True, required=True) == CHEAP
-    assert budget.decide(2, 10, last=False, cheap=False, required=True) == EXACT
-    assert budget.fit_share() == pytest.approx(50 / 70)
-    # the last epoch: exact if the fit's own training time allows it, no reserve to keep
-    assert budget.decide(2, 10, last=True, cheap=True) == CHEAP  # 50 + 20 > 8.6
-    assert budget.decide(2, 10, last=True, cheap=False) == SKIP
-    clock.now = 250.0  # 200 s of training: 70 ≤ 85.7
+    budget, clock = _budget(0.3)  # the monitor may add 30% to the training time
+    clock.now = 10.0  # 10 s of training after 1 of 10 epochs: 100 s projected, 30 s allowed
+    budget.exact_seconds, budget.cheap_seconds = 10.0, 1.0
+    assert budget.decide(1, 10, last=False, cheap=True) == EXACT  # 10 + 10 (reserve) ≤ 30
+    budget.charge(10.0)
+    clock.now = 30.0  # 20 s of training after 2 epochs: still 100 s projected
+    assert budget.decide(2, 10, last=False, cheap=True) == EXACT  # 10 + 10 + 10 ≤ 30
+    budget.charge(10.0)
+    clock.now = 50.0  # 30 s of training after 3 epochs
+    assert budget.decide(3, 10, last=False, cheap=True) == CHEAP  # 40 > 30, 21 ≤ 30
+    assert budget.decide(3, 10, last=False, cheap=False) == SKIP
+    budget.charge(15.0)
+    clock.now = 65.0  # 35 spent, 30 s of training after 3 epochs: nothing fits
+    assert budget.decide(3, 10, last=False, cheap=True) == SKIP
+    assert budget.decide(3, 10, last=False, cheap=True, required=True) == CHEAP
+    assert budget.decide(3, 10, last=False, cheap=False, required=True) == EXACT
+    assert budget.overhead() == pytest.approx(35 / 30)
+    # the last epoch: within the fit's own training time, no reserve to keep
+    assert budget.decide(3, 10, last=True, cheap=True) == SKIP  # 35 + 1 > 9
+    assert budget.decide(3, 10, last=True, cheap=True, required=True) == CHEAP
+    clock.now = 165.0  # 130 s of training: 39 allowed, 35 + 10 > 39 ≥ 35 + 1
+    assert budget.decide(10, 10, last=True, cheap=True) == CHEAP
+    assert budget.decide(10, 10, last=True, cheap=False) == SKIP
+    clock.now = 235.0  # 200 s of training: 35 + 10 ≤ 60
     assert budget.decide(10, 10, last=True, cheap=True) == EXACT
+
+
+def test_an_unmeasured_fill_in_is_taken_to_cost_one_epoch():
+    budget, clock = _budget(0.3)
+    budget.exact_seconds = 1e9
+    clock.now = 10.0  # 10 s of training, 2 of 4 epochs: 20 s projected, 6 s allowed
+    assert budget.decide(2, 4, last=False, cheap=True) == CHEAP  # 5 s per epoch ≤ 6
+    assert budget.decide(1, 2, last=False, cheap=True) == SKIP  # 10 s per epoch, 6 allowed
 
 
 def test_no_budget_measures_exactly_and_bad_shares_are_refused():
     budget, _ = _budget(None)
     budget.exact_seconds = 1e9
     assert budget.decide(1, 10, last=False, cheap=True) == EXACT
-    for share in (0.0, 1.0, -0.2, 3):
+    for share in (0.0, -0.2, math.inf, "30%"):
         with pytest.raises(ValueError, match="overhead_budget"):
             OverheadBudget(share)
 
@@ -127,7 +141,7 @@ def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path):
     assert fill_in["calibration"] == pytest.approx(ratio, rel=1e-9)
     kfac_now = _kfac_soft_rank(weights.models[1], data)
     assert fill_in["soft_rank"] == pytest.approx(ratio * kfac_now, rel=1e-9)
-    assert 0.0 < float(trainer.callback_metrics["flatness/fit_share"]) <= 1.0
+    assert float(trainer.callback_metrics["flatness/overhead"]) > 0.0
     for name, value in plain.state_dict().items():
         assert torch.equal(value, watched.state_dict()[name]), name
 
@@ -148,11 +162,14 @@ def test_an_early_stopping_on_a_flatness_value_gets_one_every_epoch(tmp_path, ca
     assert len(said) == 1 and "overhead_budget=None" in said[0] and "unscaled" in said[0]
 
 
-def test_what_does_not_fit_is_skipped(tmp_path):
+def test_what_does_not_fit_is_skipped_and_said(tmp_path, caplog):
     monitor = FlatnessMonitor(structure="kfac", print_summary=False)  # no cheaper fill-in
     monitor.budget.exact_seconds = 1e9
-    trainer, _, _ = _fit(tmp_path, [monitor])
+    with caplog.at_level("INFO"):
+        trainer, _, _ = _fit(tmp_path, [monitor])
     assert monitor.history == [] and trainer.current_epoch == 3
+    said = [r.getMessage() for r in caplog.records if "no measurement fitted" in r.getMessage()]
+    assert len(said) == 1 and "overhead_budget=None" in said[0]
 
 
 def test_a_fit_end_measurement_follows_the_budget_too(tmp_path):
@@ -161,5 +178,6 @@ def test_a_fit_end_measurement_follows_the_budget_too(tmp_path):
     monitor = FlatnessMonitor(every_n_epochs=2, print_summary=False)
     monitor.budget.exact_seconds = 1e9
     monitor.budget.clock = lambda: time.perf_counter() * 1e6  # a long fit: the fill-in fits
+    monitor.budget.cheap_seconds = 1e-3
     _fit(tmp_path, [monitor])
     assert [(r["epoch"], r["fill_in"]) for r in monitor.history] == [(1.0, 1.0), (2.0, 1.0)]

@@ -244,7 +244,9 @@ def test_unsupported_model_switches_to_matrix_free_with_one_message(tmp_path, ca
 def test_progress_shows_the_gaps_on_the_bar_or_in_a_line_per_measurement(tmp_path, caplog):
     """The main job is not silent: the predicted and observed gap are on the progress bar,
     and without a bar each measurement prints one line."""
-    monitor = FlatnessMonitor(max_samples=64, max_val_samples=64, print_summary=False)
+    monitor = FlatnessMonitor(
+        max_samples=64, max_val_samples=64, print_summary=False, overhead_budget=None
+    )
     trainer, _, _ = fit(tmp_path / "bar", [monitor], max_epochs=1, enable_progress_bar=True)
     shown = trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)
     assert {"flatness/predicted_gap", "flatness/observed_gap"} <= set(shown)

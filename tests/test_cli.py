@@ -263,7 +263,7 @@ def test_shipped_configs_declare_the_flatness_monitor(name):
     (callback,) = config["trainer"]["callbacks"]
     assert callback == {
         "class_path": "lightning_flatness.FlatnessMonitor",
-        "init_args": {"every_n_epochs": 5},
+        "init_args": {"every_n_epochs": 5, "overhead_budget": None},
     }
     assert config["trainer"]["deterministic"] is True
     assert config["seed_everything"] == 0

@@ -24,6 +24,7 @@ from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.batches import wrap_for_batches
 from lightning_flatness.core.layer_rules import is_transposed_linear
 from lightning_flatness.core.model_state import left_as_found, original_module
+from lightning_flatness.lightning.budget import CHEAP, EXACT
 
 LAM = 1e-3
 N = 8
@@ -330,12 +331,18 @@ def _quiet_monitor(**kwargs) -> FlatnessMonitor:
 
 @pytest.mark.parametrize("name", ["resnet", "transformer", "vit", "gpt2", "lstm"])
 def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
+    """The budget's two measurements, the fill-in (with its calibration) at the first epoch
+    and the exact one at the second, change nothing of the training."""
     monitor = _quiet_monitor()
+    script = [EXACT, CHEAP]
+    monitor.budget.decide = lambda *args: script.pop(0)
     with_monitor = _zoo_fit(name, monitor)
     without = _zoo_fit(name, None)
     for key, value in without.state_dict().items():  # weights and BatchNorm statistics
         assert torch.equal(with_monitor.state_dict()[key], value), key
-    record = monitor.history[-1]
+    assert [r["fill_in"] for r in monitor.history] == [0.0, 1.0]
+    assert math.isfinite(monitor.history[-1]["calibration"])
+    record = monitor.history[0]
     assert monitor._active_structure == "probe_kernel"
     assert all(math.isfinite(record[k]) for k in ("soft_rank", "trace_fisher", "trace_cov"))
 

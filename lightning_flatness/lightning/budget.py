@@ -1,12 +1,12 @@
-"""The monitor's overhead budget: which scheduled measurement runs, so that the monitor's share
-of the fit's wall time stays within ``overhead_budget``.
+"""The monitor's overhead budget: which scheduled measurement runs, so that the monitor adds at
+most ``overhead_budget`` (a fraction: 0.3 is 30%) to the fit's training time.
 
 An exact-quality measurement (the probe kernel, ``cg``) costs tens of training epochs of a small
 model: its sums grow like m·P² while an epoch costs m·P. So the monitor does not run it at every
 scheduled epoch. At each scheduled epoch it runs, in this order of preference, whatever keeps
 
     (monitor seconds so far + this measurement + the fit-end measurement still to come)
-        ≤ budget / (1 − budget) · projected training seconds of the whole fit
+        ≤ budget · projected training seconds of the whole fit
 
 (the training seconds so far scaled to ``max_epochs``):
 
@@ -35,8 +35,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
 
 __all__ = [
     "CHEAP",
@@ -45,15 +48,21 @@ __all__ = [
     "SCALED_FIELDS",
     "SKIP",
     "OverheadBudget",
+    "TRIAL_SAMPLES",
     "cost_message",
     "fill_in_record",
     "not_exact_message",
+    "trial_settings",
 ]
 
 #: the structure that fills in between exact-quality measurements
 FILL_IN = "kfac"
 #: the decisions of :meth:`OverheadBudget.decide`
 EXACT, CHEAP, SKIP = "exact", "cheap", "skip"
+#: the fit-start trial measures at most this many samples, and a matrix-free structure with
+#: these options: it checks that the structure runs on the model, not its numbers
+TRIAL_SAMPLES = 32
+TRIAL_MATRIX_FREE = {"probes": 2, "cg_steps": 2, "lanczos_steps": 2, "power_iterations": 2}
 #: the record fields proportional to the soft rank (scaled in a fill-in record)
 SCALED_FIELDS = ("soft_rank", "soft_rank_stderr", "predicted_gap", "predicted_gap_train")
 
@@ -63,8 +72,8 @@ class OverheadBudget:
     """Wall-time bookkeeping of one fit (module docstring).
 
     Args:
-        share: the largest share of the fit's wall time the monitor may take, in (0, 1);
-            None: no budget (every scheduled measurement is exact).
+        share: the most the monitor may add to the fit's training time, as a fraction of it
+            (> 0; 0.3: 30% more); None: no budget (every scheduled measurement is exact).
         clock: seconds (``time.perf_counter``; a test may pass its own).
     """
 
@@ -78,10 +87,12 @@ class OverheadBudget:
     cheap_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        if self.share is not None and not 0.0 < float(self.share) < 1.0:
+        if self.share is not None and not (
+            isinstance(self.share, int | float) and math.isfinite(self.share) and self.share > 0
+        ):
             raise ValueError(
-                f"`overhead_budget` must be a share of the fit's time in (0, 1) or None (no "
-                f"budget), got {self.share!r}."
+                "`overhead_budget` must be a positive fraction of the training time (0.3: the "
+                f"monitor adds at most 30%) or None (no budget), got {self.share!r}."
             )
 
     def start(self) -> None:
@@ -96,10 +107,15 @@ class OverheadBudget:
     def elapsed(self) -> float:
         return 0.0 if self.started is None else max(self.clock() - self.started, 0.0)
 
-    def fit_share(self) -> float:
-        """The monitor's share of the fit's wall time so far."""
-        elapsed = self.elapsed()
-        return self.spent / elapsed if elapsed > 0 else 0.0
+    def training_seconds(self) -> float:
+        """The fit's wall time so far without the monitor's."""
+        return max(self.elapsed() - self.spent, 0.0)
+
+    def overhead(self, pending: float = 0.0) -> float:
+        """The monitor's seconds so far (and ``pending`` ones not yet charged) ÷ the training
+        seconds: what it has added to the fit, as a fraction."""
+        training = self.training_seconds() - pending
+        return (self.spent + pending) / training if training > 0 else math.inf
 
     def predict_exact(self, trial_seconds: float, trial_samples: int, samples: int) -> None:
         """The exact measurement's cost before one has run: the fit-start trial's, per sample
@@ -108,14 +124,13 @@ class OverheadBudget:
             self.exact_seconds = trial_seconds * max(samples, trial_samples) / trial_samples
 
     def _projected_training(self, epochs_done: int, max_epochs: int | None) -> float:
-        training = max(self.elapsed() - self.spent, 0.0)
+        training = self.training_seconds()
         if max_epochs is not None and max_epochs > epochs_done > 0:
             return training * max_epochs / epochs_done
         return training
 
     def _fits(self, cost: float, reserve: float, projected: float) -> bool:
-        share = float(self.share)
-        return self.spent + cost + reserve <= share / (1.0 - share) * projected
+        return self.spent + cost + reserve <= float(self.share) * projected
 
     def decide(
         self,
@@ -134,14 +149,16 @@ class OverheadBudget:
         if self.share is None:
             return EXACT
         exact = self.exact_seconds or 0.0
+        training = self.training_seconds()
+        # the fill-in's cost before it has run: about one training epoch
+        fill_in = self.cheap_seconds if self.cheap_seconds is not None else training / epochs_done
         if last:  # the summary's number: exact if the whole fit's budget allows it
-            if self._fits(exact, 0.0, max(self.elapsed() - self.spent, 0.0)):
-                return EXACT
-            return CHEAP if cheap else (EXACT if required else SKIP)
-        projected = self._projected_training(epochs_done, max_epochs)
-        if self._fits(exact, exact, projected):
+            projected, reserve = training, 0.0
+        else:
+            projected, reserve = self._projected_training(epochs_done, max_epochs), exact
+        if self._fits(exact, reserve, projected):
             return EXACT
-        if cheap and (required or self._fits(self.cheap_seconds or 0.0, 0.0, projected)):
+        if cheap and (required or self._fits(fill_in, 0.0, projected)):
             return CHEAP
         return EXACT if required else SKIP
 
@@ -165,27 +182,27 @@ def cost_message(
 ) -> str:
     """What one exact measurement costs this fit, and what the budget does about it (said once,
     after the first)."""
-    training = max(budget.elapsed() - budget.spent, 0.0)
+    training = budget.training_seconds()
     epoch = training / epochs_done if epochs_done else float("nan")
     epochs = f", {seconds / epoch:.0f} training epochs" if epoch > 0 else ""
     head = f"FlatnessMonitor: one {structure} measurement takes {seconds:.1f} s{epochs}. "
     if budget.share is None:
-        share = seconds / (seconds + every_n_epochs * epoch) if epoch > 0 else float("nan")
+        added = seconds / (every_n_epochs * epoch) if epoch > 0 else float("nan")
         return (
-            head + f"Measuring every {every_n_epochs} epoch(s) (overhead_budget=None) makes the "
-            f"monitor about {share:.0%} of the fit; overhead_budget=0.3 keeps it under 30%."
+            head + f"Measuring every {every_n_epochs} epoch(s) (overhead_budget=None) adds about "
+            f"{added:.0%} to the training time; overhead_budget=0.3 keeps it under 30%."
         )
     return (
-        head + f"It runs when the monitor's share of the fit stays within overhead_budget="
-        f"{budget.share:g} (and always at the last epoch); {FILL_IN!r} scaled by the last exact "
-        "ratio fills in between (flatness/fill_in = 1). overhead_budget=None measures exactly "
-        "at every scheduled epoch."
+        head + f"It runs while the monitor adds at most overhead_budget={budget.share:g} of the "
+        f"training time (the last epoch's whenever the whole fit allows it); {FILL_IN!r} scaled "
+        "by the last exact ratio fills in between (flatness/fill_in = 1). overhead_budget=None "
+        "measures exactly at every scheduled epoch."
     )
 
 
 def not_exact_message(budget: OverheadBudget, structure: str, calibrated_at: float) -> str:
     """Said once when the fit's last value is the fill-in, not the exact measurement."""
-    training = max(budget.elapsed() - budget.spent, 0.0)
+    training = budget.training_seconds()
     how = (
         f"scaled by the exact ÷ {FILL_IN} ratio measured at epoch {int(calibrated_at)}"
         if calibrated_at == calibrated_at  # not NaN
@@ -193,8 +210,26 @@ def not_exact_message(budget: OverheadBudget, structure: str, calibrated_at: flo
     )
     return (
         f"FlatnessMonitor: the {structure} measurement (about {budget.exact_seconds or 0:.1f} s) "
-        f"did not fit overhead_budget={budget.share:g} of this fit ({training:.1f} s of "
-        f"training), so the last values are {FILL_IN!r}, {how}. For the exact number pass "
+        f"did not fit overhead_budget={budget.share:g} of this fit's {training:.1f} s of "
+        f"training, so the last values are {FILL_IN!r}, {how}. For the exact number pass "
         "overhead_budget=None (or a larger share), or measure the trained model with "
         "lightning_flatness.measure()."
     )
+
+
+def trial_settings(structure: str, measure_kwargs: Mapping[str, Any]) -> tuple[dict, float]:
+    """The fit-start trial's :func:`~lightning_flatness.core.measure` keyword arguments (at most
+    :data:`TRIAL_SAMPLES` samples; a matrix-free structure with :data:`TRIAL_MATRIX_FREE`'s
+    few probes and steps, since its full run on one batch can cost minutes), and how many times
+    more work a real measurement does per sample (the ratio of steps for the matrix-free ones,
+    whose probes run as one block; 1 for the others): the factor that predicts the first exact
+    measurement's cost."""
+    kwargs = {**measure_kwargs, "max_samples": TRIAL_SAMPLES}
+    if structure not in MATRIX_FREE_STRUCTURES:
+        return kwargs, 1.0
+    chosen = dict(measure_kwargs.get("matrix_free_options") or {})
+    full = MatrixFreeOptions.from_dict(chosen)
+    kwargs["matrix_free_options"] = {**chosen, **TRIAL_MATRIX_FREE}
+    steps = {"cg": full.cg_steps, "lanczos": full.lanczos_steps}.get(structure, 1)
+    trial_steps = {"cg": 2, "lanczos": 2}.get(structure, 1)
+    return kwargs, steps / trial_steps  # the probes run as one block: not counted

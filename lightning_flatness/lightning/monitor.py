@@ -53,10 +53,12 @@ from lightning_flatness.lightning.budget import (
     CHEAP,
     EXACT,
     FILL_IN,
+    TRIAL_SAMPLES,
     OverheadBudget,
     cost_message,
     fill_in_record,
     not_exact_message,
+    trial_settings,
 )
 from lightning_flatness.lightning.figures import gap_figure, log10_spectrum, summary_table
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
@@ -155,12 +157,13 @@ class FlatnessMonitor(Callback):
             decays across parameter groups are refused with a message to pass ``lam``.
         every_n_epochs: measure at the end of every n-th training epoch (within
             ``overhead_budget``).
-        overhead_budget: the largest share of the fit's wall time the monitor may take (default
-            0.3): a scheduled measurement of exact quality runs only when it keeps the monitor
-            within it, the cheap Kronecker estimate scaled by the last exact ratio fills in
-            when that one does not (``flatness/fill_in`` = 1), and the last epoch gets the
-            exact one whenever the whole fit's budget allows (else the fill-in, said once at
-            fit end; :mod:`lightning_flatness.lightning.budget`). ``None``: every scheduled
+        overhead_budget: the most the monitor may add to the fit's training time, as a
+            fraction (default 0.3: 30% more): a scheduled measurement of exact quality runs
+            only when it keeps the monitor within it, the cheap Kronecker estimate scaled by
+            the last exact ratio fills in when that one does not (``flatness/fill_in`` = 1),
+            and the last epoch gets the exact one whenever the whole fit's budget allows
+            (else the fill-in, said once at fit end;
+            :mod:`lightning_flatness.lightning.budget`). ``None``: every scheduled
             measurement is exact, whatever it costs (said once, with the cost).
         max_samples: training samples the Fisher averages over (``None``, the default: the
             whole training set, the least biased soft rank; see docs/math.md, "Sample size").
@@ -448,6 +451,7 @@ class FlatnessMonitor(Callback):
             return
         self.budget.start()
         self._resolve(trainer)
+        checking = time.perf_counter()
         if not self._checked:
             self._checked = True
             self._check_configuration(trainer, pl_module)
@@ -466,6 +470,7 @@ class FlatnessMonitor(Callback):
                 )
             if self.structure == AUTO and self.disabled_reason is None:
                 self._choose_structure(trainer, pl_module)
+            self.budget.charge(time.perf_counter() - checking)  # the checks; the trial below
             self._timed_trial(trainer, pl_module, self._first_batch)
             self._first_batch = None
             if self.regularizer is not None and self.disabled_reason is not None:
@@ -724,6 +729,15 @@ class FlatnessMonitor(Callback):
             self._fit_end_measurement(trainer, pl_module, last_epoch)
         self._draw_gap_figure(trainer)
         last = self.history[-1] if self.history else None
+        if last is None and self.budget.share is not None and self.disabled_reason is None:
+            rank_zero_info(
+                f"FlatnessMonitor: no measurement fitted overhead_budget={self.budget.share:g} "
+                f"of this fit's {self.budget.training_seconds():.1f} s of training (one "
+                f"{self._active_structure} measurement: about "
+                f"{self.budget.exact_seconds or math.nan:.1f} s). Pass overhead_budget=None "
+                "(or a larger share), or measure the trained model with "
+                "lightning_flatness.measure()."
+            )
         if last is not None and last.get("fill_in") and self.budget.share is not None:
             rank_zero_info(
                 not_exact_message(self.budget, self._active_structure, self._calibrated_at)
@@ -827,7 +841,10 @@ class FlatnessMonitor(Callback):
         all_reduce: Any = None,
         shard: tuple[int, int] | None = None,
         structure: str | None = None,
+        options: dict[str, Any] | None = None,
     ) -> FlatnessReport:
+        """:func:`measure` with this monitor's arguments (``options`` replacing
+        ``measure_kwargs``)."""
         with torch.inference_mode(False), torch.enable_grad():
             return measure(
                 pl_module,
@@ -844,7 +861,7 @@ class FlatnessMonitor(Callback):
                 loss=self.loss,
                 unpack_batch=self.unpack_batch,
                 logits_fn=self.logits_fn,
-                **self.measure_kwargs,
+                **(self.measure_kwargs if options is None else options),
             )
 
     def _timed_trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
@@ -855,7 +872,9 @@ class FlatnessMonitor(Callback):
         seconds = time.perf_counter() - started
         self.budget.charge(seconds)
         samples = min(self.resolved_num_train_samples or 0, self.max_samples or math.inf)
-        self.budget.predict_exact(seconds, self._trial_samples, int(samples))
+        _, work = trial_settings(self._active_structure, self.measure_kwargs)
+        trial_samples = min(self._trial_samples, TRIAL_SAMPLES)
+        self.budget.predict_exact(seconds * work, trial_samples, int(samples))
 
     def _trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         """Measure one real training batch with the structure every epoch will use, once at
@@ -878,8 +897,13 @@ class FlatnessMonitor(Callback):
 
     def _trial_error(self, pl_module: LightningModule, batch: Any) -> Exception | None:
         """What stops the structure on ``batch``, or None (numerical failures included)."""
+
+        def run() -> FlatnessReport:
+            options, _ = trial_settings(self._active_structure, self.measure_kwargs)
+            return self._call_measure(pl_module, [batch], None, options=options)
+
         try:
-            self._with_fallback(lambda: self._call_measure(pl_module, [batch], None))
+            self._with_fallback(run)
         except (MeasurementError, FloatingPointError):  # NaN on this batch: not the structure
             return None
         except Exception as error:
@@ -950,11 +974,10 @@ class FlatnessMonitor(Callback):
         record["epoch"] = float(trainer.current_epoch)
         self.history.append(record)
         metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
-        # the monitor's share of the fit so far, this measurement included (not in history:
-        # it depends on the machine's speed, the history does not)
+        # what the monitor has added to the training time so far, this measurement included
+        # (not in history: it depends on the machine's speed, the history does not)
         seconds = record["seconds"] if math.isfinite(record["seconds"]) else 0.0
-        elapsed, spent = self.budget.elapsed(), self.budget.spent + seconds
-        metrics[self.log_prefix + "fit_share"] = spent / elapsed if elapsed > 0 else 0.0
+        metrics[self.log_prefix + "overhead"] = self.budget.overhead(pending=seconds)
         on_bar = {key: metrics.pop(self.log_prefix + key) for key in _PROGRESS_BAR_KEYS}
         # The values are already the same on every process (reduced before any eigenvalue);
         # syncing them (a mean of equal numbers) keeps Lightning's sync_dist advice quiet.
