@@ -78,6 +78,8 @@ from lightning_flatness.regularizer import SoftRankPenalty
 __all__ = ["FlatnessMonitor"]
 
 DEFAULT_MAX_VAL_SAMPLES = 1024
+#: an exact measurement expected to take longer is announced with one line
+ANNOUNCE_SECONDS = 5.0
 
 
 #: measure() arguments the monitor sets itself, and the constructor argument that sets each
@@ -660,6 +662,7 @@ class FlatnessMonitor(Callback):
             decision = trainer.strategy.broadcast(decision, src=0)
         started = time.perf_counter()
         if decision == EXACT:
+            self._announce(trainer.current_epoch)
             self._measure_and_log(trainer, pl_module)
             self.budget.exact_seconds = time.perf_counter() - started
             if self.budget.share is not None and not last and self._has_fill_in():
@@ -677,6 +680,16 @@ class FlatnessMonitor(Callback):
                     self.every_n_epochs,
                     self._active_structure,
                 )
+            )
+
+    def _announce(self, epoch: int) -> None:
+        """One line before an exact measurement expected to take more than
+        :data:`ANNOUNCE_SECONDS`, so that a long pause is explained."""
+        expected = self.budget.exact_seconds
+        if expected is not None and expected > ANNOUNCE_SECONDS:
+            rank_zero_info(
+                f"FlatnessMonitor: measuring epoch {epoch} with {self._active_structure} "
+                f"(about {expected:.0f} s; Ctrl-C stops the fit)"
             )
 
     def _read_every_epoch(self, trainer: Trainer) -> bool:
@@ -759,6 +772,7 @@ class FlatnessMonitor(Callback):
         started = time.perf_counter()
         record = None
         if decision == EXACT:
+            self._announce(last_epoch)
             record = self._measure(trainer, pl_module)
             record.update(fill_in=0.0, calibration=1.0)
         elif decision == CHEAP:

@@ -247,7 +247,8 @@ class SoftRankPenalty:
     def _running_fisher_for(self, selected: dict[str, nn.Parameter]) -> RunningFisher:
         shapes = {name: p.shape for name, p in selected.items()}
         if self.running_fisher is None:
-            self.running_fisher = RunningFisher(shapes, decay=self.decay)
+            device = next(iter(selected.values())).device if selected else None
+            self.running_fisher = RunningFisher(shapes, decay=self.decay, device=device)
             if self._restored_running_fisher is not None:
                 self.running_fisher.load_state_dict(self._restored_running_fisher)
                 self._restored_running_fisher = None

@@ -173,6 +173,12 @@ class RunningFisher:
         decay: ρ ∈ [0, 1), the decay of the moving averages (0 keeps only the last update).
         max_factor_dim: sides longer than this keep only their diagonal.
         refresh_every: updates between eigen-decompositions of the factors.
+        device: where the factors live: the model's device, so that a GPU fit does not copy
+            each step's increments to the host. They are float64 on every device: they are
+            moving averages of sums over batches whose small eigenvalues set the penalty's
+            gradient (h'(μ) = λ/(μ+λ)² is largest at μ ≪ λ), and float32 round-off in
+            averages of many updates shifts eigenvalues near λ by more than the penalty can
+            tell apart.
 
     Raises:
         ValueError: for ρ outside [0, 1), ``max_factor_dim < 1`` or ``refresh_every < 1``.
@@ -185,7 +191,9 @@ class RunningFisher:
         decay: float = 0.95,
         max_factor_dim: int = 512,
         refresh_every: int = 10,
+        device: torch.device | str | None = None,
     ) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.decay = check_decay(decay)
         self.max_factor_dim = check_count("max_factor_dim", max_factor_dim)
         self.refresh_every = check_count("refresh_every", refresh_every)
@@ -199,7 +207,7 @@ class RunningFisher:
 
     def _block(self, shape: torch.Size) -> KroneckerBlock:
         rows, cols = matrix_shape(shape)
-        zeros = {"dtype": torch.float64}
+        zeros = {"dtype": torch.float64, "device": self.device}
         # a side of length 1 is its own eigen-decomposition: kept as a "diagonal" of one entry
         left_full = 1 < rows <= self.max_factor_dim
         right_full = 1 < cols <= self.max_factor_dim
@@ -314,9 +322,9 @@ class RunningFisher:
         if f"spectrum:{next(iter(self.blocks), '')}:values" in state:
             self._spectra = {
                 name: KroneckerSpectrum(
-                    state[f"spectrum:{name}:values"].clone(),
+                    state[f"spectrum:{name}:values"].to(self.device, copy=True),
                     *(
-                        state[key].clone() if key in state else None
+                        state[key].to(self.device, copy=True) if key in state else None
                         for key in (f"spectrum:{name}:left", f"spectrum:{name}:right")
                     ),
                 )
@@ -332,10 +340,11 @@ def _average_over_processes(increments: dict[str, list[Tensor]]) -> None:
         return
     flat = [tensor for pieces in increments.values() for tensor in pieces]
     buffer = torch.cat([tensor.reshape(-1) for tensor in flat])
-    if dist.get_backend() == "nccl":
+    device = buffer.device
+    if dist.get_backend() == "nccl" and device.type != "cuda":
         buffer = buffer.cuda()
     dist.all_reduce(buffer)
-    buffer = buffer.cpu() / dist.get_world_size()
+    buffer = buffer.to(device) / dist.get_world_size()
     offset = 0
     for tensor in flat:
         tensor.copy_(buffer[offset : offset + tensor.numel()].reshape(tensor.shape))

@@ -163,6 +163,7 @@ class HookBackend(Backend):
             max_kernel_size=options.max_kernel_size,
             max_row_elements=options.max_row_elements,
             summable=self.summable,
+            device=model_device_dtype(self.model)[0],
         )
 
     def summable_states(self) -> list[Tensor]:

@@ -65,6 +65,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         max_kernel_size: the largest ms of the sample side's kernel.
         max_row_elements: the most numbers of kept rows (ms · P) on the sample side.
         summable: the state must add up across processes (the parameter side from the start).
+        device: where the P × P sums live (the model's: no copy to the host per batch).
     """
 
     name = "probe_kernel"
@@ -80,7 +81,9 @@ class ProbeKernelFisher(CurvatureAccumulator):
         max_kernel_size: int,
         max_row_elements: int,
         summable: bool = False,
+        device: torch.device | str | None = None,
     ) -> None:
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_parameters = int(num_parameters)
         self.probes, self.groups = int(probes), int(groups)
         self.max_parameters = int(max_parameters)
@@ -112,7 +115,10 @@ class ProbeKernelFisher(CurvatureAccumulator):
 
     def _zero_grams(self) -> list[Tensor]:
         size = self.num_parameters
-        return [torch.zeros(size, size, dtype=torch.float64) for _ in range(self.groups)]
+        return [
+            torch.zeros(size, size, dtype=torch.float64, device=self.device)
+            for _ in range(self.groups)
+        ]
 
     def _group_rows(self, rows: Tensor) -> list[Tensor]:
         """The rows of each group, (s/groups · N, P) each."""
@@ -136,7 +142,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
             return
         batches = torch.cat(self._pending, dim=1) if len(self._pending) > 1 else self._pending[0]
         for gram, group in zip(self.grams, self._group_rows(batches), strict=True):
-            gram += symmetric_gram(group).cpu()
+            gram += symmetric_gram(group).to(gram.device)
         self._pending.clear()
         self._pending_rows = 0
 

@@ -1,0 +1,41 @@
+"""A fit whose first epoch-end measurement (``lanczos``, many steps) runs for minutes; it
+prints ``measuring`` as each measurement starts, so that a test can interrupt one."""
+
+from __future__ import annotations
+
+from lightning.pytorch import Trainer, seed_everything
+
+import lightning_flatness.lightning.monitor as monitor_module
+from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
+
+_run_measure = monitor_module.FlatnessMonitor._run_measure
+
+
+def _announced(self, *args, **kwargs):
+    print("measuring", flush=True)
+    return _run_measure(self, *args, **kwargs)
+
+
+def main() -> None:
+    monitor_module.FlatnessMonitor._run_measure = _announced
+    seed_everything(0)
+    monitor = FlatnessMonitor(
+        structure="lanczos",
+        overhead_budget=None,
+        measure_kwargs={"matrix_free_options": {"probes": 50, "lanczos_steps": 400}},
+    )
+    trainer = Trainer(
+        max_epochs=1,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = MNIST7DataModule(train_size=512, val_size=64, batch_size=64)
+    trainer.fit(FlatnessClassifier(weight_decay=1e-3), data)
+    print("fit returned", flush=True)
+
+
+if __name__ == "__main__":
+    main()
