@@ -11,11 +11,11 @@ scheduled epoch. At each scheduled epoch it runs, in this order of preference, w
 (the training seconds so far scaled to ``max_epochs``):
 
 1. the exact-quality measurement;
-2. else the cheap one, :data:`FILL_IN` (the Kronecker factors of the layer hooks, about one
-   training epoch), its soft rank scaled by the ratio exact ÷ cheap of the last exact
-   measurement (both are measured then) and logged with ``fill_in = 1``; the reserve for the
-   fit-end measurement does not count against it, so that a fit whose one exact measurement
-   alone exceeds the budget still gets its curves;
+2. else the cheap one, :data:`FILL_IN` (the Kronecker factors of the layer hooks: 1–4
+   training epochs, taken to be one before its first run), its soft rank scaled by the ratio
+   exact ÷ cheap of the last exact measurement (both are measured then) and logged with
+   ``fill_in = 1``; the reserve for the fit-end measurement does not count against it, so that
+   a fit whose one exact measurement alone exceeds the budget still gets its curves;
 3. else nothing — unless another callback reads the values every scheduled epoch
    (``EarlyStopping`` or ``ModelCheckpoint`` monitoring one of them): then the cheapest one runs,
    over the budget if need be.
@@ -26,9 +26,10 @@ start (the intermediate exact measurements must leave room for it). When even th
 fit — one exact measurement of a large model can cost a hundred epochs of a short fit — the last
 value is the fill-in, and the monitor says so once, with the cost and the two ways to get the
 exact number (``overhead_budget=None``, or :func:`~lightning_flatness.core.measure` on the
-trained model). Before the first exact measurement its cost is predicted from the
-fit-start trial on one batch, per sample; afterwards it is the last one's. This module has no
-Lightning import.
+trained model); when not even the fill-in fits, the last epoch gets nothing, and that is said
+too. Before the first exact measurement its cost is predicted from the fit-start trial
+(:func:`trial_settings`: a few samples, and few steps for the matrix-free structures), per
+sample and step; afterwards it is the last one's. This module has no Lightning import.
 """
 
 from __future__ import annotations

@@ -889,6 +889,31 @@ class FlatnessMonitor(Callback):
         _, work = trial_settings(self._active_structure, self.measure_kwargs)
         trial_samples = min(self._trial_samples, TRIAL_SAMPLES)
         self.budget.predict_exact(seconds * work, trial_samples, int(samples))
+        if self.budget.share is not None and self._has_fill_in() and self.disabled_reason is None:
+            started = time.perf_counter()
+            self._predict_fill_in(pl_module, batch, int(samples) + (self.max_val_samples or 0))
+            self.budget.charge(time.perf_counter() - started)
+
+    def _predict_fill_in(self, pl_module: LightningModule, batch: Any, samples: int) -> None:
+        """The fill-in's cost on ``samples`` samples, from two timed runs on 8 and 32 samples
+        of the trial batch (a fixed cost plus one per sample: a recurrent model's per-sample
+        loop makes it many epochs, a small MLP's is mostly the fixed part)."""
+        times = {}
+        for size in (TRIAL_SAMPLES // 4, TRIAL_SAMPLES):
+            options = {**self.measure_kwargs, "max_samples": size}
+            started = time.perf_counter()
+            try:
+                self._call_measure(pl_module, [batch], None, structure=FILL_IN, options=options)
+            except Exception:  # the fill-in cannot measure this model: found out when it runs
+                return
+            times[size] = time.perf_counter() - started
+        small, large = TRIAL_SAMPLES // 4, min(TRIAL_SAMPLES, max(self._trial_samples, 1))
+        if large <= small:
+            per_sample, fixed = times[TRIAL_SAMPLES] / max(large, 1), 0.0
+        else:
+            per_sample = max(times[TRIAL_SAMPLES] - times[small], 0.0) / (large - small)
+            fixed = max(times[small] - small * per_sample, 0.0)
+        self.budget.cheap_seconds = fixed + per_sample * samples
 
     def _trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         """Measure one real training batch with the structure every epoch will use, once at
