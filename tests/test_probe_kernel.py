@@ -68,12 +68,11 @@ def _exact_eigenvalues(model, inputs, targets):
         return spectral.psd_eigenvalues(reference.dense_fisher(wrapped, leaf))
 
 
-@pytest.mark.parametrize("name", [*ZOO, "mlp", "cnn", "resmlp"])
-@pytest.mark.parametrize("batch_size", [1, 7, N])
-def test_exact_rows_give_the_whole_fishers_spectrum(exact_cases, name, batch_size, one_thread):
-    model, inputs, targets, eigenvalues = exact_cases[name]
+def _exact_rows_report(case, name: str, batch_size: int):
+    """``probe_kernel`` with as many probes as classes: the exact rows, one group."""
+    model, inputs, targets, _ = case
     classes = 10 if name in ("mlp", "cnn", "resmlp") else 5
-    report = measure(
+    return measure(
         model,
         _split(inputs, targets, batch_size),
         lam=LAM,
@@ -81,6 +80,13 @@ def test_exact_rows_give_the_whole_fishers_spectrum(exact_cases, name, batch_siz
         structure="probe_kernel",
         kernel_options={"probes": classes, "groups": 1},
     )
+
+
+@pytest.mark.parametrize("name", [*ZOO, "mlp", "cnn", "resmlp"])
+@pytest.mark.parametrize("batch_size", [1, 7, N])
+def test_exact_rows_give_the_whole_fishers_spectrum(exact_cases, name, batch_size, one_thread):
+    eigenvalues = exact_cases[name][-1]
+    report = _exact_rows_report(exact_cases[name], name, batch_size)
     expected = spectral.spectral_summary(eigenvalues, LAM)
     assert report.soft_rank == pytest.approx(expected.soft_rank, rel=1e-8)
     assert report.logdet == pytest.approx(expected.logdet, rel=1e-8)
@@ -95,16 +101,8 @@ def test_a_large_estimate_is_summarised_without_its_eigendecomposition(
     """Above EIGEN_SIZE_LIMIT the summary comes from a Cholesky factorisation and Lanczos: the
     same numbers as the spectrum's, and a histogram sample of the spectrum."""
     monkeypatch.setattr(probe_kernel, "EIGEN_SIZE_LIMIT", 0)
-    model, inputs, targets, eigenvalues = exact_cases[name]
-    classes = 10 if name in ("mlp", "cnn") else 5
-    report = measure(
-        model,
-        _split(inputs, targets, 7),
-        lam=LAM,
-        num_train_samples=100,
-        structure="probe_kernel",
-        kernel_options={"probes": classes, "groups": 1},
-    )
+    eigenvalues = exact_cases[name][-1]
+    report = _exact_rows_report(exact_cases[name], name, 7)
     expected = spectral.spectral_summary(eigenvalues, LAM)
     for field in ("soft_rank", "soft_rank2", "logdet", "max_eig"):
         assert getattr(report, field) == pytest.approx(getattr(expected, field), rel=1e-8), field

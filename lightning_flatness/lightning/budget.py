@@ -231,6 +231,7 @@ def trial_settings(structure: str, measure_kwargs: Mapping[str, Any]) -> tuple[d
     chosen = dict(measure_kwargs.get("matrix_free_options") or {})
     full = MatrixFreeOptions.from_dict(chosen)
     kwargs["matrix_free_options"] = {**chosen, **TRIAL_MATRIX_FREE}
-    steps = {"cg": full.cg_steps, "lanczos": full.lanczos_steps}.get(structure, 1)
-    trial_steps = {"cg": 2, "lanczos": 2}.get(structure, 1)
-    return kwargs, steps / trial_steps  # the probes run as one block: not counted
+    key = {"cg": "cg_steps", "lanczos": "lanczos_steps"}.get(structure)
+    if key is None:  # hutchinson: no steps
+        return kwargs, 1.0
+    return kwargs, getattr(full, key) / TRIAL_MATRIX_FREE[key]  # probes run as one block

@@ -655,20 +655,15 @@ class FlatnessMonitor(Callback):
         epochs_done = trainer.current_epoch + 1
         max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
         last = max_epochs is not None and epochs_done >= max_epochs
-        decision = self.budget.decide(
-            epochs_done, max_epochs, last, self._has_fill_in(), self._read_every_epoch(trainer)
-        )
-        if trainer.world_size > 1:
-            decision = trainer.strategy.broadcast(decision, src=0)
+        decision = self._decide(trainer, epochs_done, max_epochs, last)
         started = time.perf_counter()
+        record = self._budgeted_record(trainer, pl_module, decision, trainer.current_epoch)
+        if record is not None:
+            self._log_record(trainer, pl_module, record)
         if decision == EXACT:
-            self._announce(trainer.current_epoch)
-            self._measure_and_log(trainer, pl_module)
             self.budget.exact_seconds = time.perf_counter() - started
             if self.budget.share is not None and not last and self._has_fill_in():
                 self._calibrate(trainer, pl_module)
-        elif decision == CHEAP:
-            self._fill_in(trainer, pl_module)
         self.budget.charge(time.perf_counter() - started)
         if decision == EXACT and not self._cost_told:
             self._cost_told = True
@@ -681,6 +676,32 @@ class FlatnessMonitor(Callback):
                     self._active_structure,
                 )
             )
+
+    def _decide(
+        self, trainer: Trainer, epochs_done: int, max_epochs: int | None, last: bool
+    ) -> str:
+        """The budget's decision (:meth:`OverheadBudget.decide`), rank 0's on every process."""
+        decision = self.budget.decide(
+            epochs_done, max_epochs, last, self._has_fill_in(), self._read_every_epoch(trainer)
+        )
+        if trainer.world_size > 1:
+            decision = trainer.strategy.broadcast(decision, src=0)
+        return decision
+
+    def _budgeted_record(
+        self, trainer: Trainer, pl_module: LightningModule, decision: str, epoch: int
+    ) -> dict[str, float] | None:
+        """The record ``decision`` asks for: the exact measurement's, the fill-in's (scaled by
+        the last exact ratio), or None (skipped, or the fill-in cannot measure this model)."""
+        if decision == EXACT:
+            self._announce(epoch)
+            record = self._measure(trainer, pl_module)
+            record.update(fill_in=0.0, calibration=1.0)
+            return record
+        if decision == CHEAP:
+            cheap = self._cheap_record(trainer, pl_module)
+            return None if cheap is None else fill_in_record(cheap, self._calibration)
+        return None
 
     def _announce(self, epoch: int) -> None:
         """One line before an exact measurement expected to take more than
@@ -726,11 +747,6 @@ class FlatnessMonitor(Callback):
             self._calibration = exact / cheap["soft_rank"] if cheap["soft_rank"] else math.nan
             self._calibrated_at = float(trainer.current_epoch)
 
-    def _fill_in(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        cheap = self._cheap_record(trainer, pl_module)
-        if cheap is not None:
-            self._log_record(trainer, pl_module, fill_in_record(cheap, self._calibration))
-
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         last_epoch = trainer.current_epoch - 1 if trainer.current_epoch else 0
         if (
@@ -764,20 +780,9 @@ class FlatnessMonitor(Callback):
     ) -> None:
         """The last epoch was not measured (stopped early, or not scheduled): measure now,
         exact or fill-in as the budget allows, and log it directly to the loggers."""
-        decision = self.budget.decide(
-            last_epoch + 1, None, True, self._has_fill_in(), self._read_every_epoch(trainer)
-        )
-        if trainer.world_size > 1:
-            decision = trainer.strategy.broadcast(decision, src=0)
+        decision = self._decide(trainer, last_epoch + 1, None, True)
         started = time.perf_counter()
-        record = None
-        if decision == EXACT:
-            self._announce(last_epoch)
-            record = self._measure(trainer, pl_module)
-            record.update(fill_in=0.0, calibration=1.0)
-        elif decision == CHEAP:
-            cheap = self._cheap_record(trainer, pl_module)
-            record = None if cheap is None else fill_in_record(cheap, self._calibration)
+        record = self._budgeted_record(trainer, pl_module, decision, last_epoch)
         self.budget.charge(time.perf_counter() - started)
         if record is None:
             return
@@ -898,21 +903,22 @@ class FlatnessMonitor(Callback):
         """The fill-in's cost on ``samples`` samples, from two timed runs on 8 and 32 samples
         of the trial batch (a fixed cost plus one per sample: a recurrent model's per-sample
         loop makes it many epochs, a small MLP's is mostly the fixed part)."""
-        times = {}
-        for size in (TRIAL_SAMPLES // 4, TRIAL_SAMPLES):
+        available = max(self._trial_samples, 1)
+        sizes = sorted({min(TRIAL_SAMPLES // 4, available), min(TRIAL_SAMPLES, available)})
+        times = []
+        for size in sizes:
             options = {**self.measure_kwargs, "max_samples": size}
             started = time.perf_counter()
             try:
                 self._call_measure(pl_module, [batch], None, structure=FILL_IN, options=options)
             except Exception:  # the fill-in cannot measure this model: found out when it runs
                 return
-            times[size] = time.perf_counter() - started
-        small, large = TRIAL_SAMPLES // 4, min(TRIAL_SAMPLES, max(self._trial_samples, 1))
-        if large <= small:
-            per_sample, fixed = times[TRIAL_SAMPLES] / max(large, 1), 0.0
+            times.append(time.perf_counter() - started)
+        if len(sizes) == 1:  # a batch of at most 8 samples: all of it per sample
+            per_sample, fixed = times[0] / sizes[0], 0.0
         else:
-            per_sample = max(times[TRIAL_SAMPLES] - times[small], 0.0) / (large - small)
-            fixed = max(times[small] - small * per_sample, 0.0)
+            per_sample = max(times[1] - times[0], 0.0) / (sizes[1] - sizes[0])
+            fixed = max(times[0] - sizes[0] * per_sample, 0.0)
         self.budget.cheap_seconds = fixed + per_sample * samples
 
     def _trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
@@ -1001,11 +1007,6 @@ class FlatnessMonitor(Callback):
             seconds = torch.tensor(record["seconds"], dtype=torch.float64)
             record["seconds"] = float(trainer.strategy.reduce(seconds, reduce_op="mean"))
         return record
-
-    def _measure_and_log(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        record = self._measure(trainer, pl_module)
-        record.update(fill_in=0.0, calibration=1.0)
-        self._log_record(trainer, pl_module, record)
 
     def _log_record(
         self, trainer: Trainer, pl_module: LightningModule, record: dict[str, float]
