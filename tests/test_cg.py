@@ -83,6 +83,30 @@ def test_conjugate_gradients_solve_a_known_system():
     assert steps <= 31 and float(gaps.sum()) <= 1e-12 * float(values.sum())
 
 
+def test_each_solve_is_the_galerkin_projection_onto_the_shared_block_krylov_space():
+    """After j steps every solve's value is wᵀx for the best x in span{W, AW, …, A^(j-1)W}
+    (A = F + λI): the K solves share one search space, which independent solves would not."""
+    generator = torch.Generator().manual_seed(2)
+    basis = torch.randn(40, 40, generator=generator, dtype=torch.float64)
+    fisher = basis @ torch.diag(torch.logspace(-3, 1, 40, dtype=torch.float64)) @ basis.T / 40
+    lam = 0.01
+    system = fisher + lam * torch.eye(40, dtype=torch.float64)
+    rhs = torch.randn(3, 40, generator=generator, dtype=torch.float64)
+    for steps in (1, 2, 4):
+        values, gaps, used = conjugate_gradients(
+            lambda v: v @ fisher, rhs, lam, max_steps=steps, tol=1e-14
+        )
+        krylov = torch.cat([rhs @ torch.linalg.matrix_power(system, j) for j in range(steps)])
+        space = torch.linalg.qr(krylov.T).Q  # (40, 3·steps)
+        projected = space.T @ system @ space
+        best = space @ torch.linalg.solve(projected, space.T @ rhs.T)  # (40, 3)
+        expected = (rhs.T * best).sum(0)
+        exact = (rhs.T * torch.linalg.solve(system, rhs.T)).sum(0)
+        assert used == steps
+        assert torch.allclose(values, expected, rtol=1e-8)
+        assert torch.all(values <= exact) and torch.all(exact - values <= gaps * (1 + 1e-9))
+
+
 def test_kronecker_preconditioner_inverts_its_own_approximation():
     """(G ⊗ A + λI)⁻¹ applied to (G ⊗ A + λI) v gives v back; likewise a bias block and a
     diagonal."""

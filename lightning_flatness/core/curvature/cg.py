@@ -6,16 +6,17 @@ The probe is the Eq. 2 gradient of the Hutchinson-Fisher paper, ``w = Ṽᵀξ =
 
     rank_λ(F) = Tr((F+λI)⁻¹ F) = E_ξ wᵀ (F+λI)⁻¹ w
 
-(docs/math.md, "The matrix-free soft rank"). Each probe's solve ``(F+λI) x = w`` runs conjugate
-gradients on products ``F v = (1/m) Σ_i J_iᵀ Λ_i J_i v`` over every measured sample (one pass over
-the data per iteration, all probes at once), preconditioned by the damped Kronecker factors of
-the layer hooks, ``(G ⊗ A + λI)⁻¹`` per weight, the exact block of each bias and the diagonal of
-everything else. Started at x = 0, ``wᵀx_j`` rises monotonically to ``wᵀ(F+λI)⁻¹w``, so every
-iterate is a lower bound, and since ``F + λI ⪰ λI`` the rest is at most ``‖r_j‖²/λ``
-(``r_j = w − (F+λI)x_j``): the iteration stops when that bound, summed over the probes, is below
-``tol`` times the estimate, or after ``max_steps``. The reported soft rank is the mean of the
-probes' values, with the standard error over probes and the remaining bound of the solves
-(``blocks["cg_gap"]``).
+(docs/math.md, "The matrix-free soft rank"). The probes' solves ``(F+λI) x_k = w_k`` run block
+conjugate gradients on products ``F v = (1/m) Σ_i J_iᵀ Λ_i J_i v`` over every measured sample (one
+pass over the data per iteration, all probes at once, sharing one search space: at equal
+products they converge several times faster than independent solves), preconditioned by the
+damped Kronecker factors of the layer hooks, ``(G ⊗ A + λI)⁻¹`` per weight, the exact block of
+each bias and the diagonal of everything else. Started at x = 0, every iterate ``w_kᵀx_k`` is a
+lower bound of ``w_kᵀ(F+λI)⁻¹w_k`` that rises with the steps, and since ``F + λI ⪰ λI`` the rest
+is at most ``‖r_k‖²/λ`` (``r_k = w_k − (F+λI)x_k``): the iteration stops when that bound, summed
+over the probes, is below ``tol`` times the estimate, or after ``max_steps``. The reported soft
+rank is the mean of the probes' values, with the standard error over probes and the remaining
+bound of the solves (``blocks["cg_gap"]``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from lightning_flatness.core.spectral import SpectralSummary, check_lam
 __all__ = ["CGFisher", "KroneckerPreconditioner", "conjugate_gradients", "hutchinson_cg"]
 
 MatMat = Callable[[Tensor], Tensor]
+
+#: a search direction whose squared length, after the others are projected out, is below this
+#: share of the largest is dropped from the block
+RANK_TOLERANCE = 1e-12
 
 
 class KroneckerPreconditioner:
@@ -117,6 +122,16 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
     return (a.to(torch.float64) * b.to(torch.float64)).sum(-1)
 
 
+def _orthonormal_rows(block: Tensor) -> Tensor:
+    """An orthonormal basis (rows) of the span of ``block``'s rows (k, P), k ≤ K: directions
+    the others already (nearly) span are dropped, so a converged or repeated residual does not
+    make the block's small systems singular."""
+    gram = block @ block.T
+    values, vectors = torch.linalg.eigh(gram)
+    keep = values > RANK_TOLERANCE * values.max().clamp_min(1e-300)
+    return (vectors[:, keep] / values[keep].sqrt()).T @ block
+
+
 def conjugate_gradients(
     fisher: MatMat,
     rhs: Tensor,
@@ -126,36 +141,45 @@ def conjugate_gradients(
     max_steps: int,
     tol: float,
 ) -> tuple[Tensor, Tensor, int]:
-    """Solve ``(F + λI) X = W`` for a block (K, P) of right-hand sides, K solves in lockstep.
+    """Solve ``(F + λI) X = W`` for a block (K, P) of right-hand sides by block preconditioned
+    conjugate gradients (O'Leary 1980): the K solves share one search space.
+
+    Each step multiplies the Fisher with one block of at most K search directions (one pass over
+    the data, like K independent solves) and every solve takes its best iterate from the whole
+    block Krylov space ``span{M⁻¹R₀, (M⁻¹A) M⁻¹R₀, …}`` (A = F + λI, M the preconditioner), K
+    times larger than its own. The directions are kept orthonormal and A-conjugate to the
+    previous block; rows the others span are dropped (:func:`_orthonormal_rows`). Each iterate
+    ``x_k`` is the A-orthogonal projection of ``A⁻¹w_k`` onto that space, so ``w_kᵀx_k`` is
+    still a lower bound of ``w_kᵀA⁻¹w_k`` and the rest still ``r_kᵀA⁻¹r_k ≤ ‖r_k‖²/λ``.
 
     Returns:
         ``(values, gaps, steps)``: ``wᵀx`` of each solve (a lower bound of ``wᵀ(F+λI)⁻¹w``),
-        the bound ``‖r‖²/λ`` on what each still misses, and the products used. Stops when
+        the bound ``‖r‖²/λ`` on what each still misses, and the block products used. Stops when
         ``Σ gaps ≤ tol · Σ values`` or after ``max_steps`` products.
     """
     apply = preconditioner or (lambda v: v)
     x = torch.zeros_like(rhs)
     r = rhs.clone()
-    z = apply(r)
-    p = z.clone()
-    rz = _dot(r, z)
+    directions = _orthonormal_rows(apply(r))
     values = torch.zeros(rhs.shape[0], dtype=torch.float64, device=rhs.device)
     gaps = _dot(r, r) / lam
     steps = 0
-    while steps < max_steps and float(gaps.sum()) > tol * max(float(values.sum()), 1e-300):
-        product = fisher(p) + lam * p
+    while (
+        steps < max_steps
+        and directions.shape[0] > 0
+        and float(gaps.sum()) > tol * max(float(values.sum()), 1e-300)
+    ):
+        product = fisher(directions) + lam * directions
         steps += 1
-        curvature = _dot(p, product)
-        alpha = torch.where(curvature > 0, rz / curvature.clamp_min(1e-300), 0.0)
-        x += alpha.to(x.dtype).unsqueeze(-1) * p
-        r -= alpha.to(r.dtype).unsqueeze(-1) * product
+        curvature = directions @ product.T  # Pᵀ A P, (k, k), eigenvalues ≥ λ
+        step = torch.linalg.solve(curvature, directions @ r.T)  # (k, K)
+        x += step.T @ directions
+        r -= step.T @ product
         values = _dot(rhs, x)
         gaps = _dot(r, r) / lam
         z = apply(r)
-        rz_next = _dot(r, z)
-        beta = torch.where(rz > 0, rz_next / rz.clamp_min(1e-300), 0.0)
-        p = z + beta.to(z.dtype).unsqueeze(-1) * p
-        rz = rz_next
+        conjugation = torch.linalg.solve(curvature, product @ z.T)  # (PᵀAP)⁻¹ PᵀA Z
+        directions = _orthonormal_rows(z - conjugation.T @ directions)
     return values, gaps, steps
 
 
