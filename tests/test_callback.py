@@ -258,3 +258,39 @@ def test_progress_shows_the_gaps_on_the_bar_or_in_a_line_per_measurement(tmp_pat
         fit(tmp_path / "line", [quiet], max_epochs=2)
     lines = [r.getMessage() for r in caplog.records if "predicted gap" in r.getMessage()]
     assert len(lines) == 2 and "observed gap" in lines[0] and "(probe_kernel)" in lines[0]
+
+
+class SkipsNonFiniteBatches(FlatnessClassifier):
+    """A training step that skips a batch whose loss is not finite (a common guard)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss if torch.isfinite(loss) else None
+
+
+def test_a_non_finite_training_batch_leaves_the_held_out_numbers(tmp_path):
+    """The measurement's training split fails on a NaN input (a warning and NaN curvature for
+    the epoch); the held-out numbers of that epoch are still measured, equal to a measurement
+    of the same weights on the held-out data."""
+    from conftest import quiet_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    seed_everything(0)
+    data = MNIST7DataModule(train_size=64, val_size=32, batch_size=16)
+    data.setup("fit")
+    inputs, targets = (t.clone() for t in data.train_set.tensors)
+    inputs[20] = math.nan
+    train = DataLoader(TensorDataset(inputs, targets), batch_size=16)
+    val = DataLoader(data.val_set, batch_size=16)
+    model = SkipsNonFiniteBatches(weight_decay=1e-3)
+    monitor = FlatnessMonitor(structure="kfac", overhead_budget=None)
+    with pytest.warns(UserWarning, match="epoch 0 failed .*not finite"):
+        quiet_trainer(tmp_path, [monitor]).fit(model, train, val)
+    record = monitor.history[-1]
+    assert math.isnan(record["soft_rank"]) and math.isnan(record["train_nll"])
+    clean = [(inputs[:16], targets[:16])]
+    expected = measure(model, clean, val_batches=val, lam=1e-3, num_train_samples=64)
+    for name in ("val_nll", "val_accuracy"):
+        assert record[name] == pytest.approx(getattr(expected, name), rel=1e-5), name
+    assert record["trace_fisher_val"] > 0 and record["trace_cov_val"] > 0  # probe estimates
+    assert record["num_val_samples"] == 32

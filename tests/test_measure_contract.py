@@ -12,6 +12,7 @@ from torch import nn
 from lightning_flatness.core.failures import (
     MeasurementError,
     StructureTooLargeError,
+    TrainingSplitError,
     UnsupportedModelError,
 )
 from lightning_flatness.core.measure import measure
@@ -23,6 +24,7 @@ from lightning_flatness.core.options import (
     MatrixFreeOptions,
     structure_options,
 )
+from lightning_flatness.core.report import FlatnessReport
 
 LAM = 1e-3
 
@@ -212,6 +214,25 @@ def test_non_finite_loss_is_refused():
     inputs[3] = math.nan
     with pytest.raises(MeasurementError, match="batch 1"):
         measure(tiny_model("mlp"), batches(inputs, targets, 2), lam=LAM, num_train_samples=10)
+
+
+@pytest.mark.parametrize("structure", ["kfac", "probe_kernel", "gram", "lanczos"])
+def test_a_non_finite_training_batch_keeps_the_held_out_numbers(structure):
+    """The training split's failure carries the held-out split's statistics, equal to those of
+    a measurement whose training data are sound."""
+    inputs, targets = random_data(8)
+    bad = inputs.clone()
+    bad[3] = math.nan
+    val = batches(*random_data(6, seed=2), 4)
+    kwargs = {"lam": LAM, "num_train_samples": 10, "structure": structure}
+    sound = measure(tiny_model("mlp"), batches(inputs, targets, 4), val_batches=val, **kwargs)
+    with pytest.raises(TrainingSplitError, match="batch 0") as failure:
+        measure(tiny_model("mlp"), batches(bad, targets, 4), val_batches=val, **kwargs)
+    kept = FlatnessReport.failed(structure, LAM, 10, val=failure.value.val_sums)
+    for name in ("val_nll", "val_accuracy", "trace_fisher_val", "trace_cov_val", "trace_ratio_val"):
+        assert getattr(kept, name) == pytest.approx(getattr(sound, name), rel=1e-9), name
+    assert kept.num_val_samples == 6
+    assert math.isnan(kept.soft_rank) and math.isnan(kept.train_nll)
 
 
 def test_unsupported_layer_is_named():

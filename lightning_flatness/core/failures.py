@@ -12,7 +12,9 @@ from torch import Tensor
 
 __all__ = [
     "MeasurementError",
+    "NonFiniteLossError",
     "StructureTooLargeError",
+    "TrainingSplitError",
     "UnsupportedModelError",
     "agreed",
     "check_finite_loss",
@@ -26,6 +28,19 @@ class MeasurementError(RuntimeError):
     """The data made a measurement impossible (no samples, NaN or inf loss, ...)."""
 
 
+class NonFiniteLossError(MeasurementError):
+    """A batch's summed loss is NaN or inf."""
+
+
+class TrainingSplitError(MeasurementError):
+    """The training split could not be measured (a non-finite loss), the held-out split could:
+    ``val_sums`` are its statistics, reduced across processes, so a report can keep them."""
+
+    def __init__(self, message: str, val_sums: object) -> None:
+        super().__init__(message)
+        self.val_sums = val_sums
+
+
 class StructureTooLargeError(ValueError):
     """The requested structure would need more memory or time than its size guard allows."""
 
@@ -35,9 +50,9 @@ class UnsupportedModelError(RuntimeError):
 
 
 def check_finite_loss(loss: float, split: str, index: int) -> None:
-    """Raise :class:`MeasurementError` naming the batch whose summed loss is NaN or inf."""
+    """Raise :class:`NonFiniteLossError` naming the batch whose summed loss is NaN or inf."""
     if not math.isfinite(loss):
-        raise MeasurementError(
+        raise NonFiniteLossError(
             f"The {split} loss of batch {index} is {loss} (not finite). "
             "The model diverged or the inputs contain NaN/inf; fix training (lower the "
             "learning rate, clip gradients) before measuring."

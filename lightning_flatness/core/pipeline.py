@@ -24,7 +24,12 @@ from torch import Tensor, nn
 
 from lightning_flatness.core.batches import Leaves, LogitsModule, UnpackBatch, prepared_batches
 from lightning_flatness.core.curvature.base import CurvatureEstimate
-from lightning_flatness.core.failures import MeasurementError, agreed
+from lightning_flatness.core.failures import (
+    MeasurementError,
+    NonFiniteLossError,
+    TrainingSplitError,
+    agreed,
+)
 from lightning_flatness.core.statistics import StatisticSums
 
 __all__ = ["SPLITS", "Backend", "model_device_dtype", "run_pipeline"]
@@ -92,8 +97,10 @@ def run_pipeline(
         False.
 
     Raises:
-        MeasurementError: no training samples (with ``require_samples``), a non-finite loss,
-            or a failure on another process.
+        TrainingSplitError: a training batch with a non-finite loss (on any process); it
+            carries the held-out split's sums, which are still measured.
+        MeasurementError: no training samples (with ``require_samples``), a non-finite
+            held-out loss, or a failure on another process.
     """
     device, dtype = model_device_dtype(model)
     sums = dict.fromkeys(SPLITS, StatisticSums())
@@ -101,18 +108,35 @@ def run_pipeline(
     if val_batches is not None:
         splits.append(("validation", val_batches, max_val_samples))
     with backend.session():
+        training_failure: list[NonFiniteLossError] = []
 
         def stream() -> None:
             for split, batches, limit in splits:
                 prepared = prepared_batches(batches, limit, device, dtype, unpack_batch, model.spec)
                 for index, inputs, targets in prepared:
-                    sums[split] = sums[split] + backend.batch(inputs, targets, split, index)
+                    try:
+                        sums[split] = sums[split] + backend.batch(inputs, targets, split, index)
+                    except NonFiniteLossError as error:
+                        if split != "training":
+                            raise
+                        training_failure.append(error)  # the held-out split is still measured
+                        break
 
         agreed(all_reduce, stream)
         train, val = sums["training"], sums["validation"]
+        failed = bool(training_failure)
+        if all_reduce is not None:
+            failed = float(all_reduce(torch.tensor([float(failed)]))[0]) > 0
+            val = StatisticSums.from_tensor(all_reduce(val.as_tensor()))
+        if failed:
+            reason = (
+                str(training_failure[0])
+                if training_failure
+                else ("A training batch of another process has a non-finite loss.")
+            )
+            raise TrainingSplitError(reason, val)
         if all_reduce is not None:
             train = StatisticSums.from_tensor(all_reduce(train.as_tensor()))
-            val = StatisticSums.from_tensor(all_reduce(val.as_tensor()))
             for state in backend.summable_states():
                 all_reduce(state)
         if train.count == 0:

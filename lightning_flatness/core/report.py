@@ -93,8 +93,16 @@ class FlatnessReport:
         return extras
 
     @classmethod
-    def failed(cls, structure: str, lam: float, num_train_samples: int) -> FlatnessReport:
-        """A report of NaNs, recorded when a measurement could not be made."""
+    def failed(
+        cls,
+        structure: str,
+        lam: float,
+        num_train_samples: int,
+        val: StatisticSums | None = None,
+    ) -> FlatnessReport:
+        """A report of NaNs, recorded when a measurement could not be made; with ``val`` (the
+        held-out split's sums, when only the training split failed) its held-out fields are
+        kept."""
         nan_fields = {
             f: math.nan
             for f in cls.__dataclass_fields__
@@ -102,6 +110,8 @@ class FlatnessReport:
             not in ("structure", "eigenvalues", "blocks", "coverage", "lam", "num_train_samples")
         }
         nan_fields.update(num_samples=0, num_val_samples=0)
+        if val is not None:
+            nan_fields.update(held_out_fields(val))
         return cls(**nan_fields, lam=lam, num_train_samples=num_train_samples, structure=structure)
 
 
@@ -109,6 +119,21 @@ def _ratio(numerator: float, denominator: float) -> float:
     if not denominator or math.isnan(denominator):
         return math.nan
     return numerator / denominator
+
+
+def held_out_fields(val: StatisticSums) -> dict[str, float | int]:
+    """The report's fields that only the held-out split's sums determine."""
+    trace_cov_val = val.mean("grad_norm_sq")
+    trace_fisher_val = val.mean("fisher_trace")
+    return {
+        "trace_cov_val": trace_cov_val,
+        "trace_fisher_val": trace_fisher_val,
+        "trace_ratio_val": _ratio(trace_cov_val, trace_fisher_val),
+        "val_nll": val.mean("loss"),
+        "val_accuracy": val.mean("correct"),
+        "error_uncertainty_val": _ratio(val.mean("error"), val.mean("uncertainty")),
+        "num_val_samples": int(val.count),
+    }
 
 
 def build_report(
@@ -137,12 +162,11 @@ def build_report(
     trace_cov = train.mean("grad_norm_sq")
     trace_fisher = train.mean("fisher_trace")
     ratio_train = _ratio(trace_cov, trace_fisher)
-    trace_cov_val = val.mean("grad_norm_sq")
-    trace_fisher_val = val.mean("fisher_trace")
-    ratio_val = _ratio(trace_cov_val, trace_fisher_val)
+    held_out = held_out_fields(val)
+    ratio_val = held_out["trace_ratio_val"]
     predicted_train = ratio_train * summary.soft_rank / n
     predicted = ratio_val * summary.soft_rank / n if val.count else predicted_train
-    train_nll, val_nll = train.mean("loss"), val.mean("loss")
+    train_nll, val_nll = train.mean("loss"), held_out["val_nll"]
     alpha_train = _ratio(train.mean("error"), train.mean("uncertainty"))
     return FlatnessReport(
         soft_rank=summary.soft_rank,
@@ -152,26 +176,20 @@ def build_report(
         max_eig=summary.max_eig,
         trace_cov=trace_cov,
         trace_ratio_train=ratio_train,
-        trace_ratio_val=ratio_val,
         predicted_gap=predicted,
         predicted_gap_train=predicted_train,
         thomas_gap=ratio_train / n,
         tic=curvature.tic_trace / n,
         train_nll=train_nll,
-        val_nll=val_nll,
         observed_gap=val_nll - train_nll,
         train_accuracy=train.mean("correct"),
-        val_accuracy=val.mean("correct"),
         error_uncertainty_train=alpha_train,
-        error_uncertainty_val=_ratio(val.mean("error"), val.mean("uncertainty")),
         trust_score=alpha_train,
         trusted=verdict(alpha_train, structure, summary.soft_rank, curvature.rank_bound),
         relative_flatness=train.mean("relative_flatness"),
         rank_bound=curvature.rank_bound,
-        trace_fisher_val=trace_fisher_val,
-        trace_cov_val=trace_cov_val,
         num_samples=int(train.count),
-        num_val_samples=int(val.count),
+        **held_out,
         num_train_samples=n,
         lam=lam,
         structure=structure,

@@ -44,7 +44,11 @@ from lightning_flatness.core.checks import check_choice, check_count
 from lightning_flatness.core.curvature import describe_coverage
 from lightning_flatness.core.decay import DECAY_STRUCTURES, ParameterDecay
 from lightning_flatness.core.defaults import AUTO, choose_structure
-from lightning_flatness.core.failures import MeasurementError, UnsupportedModelError
+from lightning_flatness.core.failures import (
+    MeasurementError,
+    TrainingSplitError,
+    UnsupportedModelError,
+)
 from lightning_flatness.core.likelihoods import LOSSES
 from lightning_flatness.core.measure import check_batch, measure
 from lightning_flatness.core.options import HOOK_ROWS, MATRIX_FREE_STRUCTURES, structure_options
@@ -997,6 +1001,7 @@ class FlatnessMonitor(Callback):
                 self._active_structure,
                 lam.representative if isinstance(lam, ParameterDecay) else lam,
                 self.resolved_num_train_samples or 0,
+                val=error.val_sums if isinstance(error, TrainingSplitError) else None,
             )
         self._last_report = report
         if report.coverage and not self._coverage_logged:
