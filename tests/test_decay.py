@@ -93,6 +93,35 @@ def test_kfac_blocks_use_their_own_decay(one_thread):
             assert report.blocks[name].soft_rank == pytest.approx(expected, rel=1e-8), name
 
 
+@pytest.mark.parametrize("architecture", ["mlp", "cnn"])
+@pytest.mark.parametrize("bias_decay", [0.0, 1e-3])
+def test_cg_solves_with_the_per_group_decay(architecture, bias_decay, one_thread):
+    """cg's solves are (F + D) x = w: the generalised soft rank within its error bar."""
+    model = tiny_model(architecture).eval()
+    inputs, targets = random_data(32)
+    decays = _decays(model, bias_decay)
+
+    def cg(lam):
+        return measure(
+            model,
+            batches(inputs, targets, 7),
+            lam=lam,
+            num_train_samples=100,
+            structure="cg",
+            matrix_free_options={"probes": 64, "cg_steps": 300, "cg_tol": 1e-4},
+        )
+
+    report, one_lam = cg(decays), cg(LAM)
+    expected = _exact(model, inputs, decays).soft_rank
+    plain = _exact(model, inputs, _decays(model, LAM)).soft_rank
+    stderr = report.as_dict()["soft_rank_stderr"]
+    assert 0 < stderr < 0.03 * expected
+    assert abs(report.soft_rank - expected) < 4 * stderr
+    # the same probes with one λ: the difference is the biases' decay, measured closely
+    difference = report.soft_rank - one_lam.soft_rank
+    assert difference == pytest.approx(expected - plain, rel=0.2)
+
+
 def test_one_decay_for_all_is_the_plain_soft_rank_and_zero_decay_counts_directions(one_thread):
     model = tiny_model("mlp")
     inputs, targets = random_data(20)
@@ -164,15 +193,16 @@ def test_a_structure_without_per_group_decay_is_refused_at_fit_start(tmp_path):
         trainer.fit(GroupedClassifier(architecture="mlp"), data)
 
 
-def test_auto_choosing_a_structure_without_per_group_decay_refuses_once(tmp_path):
-    """Guards that leave only cg for 'auto': one warning at fit start, monitor off."""
+def test_auto_falling_back_to_cg_measures_the_per_group_decay(tmp_path):
+    """Guards that leave only cg for 'auto': cg solves with D, so the fit is measured."""
     monitor = FlatnessMonitor(
-        strict=False,
         print_summary=False,
+        overhead_budget=None,
         measure_kwargs={"kernel_options": {"max_parameters": 10, "max_kernel_size": 10}},
     )
     trainer = quiet_trainer(tmp_path, [monitor])
     data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
-    with pytest.warns(UserWarning, match=r"measures cg.*lam="):
-        trainer.fit(GroupedClassifier(architecture="mlp"), data)
-    assert monitor.history == [] and monitor.disabled_reason is not None
+    trainer.fit(GroupedClassifier(architecture="mlp"), data)
+    assert monitor.disabled_reason is None
+    record = monitor.history[-1]
+    assert record["lam"] == 1e-3 and record["soft_rank"] > 0

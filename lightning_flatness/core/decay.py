@@ -11,7 +11,9 @@ the soft rank at λ = 1 of the Fisher whose per-sample gradient rows are scaled 
 ``λ_j^{-1/2}`` — the Fisher of the model in the coordinates ``φ_j = √λ_j θ_j``. So every
 layer-hook structure measures it by scaling its rows (its Kronecker ``G`` factors, blocks and
 diagonals by ``1/λ_j``) and estimating at λ = 1; rank⁽²⁾ and the log-det
-``½ log det(I + F D⁻¹)`` follow the same way.
+``½ log det(I + F D⁻¹)`` follow the same way. ``cg`` solves ``(F + D) x = w`` directly
+(``Tr(F(F+D)⁻¹) = E wᵀ(F+D)⁻¹w`` for E wwᵀ = F), preconditioned per weight by
+``(G ⊗ A + λ_j I)⁻¹``.
 
 A trainable group without decay (λ_j = 0) counts each Fisher direction it carries (the limit
 λ_j → 0); it is measured at ``λ_j = ZERO_DECAY_FRACTION × (the smallest positive λ)``.
@@ -32,7 +34,7 @@ __all__ = [
 ]
 
 #: the structures that measure ``Tr(F(F+D)⁻¹)`` with a per-parameter ``D``
-DECAY_STRUCTURES = ("probe_kernel", "kfac", "diag", "diag_mc")
+DECAY_STRUCTURES = ("probe_kernel", "kfac", "diag", "diag_mc", "cg")
 #: a trainable group without decay is measured at this fraction of the smallest positive λ
 ZERO_DECAY_FRACTION = 1e-6
 
@@ -77,9 +79,14 @@ class ParameterDecay:
         parts = [f"{value:g} on {count}" for value, count in sorted(counts.items(), reverse=True)]
         return "λ = " + ", ".join(parts) + " parameter tensors"
 
+    def of(self, name: str) -> float:
+        """``λ_j`` as measured for the parameter ``name`` (a zero-decay group at its floor; a
+        measured parameter missing here: λ_max)."""
+        return self.effective.get(name, self.representative)
+
     def scale(self, name: str) -> float:
-        """``1/λ_j`` for the parameter ``name`` (a measured parameter missing here: 1/λ_max)."""
-        return 1.0 / self.effective.get(name, self.representative)
+        """``1/λ_j`` for the parameter ``name`` (:meth:`of`)."""
+        return 1.0 / self.of(name)
 
     def scale_rows(self, name: str, rows: Tensor) -> Tensor:
         """Per-sample gradient rows of ``name`` scaled by ``λ_j^{-1/2}``."""

@@ -40,7 +40,8 @@ def make_backend(
 ) -> Backend:
     """The backend that measures ``structure`` with its validated ``options``
     (:func:`~lightning_flatness.core.options.structure_options`; the rest as for ``measure()``;
-    ``decay``: per-parameter weight decays, layer-hook structures only)."""
+    ``decay``: per-parameter weight decays, the structures of
+    :data:`~lightning_flatness.core.decay.DECAY_STRUCTURES`)."""
     if structure in MATRIX_FREE_STRUCTURES:
         return MatrixFreeBackend(
             model,
@@ -52,6 +53,7 @@ def make_backend(
             unpack_batch=unpack_batch,
             repeatable_train_batches=repeatable_train_batches,
             max_samples=max_samples,
+            decay=decay,
         )
     if structure in HOOK_STRUCTURES:
         summable = all_reduce is not None

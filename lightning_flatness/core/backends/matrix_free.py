@@ -83,6 +83,7 @@ from lightning_flatness.core.curvature.cg import CGFisher
 from lightning_flatness.core.curvature.hutchinson import VARIANTS, HutchinsonFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.lanczos import LanczosFisher, ParameterSpaceFisher
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import MeasurementError, check_finite_loss
 from lightning_flatness.core.functional_stats import (
     FunctionalModel,
@@ -356,7 +357,14 @@ class MatrixFreeBackend(Backend):
         unpack_batch: UnpackBatch | None,
         repeatable_train_batches: Iterable,
         max_samples: int | None,
+        decay: ParameterDecay | None = None,
     ) -> None:
+        if decay is not None and structure != "cg":
+            raise ValueError(
+                f"structure={structure!r} measures one weight decay; of the matrix-free "
+                "structures only 'cg' measures per-group decay."
+            )
+        self.decay = decay
         self.model, self.structure, self.loss = model, structure, loss
         self.seed, self.all_reduce = seed, all_reduce
         self.settings = (
@@ -531,4 +539,9 @@ class MatrixFreeBackend(Backend):
             max_steps=settings.cg_steps,
             tol=settings.cg_tol,
             dtype=functional.dtype,
+            decays=(
+                None
+                if self.decay is None
+                else {name: self.decay.of(name) for name in functional.names}
+            ),
         )

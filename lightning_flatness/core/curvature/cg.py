@@ -22,7 +22,7 @@ bound of the solves (``blocks["cg_gap"]``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -53,7 +53,7 @@ class KroneckerPreconditioner:
         kfac: the summed Kronecker factors, bias blocks and diagonals.
         names, shapes: the flat vector's parameters, in order.
         num_samples: m, the samples the sums are over.
-        lam: λ.
+        lam: λ, or each parameter's λ_j (per-group decay: ``(G ⊗ A + λ_j I)⁻¹`` per weight).
         dtype: of the eigenvectors and the products (the factors are decomposed in float64):
             the model's, since PCG needs only an approximate inverse — for a float32 model half
             the time of float64 (a 1,000-class head's 1,000 × 1,000 factor dominates the cost).
@@ -65,10 +65,13 @@ class KroneckerPreconditioner:
         names: list[str],
         shapes: list[torch.Size],
         num_samples: int,
-        lam: float,
+        lam: float | Mapping[str, float],
         dtype: torch.dtype = torch.float64,
     ) -> None:
-        self.names, self.shapes, self.lam = names, shapes, float(lam)
+        self.names, self.shapes = names, shapes
+        self.lams = {
+            name: float(lam[name]) if isinstance(lam, Mapping) else float(lam) for name in names
+        }
         self.dtype = dtype
         self.sizes = [math.prod(shape) for shape in shapes]
         self.parts: dict[str, tuple] = {}
@@ -90,11 +93,11 @@ class KroneckerPreconditioner:
 
     def __call__(self, vectors: Tensor) -> Tensor:
         out = torch.empty_like(vectors)
-        lam = self.lam
         pieces = vectors.split(self.sizes, dim=-1)
         outs = out.split(self.sizes, dim=-1)
         for name, shape, piece, target in zip(self.names, self.shapes, pieces, outs, strict=True):
             part = self.parts.get(name)
+            lam = self.lams[name]
             v = piece.to(self.dtype)
             if part is None:  # not seen by the hooks: the plain damping
                 result = v / lam
@@ -135,7 +138,7 @@ def _orthonormal_rows(block: Tensor) -> Tensor:
 def conjugate_gradients(
     fisher: MatMat,
     rhs: Tensor,
-    lam: float,
+    lam: float | Tensor,
     *,
     preconditioner: MatMat | None = None,
     max_steps: int,
@@ -152,31 +155,36 @@ def conjugate_gradients(
     ``x_k`` is the A-orthogonal projection of ``A⁻¹w_k`` onto that space, so ``w_kᵀx_k`` is
     still a lower bound of ``w_kᵀA⁻¹w_k`` and the rest still ``r_kᵀA⁻¹r_k ≤ ‖r_k‖²/λ``.
 
+    ``lam`` is λ, or the diagonal D (P,) of per-parameter decays: the system is then
+    ``(F + D) X = W`` and the bound on what a solve misses uses the smallest λ_j.
+
     Returns:
         ``(values, gaps, steps)``: ``wᵀx`` of each solve (a lower bound of ``wᵀ(F+λI)⁻¹w``),
         the bound ``‖r‖²/λ`` on what each still misses, and the block products used. Stops when
         ``Σ gaps ≤ tol · Σ values`` or after ``max_steps`` products.
     """
     apply = preconditioner or (lambda v: v)
+    damping = lam.to(rhs) if isinstance(lam, Tensor) else lam
+    smallest = float(lam.min()) if isinstance(lam, Tensor) else lam
     x = torch.zeros_like(rhs)
     r = rhs.clone()
     directions = _orthonormal_rows(apply(r))
     values = torch.zeros(rhs.shape[0], dtype=torch.float64, device=rhs.device)
-    gaps = _dot(r, r) / lam
+    gaps = _dot(r, r) / smallest
     steps = 0
     while (
         steps < max_steps
         and directions.shape[0] > 0
         and float(gaps.sum()) > tol * max(float(values.sum()), 1e-300)
     ):
-        product = fisher(directions) + lam * directions
+        product = fisher(directions) + damping * directions
         steps += 1
         curvature = directions @ product.T  # Pᵀ A P, (k, k), eigenvalues ≥ λ
         step = torch.linalg.solve(curvature, directions @ r.T)  # (k, K)
         x += step.T @ directions
         r -= step.T @ product
         values = _dot(rhs, x)
-        gaps = _dot(r, r) / lam
+        gaps = _dot(r, r) / smallest
         z = apply(r)
         conjugation = torch.linalg.solve(curvature, product @ z.T)  # (PᵀAP)⁻¹ PᵀA Z
         directions = _orthonormal_rows(z - conjugation.T @ directions)
@@ -186,7 +194,7 @@ def conjugate_gradients(
 def hutchinson_cg(
     fisher: MatMat,
     probes: Tensor,
-    lam: float,
+    lam: float | Tensor,
     *,
     preconditioner: MatMat | None,
     max_steps: int,
@@ -195,8 +203,12 @@ def hutchinson_cg(
     """The soft rank ``mean_k w_kᵀ(F+λI)⁻¹w_k`` over the probe rows ``w_k`` (K, P), with its
     standard error over probes (``blocks["stderr"]``) and the solves' remaining bound
     (``blocks["cg_gap"]``, in the soft rank's field; ``blocks["cg_steps"]`` the products).
-    The other trace functions are not estimated (NaN)."""
-    lam = check_lam(lam)
+    The other trace functions are not estimated (NaN). ``lam``: λ, or the diagonal D (P,) of
+    per-parameter decays (the soft rank ``Tr(F(F+D)⁻¹)``)."""
+    if isinstance(lam, Tensor):
+        check_lam(float(lam.min()))
+    else:
+        lam = check_lam(lam)
     values, gaps, steps = conjugate_gradients(
         fisher, probes, lam, preconditioner=preconditioner, max_steps=max_steps, tol=tol
     )
@@ -228,6 +240,10 @@ class CGFisher(CurvatureAccumulator):
         kfac: the preconditioner's running sums, or None.
         max_steps, tol: the solves' budget and stopping share (:func:`conjugate_gradients`).
         dtype: the model's (the preconditioner's products, :class:`KroneckerPreconditioner`).
+        decays: each parameter's λ_j (per-group decay, a zero-decay group at its measured
+            floor, :class:`~lightning_flatness.core.decay.ParameterDecay`): the solves are then
+            ``(F + D) x = w`` and the soft rank ``Tr(F(F+D)⁻¹)``; ``lam`` of :meth:`estimate`
+            is ignored.
     """
 
     name = "cg"
@@ -243,8 +259,10 @@ class CGFisher(CurvatureAccumulator):
         max_steps: int,
         tol: float,
         dtype: torch.dtype = torch.float64,
+        decays: Mapping[str, float] | None = None,
     ) -> None:
         self.fisher, self.draw_probes = fisher, draw_probes
+        self.decays = decays
         self.dtype = dtype
         self.names, self.shapes, self.kfac = names, shapes, kfac
         self.max_steps, self.tol = max_steps, tol
@@ -253,15 +271,28 @@ class CGFisher(CurvatureAccumulator):
         return self.kfac.summable_states() if self.kfac is not None else []
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        damping: float | Tensor = lam
+        block_lams: float | Mapping[str, float] = lam
+        if self.decays is not None:
+            block_lams = self.decays
+            damping = torch.cat(
+                [
+                    torch.full((math.prod(shape),), self.decays[name], dtype=torch.float64)
+                    for name, shape in zip(self.names, self.shapes, strict=True)
+                ]
+            )
         preconditioner = None
         if self.kfac is not None:
             preconditioner = KroneckerPreconditioner(
-                self.kfac, self.names, self.shapes, num_samples, lam, self.dtype
+                self.kfac, self.names, self.shapes, num_samples, block_lams, self.dtype
             )
+        probes = self.draw_probes().to(torch.float64)
+        if isinstance(damping, Tensor):
+            damping = damping.to(probes.device)
         return hutchinson_cg(
             self.fisher,
-            self.draw_probes().to(torch.float64),
-            lam,
+            probes,
+            damping,
             preconditioner=preconditioner,
             max_steps=self.max_steps,
             tol=self.tol,
