@@ -35,10 +35,10 @@ def run_ddp(tmp_path: Path, *args: str, timeout: float = 600) -> list[dict]:
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("structure", ["kfac", "dense", "probe_kernel"])
+@pytest.mark.parametrize("structure", ["kfac", "dense", "probe_kernel", "cg"])
 def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure):
-    """probe_kernel draws its probes by the samples' global positions: two processes log what
-    one process computes on the union."""
+    """probe_kernel and cg draw their probes by the samples' global positions: two processes
+    log what one process computes on the union."""
     rank0, rank1 = run_ddp(tmp_path, structure)
     assert_records_equal(rank0, rank1)  # every rank logs the same values
     weights = torch.load(tmp_path / "weights0.pt", weights_only=True)
@@ -60,7 +60,12 @@ def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure):
     # float32 model: the probe kernel factorises in float32, where a last-bit difference in the
     # summed P × P matrix moves the soft rank by up to ~1e-4 (spectral.factorisation_dtype)
     for key in ("soft_rank", "logdet", "trace_fisher", "trace_cov", "predicted_gap", "val_nll"):
-        assert rank0[key] == pytest.approx(single[key], rel=1e-4), key
+        if structure == "cg" and key == "logdet":  # cg estimates the soft rank only
+            assert math.isnan(rank0[key]) and math.isnan(single[key])
+            continue
+        # cg's float32 products, summed in another order, move its stopping step: ~1e-3
+        tolerance = 2e-3 if structure == "cg" and key in ("soft_rank", "predicted_gap") else 1e-4
+        assert rank0[key] == pytest.approx(single[key], rel=tolerance), key
 
 
 @pytest.mark.ddp

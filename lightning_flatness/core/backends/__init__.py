@@ -54,6 +54,7 @@ def make_backend(
             repeatable_train_batches=repeatable_train_batches,
             max_samples=max_samples,
             decay=decay,
+            shard=shard,
         )
     if structure in HOOK_STRUCTURES:
         summable = all_reduce is not None

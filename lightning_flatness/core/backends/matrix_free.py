@@ -91,7 +91,7 @@ from lightning_flatness.core.functional_stats import (
     probe_vectors,
     resolve_trace_estimator,
 )
-from lightning_flatness.core.hooked_pass import HookedPass
+from lightning_flatness.core.hooked_pass import HookedPass, position_signs
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
@@ -102,6 +102,10 @@ from lightning_flatness.core.statistics import StatisticSums
 __all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions", "stream_matrix_free"]
 
 AllReduce = Callable[[Tensor], Tensor]
+
+
+#: the sign stream of ``cg``'s probes (plus the seed), apart from the layer hooks' 2·seed + {0, 1}
+CG_PROBE_STREAM = 2**40
 
 
 def _process_rank(explicit: int | None, all_reduce: AllReduce | None) -> int:
@@ -358,13 +362,14 @@ class MatrixFreeBackend(Backend):
         repeatable_train_batches: Iterable,
         max_samples: int | None,
         decay: ParameterDecay | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         if decay is not None and structure != "cg":
             raise ValueError(
                 f"structure={structure!r} measures one weight decay; of the matrix-free "
                 "structures only 'cg' measures per-group decay."
             )
-        self.decay = decay
+        self.decay, self.shard = decay, shard
         self.model, self.structure, self.loss = model, structure, loss
         self.seed, self.all_reduce = seed, all_reduce
         self.settings = (
@@ -401,6 +406,7 @@ class MatrixFreeBackend(Backend):
                     kfac_mode="probe",
                     trace_estimator="probe",
                     seed=self.seed,
+                    shard=self.shard,
                 )
             if not self.keeps_inputs:
                 self.grad_sq_sum = torch.zeros(
@@ -527,7 +533,15 @@ class MatrixFreeBackend(Backend):
         shape = (settings.probes, source.num_samples, classes)
 
         def draw_probes() -> Tensor:
-            xi = probe_vectors(shape, self.local, functional.dtype, functional.device, "rademacher")
+            if self.shard is None and self.all_reduce is not None:  # unknown positions
+                xi = probe_vectors(
+                    shape, self.local, functional.dtype, functional.device, "rademacher"
+                )
+            else:  # by the samples' global positions: every split of them draws the same
+                rank, world_size = self.shard or (0, 1)
+                positions = torch.arange(source.num_samples) * world_size + rank
+                signs = position_signs(CG_PROBE_STREAM + self.seed, positions, *shape[::2])
+                xi = signs.to(device=functional.device, dtype=functional.dtype)
             return fisher.range_start(xi)
 
         return CGFisher(
