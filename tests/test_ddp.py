@@ -35,7 +35,7 @@ def run_ddp(tmp_path: Path, *args: str, timeout: float = 600) -> list[dict]:
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("structure", ["kfac", "dense", "probe_kernel", "cg"])
+@pytest.mark.parametrize("structure", ["kfac", "dense", "probe_kernel", "cg", "lanczos"])
 def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure):
     """probe_kernel and cg draw their probes by the samples' global positions: two processes
     log what one process computes on the union."""

@@ -20,10 +20,10 @@ from lightning_flatness.core.curvature import probe_kernel
 from lightning_flatness.core.curvature.probe_kernel import symmetric_gram
 from lightning_flatness.core.defaults import choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
-from lightning_flatness.core.hooked_pass import position_signs
 from lightning_flatness.core.measure import measure
 from lightning_flatness.core.model_state import left_as_found, original_module
 from lightning_flatness.core.options import KernelOptions
+from lightning_flatness.core.positional import position_signs
 
 LAM = 1e-3
 N = 24

@@ -37,7 +37,6 @@ hooks are removed when the pass is closed.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 from collections.abc import Iterator
@@ -70,34 +69,9 @@ from lightning_flatness.core.layer_rules import (
 )
 from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.per_sample import map_samples
+from lightning_flatness.core.positional import position_signs
 
-__all__ = ["COVERAGE", "BatchTerms", "HookedPass", "position_signs"]
-
-#: samples per block of position-keyed probe draws
-_SIGN_BLOCK = 1024
-
-
-def position_signs(stream: int, positions: Tensor, probes: int, outputs: int) -> Tensor:
-    """Rademacher signs ``(probes, len(positions), outputs)`` of the samples at ``positions`` of
-    a stream: block b of :data:`_SIGN_BLOCK` positions is drawn from a generator seeded with
-    ``(stream, b)``, so a sample's signs depend on its position and the stream's seed only,
-    never on how the stream is cut into batches or shared among processes."""
-    positions = positions.reshape(-1).to(torch.long)
-    out = torch.empty(probes, positions.numel(), outputs, dtype=torch.long)
-    blocks = torch.div(positions, _SIGN_BLOCK, rounding_mode="floor")
-    for block in blocks.unique().tolist():
-        chosen = (blocks == block).nonzero().squeeze(1)
-        bits = _sign_block(int(stream), int(block), probes, outputs)
-        out[:, chosen] = bits[:, positions[chosen] - block * _SIGN_BLOCK]
-    return 2 * out.to(torch.float64) - 1
-
-
-@functools.lru_cache(maxsize=4)
-def _sign_block(stream: int, block: int, probes: int, outputs: int) -> Tensor:
-    """The 0/1 draws of one block of positions (cached: consecutive batches share a block)."""
-    generator = torch.Generator().manual_seed((stream * 1_000_003 + block) % (2**63))
-    return torch.randint(0, 2, (probes, _SIGN_BLOCK, outputs), generator=generator)
-
+__all__ = ["COVERAGE", "BatchTerms", "HookedPass"]
 
 #: how a parameter enters the block-diagonal Fisher; "diagonal (whole model)" is the exact
 #: diagonal from per-sample backward passes through the whole model (the costly fallback)

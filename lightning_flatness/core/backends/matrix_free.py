@@ -91,11 +91,12 @@ from lightning_flatness.core.functional_stats import (
     probe_vectors,
     resolve_trace_estimator,
 )
-from lightning_flatness.core.hooked_pass import HookedPass, position_signs
+from lightning_flatness.core.hooked_pass import HookedPass
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
 from lightning_flatness.core.pipeline import SPLITS, Backend, run_pipeline
+from lightning_flatness.core.positional import position_draws, shard_positions
 from lightning_flatness.core.spectral import SpectralSummary, check_lam
 from lightning_flatness.core.statistics import StatisticSums
 
@@ -104,8 +105,10 @@ __all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions", "
 AllReduce = Callable[[Tensor], Tensor]
 
 
-#: the sign stream of ``cg``'s probes (plus the seed), apart from the layer hooks' 2·seed + {0, 1}
+#: the position-keyed draw streams (plus the seed) of ``cg``'s and ``lanczos``'s sample probes,
+#: apart from the layer hooks' 2·seed + {0, 1}
 CG_PROBE_STREAM = 2**40
+LANCZOS_PROBE_STREAM = 2**41
 
 
 def _process_rank(explicit: int | None, all_reduce: AllReduce | None) -> int:
@@ -516,7 +519,9 @@ class MatrixFreeBackend(Backend):
             space=settings.space,
             start=settings.start,
             distribution=settings.distribution,
-            local_generator=self.local,
+            draw_sample_probes=lambda shape: self._sample_probes(
+                LANCZOS_PROBE_STREAM, shape, settings.distribution
+            ),
             shared_generator=self.shared,
             all_reduce=self.all_reduce,
             max_basis_elements=settings.max_basis_elements,
@@ -524,6 +529,18 @@ class MatrixFreeBackend(Backend):
             breakdown_tol=settings.breakdown_tol,
         )
         return estimator.estimate(num_samples, lam)
+
+    def _sample_probes(self, stream: int, shape: tuple[int, int, int], kind: str) -> Tensor:
+        """ξ of shape (K, m_local, C) on this process's measured samples, in the model's dtype:
+        drawn by the samples' positions in the whole measured set (the same ξ however the set
+        is shared among processes, :mod:`~lightning_flatness.core.positional`), or from this
+        process's own generator under data parallelism when the positions are unknown."""
+        functional = self.functional
+        if self.shard is None and self.all_reduce is not None:
+            return probe_vectors(shape, self.local, functional.dtype, functional.device, kind)
+        positions = shard_positions(shape[1], self.shard)
+        draws = position_draws(stream + self.seed, positions, shape[0], shape[2], kind)
+        return draws.to(device=functional.device, dtype=functional.dtype)
 
     def _solver(self, source, num_samples: int, classes: int) -> CGFisher:
         """``cg``'s accumulator over the kept inputs, with this backend's preconditioner sums
@@ -533,15 +550,7 @@ class MatrixFreeBackend(Backend):
         shape = (settings.probes, source.num_samples, classes)
 
         def draw_probes() -> Tensor:
-            if self.shard is None and self.all_reduce is not None:  # unknown positions
-                xi = probe_vectors(
-                    shape, self.local, functional.dtype, functional.device, "rademacher"
-                )
-            else:  # by the samples' global positions: every split of them draws the same
-                rank, world_size = self.shard or (0, 1)
-                positions = torch.arange(source.num_samples) * world_size + rank
-                signs = position_signs(CG_PROBE_STREAM + self.seed, positions, *shape[::2])
-                xi = signs.to(device=functional.device, dtype=functional.dtype)
+            xi = self._sample_probes(CG_PROBE_STREAM, shape, "rademacher")
             return fisher.range_start(xi)
 
         return CGFisher(

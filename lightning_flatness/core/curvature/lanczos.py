@@ -340,7 +340,8 @@ class LanczosFisher(CurvatureAccumulator):
         space: ``"auto"`` (the smaller of P and m·C), ``"parameters"`` or ``"samples"``.
         start: ``"range"`` (Ṽᵀξ) or ``"random"`` (classic SLQ); for ``"parameters"`` only.
         distribution: ``"rademacher"`` or ``"gaussian"`` entries of ξ (and z).
-        local_generator: draws this process's ξ (must differ between processes).
+        draw_sample_probes: ξ of a shape (K, m_local, C) on this process's samples, in the
+            model's dtype (by the samples' positions in the whole set where they are known).
         shared_generator: draws ``z`` for ``start="random"`` (must agree between processes).
         all_reduce: sums a tensor across processes in place and returns it, or None.
         max_basis_elements: refuse a Lanczos basis larger than this many numbers.
@@ -362,7 +363,7 @@ class LanczosFisher(CurvatureAccumulator):
         space: str,
         start: str,
         distribution: str,
-        local_generator: torch.Generator,
+        draw_sample_probes: Callable[[tuple[int, int, int]], Tensor],
         shared_generator: torch.Generator,
         all_reduce: Reduce | None,
         max_basis_elements: int,
@@ -372,7 +373,7 @@ class LanczosFisher(CurvatureAccumulator):
         self.model, self.source, self.loss, self.classes = model, source, loss, classes
         self.probes, self.steps, self.space, self.start = probes, steps, space, start
         self.distribution = distribution
-        self.local_generator, self.shared_generator = local_generator, shared_generator
+        self.draw_sample_probes, self.shared_generator = draw_sample_probes, shared_generator
         self.all_reduce = all_reduce
         self.max_basis_elements, self.max_histogram = max_basis_elements, max_histogram
         self.breakdown_tol = breakdown_tol
@@ -405,14 +406,13 @@ class LanczosFisher(CurvatureAccumulator):
                 "matrix_free_options['max_basis_elements']."
             )
         model = self.model
-        local = self.local_generator
         xi_shape = (self.probes, self.source.num_samples, classes)
         divide_by_mu = False
         if space == "samples":
             operator = _SampleSpaceKernel(
                 model, self.source, self.loss, num_samples, classes, self.all_reduce
             )
-            xi = probe_vectors(xi_shape, local, torch.float64, model.device, self.distribution)
+            xi = self.draw_sample_probes(xi_shape).to(torch.float64)
             start = operator.projected_start(xi)
             reduce = self._sum
         else:
@@ -426,7 +426,7 @@ class LanczosFisher(CurvatureAccumulator):
                     shape, self.shared_generator, model.dtype, model.device, self.distribution
                 )
             else:
-                xi = probe_vectors(xi_shape, local, model.dtype, model.device, self.distribution)
+                xi = self.draw_sample_probes(xi_shape)
                 start = operator.range_start(xi)
                 divide_by_mu = True
         decomposition = lanczos(
