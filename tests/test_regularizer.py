@@ -779,3 +779,28 @@ def test_last_layer_has_one_definition(architecture, head):
     assert [id(p) for p in selected.values()] == [id(p) for p in layer.parameters()]
     with pytest.raises(ValueError, match="last_layer"):
         select_parameters(nn.Sequential(nn.Flatten(), nn.ReLU()), "last_layer")
+
+
+@pytest.mark.parametrize("estimator", ["batched", "compositional"])
+def test_processes_draw_independently_and_share_the_generator_state(estimator):
+    """Under data parallelism each process draws its own labels or probes (the same draws on
+    different samples would not average out), while the shared generator advances alike on
+    every process (a checkpoint from rank 0 resumes them all); one process draws as before."""
+    torch.manual_seed(0)
+    model = build_model("mlp", hidden=8).to(DTYPE)
+    inputs = torch.randn(8, 1, 7, 7, dtype=DTYPE)
+
+    def penalty_of(process):
+        penalty = SoftRankPenalty(
+            lam=1e-3, num_train_samples=80, seed=0, estimator=estimator, backend="func"
+        )
+        penalty.process = process
+        values = [float(penalty(model, inputs)) for _ in range(2)]
+        return values, penalty.generator.get_state()
+
+    (rank0, state0), (rank1, state1) = penalty_of((0, 2)), penalty_of((1, 2))
+    assert rank0 != rank1
+    assert torch.equal(state0, state1)
+    single, _ = penalty_of(None)
+    assert single == penalty_of((0, 1))[0]
+    assert single != rank0

@@ -124,6 +124,8 @@ class SoftRankRegularizer(Callback):
         self.resolved_num_train_samples: int | None = None
         self._penalty: SoftRankPenalty | None = None
         self._restored_penalty_state: dict[str, Any] | None = None
+        #: ``(rank, world_size)`` of this process, read when the fit starts
+        self._process: tuple[int, int] | None = None
         self._calls = 0
         self._batch_inputs: Any = None
         #: set by a monitor that switched itself off: no penalty for this fit
@@ -179,6 +181,7 @@ class SoftRankRegularizer(Callback):
     # ------------------------------------------------------------------ λ and n
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
+        self._process = (trainer.global_rank, trainer.world_size)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.resolve(trainer)
@@ -205,6 +208,7 @@ class SoftRankRegularizer(Callback):
                 lam=self.resolved_lam, num_train_samples=self.resolved_num_train_samples
             )
         )
+        penalty.process = self._process
         if self._restored_penalty_state is not None:
             penalty.load_state_dict(self._restored_penalty_state)
             self._restored_penalty_state = None

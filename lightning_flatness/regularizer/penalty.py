@@ -217,6 +217,9 @@ class SoftRankPenalty:
             generator = torch.Generator()
             generator.manual_seed(int(seed))
         self.generator = generator
+        #: ``(rank, world_size)`` under data parallelism (the callbacks set it): every process
+        #: then draws from its own generator (:meth:`_draws`)
+        self.process: tuple[int, int] | None = None
         #: the compositional estimator's F̂ (built at the first call, for the selected params)
         self.running_fisher: RunningFisher | None = None
         self._restored_running_fisher: dict[str, Tensor] | None = None
@@ -259,6 +262,20 @@ class SoftRankPenalty:
             )
         return self.running_fisher
 
+    def _draws(self) -> torch.Generator:
+        """The generator of this call's labels or probes. One process: :attr:`generator`.
+        Under data parallelism each process gets a generator seeded from one draw of the shared
+        :attr:`generator` and its rank: the processes' draws are independent (the same draws
+        on different samples would not average out across processes), while the shared
+        generator advances alike on every process, so a checkpoint (written by rank 0)
+        resumes every process where it was."""
+        if self.process is None or self.process[1] <= 1:
+            return self.generator
+        device = self.generator.device
+        seed = int(torch.randint(0, 2**62, (1,), generator=self.generator, device=device))
+        rank = self.process[0]
+        return torch.Generator(device=device).manual_seed((seed + 1_000_003 * rank) % 2**63)
+
     def __call__(self, model: nn.Module, inputs: object) -> Tensor:
         """The penalty for the minibatch ``inputs``: ``h(F_b)/B`` (batched, see
         :func:`soft_rank_penalty`) or the compositional estimate (which updates ``F̂``)."""
@@ -271,7 +288,7 @@ class SoftRankPenalty:
                 function=self.function,  # type: ignore[arg-type]
                 labels=self.labels,  # type: ignore[arg-type]
                 params=self.params,
-                generator=self.generator if self.labels == "sampled" else None,
+                generator=self._draws() if self.labels == "sampled" else None,
                 backend=self.backend,  # type: ignore[arg-type]
                 loss=self.loss,
                 logits_fn=self.logits_fn,
@@ -305,7 +322,7 @@ class SoftRankPenalty:
             batch_norm=self.batch_norm,
         )
         wrapped = LogitsModule(module, spec, self.logits_fn)
-        return wrapped, leaves, selected, running, self.generator, settings
+        return wrapped, leaves, selected, running, self._draws(), settings
 
     def __repr__(self) -> str:
         return (
