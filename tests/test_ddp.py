@@ -37,8 +37,8 @@ def run_ddp(tmp_path: Path, *args: str, timeout: float = 600) -> list[dict]:
 @pytest.mark.ddp
 @pytest.mark.parametrize("structure", ["kfac", "dense", "probe_kernel", "cg", "lanczos"])
 def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure):
-    """probe_kernel and cg draw their probes by the samples' global positions: two processes
-    log what one process computes on the union."""
+    """probe_kernel, cg and lanczos draw their probes by the samples' global positions: two
+    processes log what one process computes on the union."""
     rank0, rank1 = run_ddp(tmp_path, structure)
     assert_records_equal(rank0, rank1)  # every rank logs the same values
     weights = torch.load(tmp_path / "weights0.pt", weights_only=True)

@@ -128,17 +128,16 @@ class OutputCore:
             return torch.ones_like(logits)
         return self.weights
 
-    def top_eigenpair(
-        self, generator: torch.Generator, iterations: int, shape: tuple[int, int]
-    ) -> tuple[Tensor, Tensor]:
+    def top_eigenpair(self, start: Tensor, iterations: int) -> tuple[Tensor, Tensor]:
         """Largest eigenvalue ``λ_C`` (B,) and unit eigenvector ``v_C`` (B, C) of each ``Λ_i``.
 
-        Cross-entropy: power iteration from a random unit vector,
+        Cross-entropy: power iteration from the random ``start`` (B, C) (standard Gaussian),
         ``v ← (p∘v − (pᵀv) p)/‖·‖``, then ``λ_C = pᵀ(v∘v) − (pᵀv)²``. bce: the largest
-        ``σ_c(1 − σ_c)`` and its unit vector. mse (``Λ = I``): ``λ_C = 1`` and the random
-        start. The random start is drawn in every case, so the generator advances the same way.
+        ``σ_c(1 − σ_c)`` and its unit vector. mse (``Λ = I``): ``λ_C = 1`` and the normalised
+        start.
         """
-        v = torch.randn(shape, generator=generator, device=generator.device, dtype=torch.float64)
+        shape = start.shape
+        v = start.to(torch.float64)
         v = v / v.norm(dim=-1, keepdim=True)
         if self.weights is None:
             return v.new_ones(shape[0]), v

@@ -80,7 +80,11 @@ from lightning_flatness.core.batches import (
 )
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.curvature.cg import CGFisher
-from lightning_flatness.core.curvature.hutchinson import VARIANTS, HutchinsonFisher
+from lightning_flatness.core.curvature.hutchinson import (
+    POWER_START_STREAM,
+    VARIANTS,
+    HutchinsonFisher,
+)
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.lanczos import LanczosFisher, ParameterSpaceFisher
 from lightning_flatness.core.decay import ParameterDecay
@@ -88,7 +92,6 @@ from lightning_flatness.core.failures import MeasurementError, check_finite_loss
 from lightning_flatness.core.functional_stats import (
     FunctionalModel,
     batch_statistics,
-    probe_vectors,
     resolve_trace_estimator,
 )
 from lightning_flatness.core.hooked_pass import HookedPass
@@ -109,6 +112,10 @@ AllReduce = Callable[[Tensor], Tensor]
 #: apart from the layer hooks' 2·seed + {0, 1}
 CG_PROBE_STREAM = 2**40
 LANCZOS_PROBE_STREAM = 2**41
+HUTCHINSON_PROBE_STREAM = 2**42  # + 4·seed + the variant's stream
+#: where the positions of a process's samples in the whole set are unknown, process r draws from
+#: the streams shifted by r times this
+PROCESS_STREAM_SPACING = 2**36
 
 
 def _process_rank(explicit: int | None, all_reduce: AllReduce | None) -> int:
@@ -393,6 +400,7 @@ class MatrixFreeBackend(Backend):
             functional = FunctionalModel(self.model)
             rank = _process_rank(settings.rank, self.all_reduce)
             self.functional = functional
+            self.rank = rank
             self.local = _generator(functional.device, self.seed * 1_000_003 + 7919 * (rank + 1))
             self.shared = _generator(functional.device, self.seed)
             variants = 1 if self.keeps_inputs else (len(VARIANTS) if settings.bounds else 1)
@@ -420,7 +428,7 @@ class MatrixFreeBackend(Backend):
                     loss=self.loss,
                     probes=settings.probes,
                     distribution=settings.distribution,
-                    generator=self.local,
+                    draw_sample_probes=self._hutchinson_draws,
                     power_iterations=settings.power_iterations,
                     bounds=settings.bounds,
                     grad_sq_sum=self.grad_sq_sum,
@@ -530,17 +538,28 @@ class MatrixFreeBackend(Backend):
         )
         return estimator.estimate(num_samples, lam)
 
-    def _sample_probes(self, stream: int, shape: tuple[int, int, int], kind: str) -> Tensor:
-        """ξ of shape (K, m_local, C) on this process's measured samples, in the model's dtype:
-        drawn by the samples' positions in the whole measured set (the same ξ however the set
-        is shared among processes, :mod:`~lightning_flatness.core.positional`), or from this
-        process's own generator under data parallelism when the positions are unknown."""
+    def _sample_probes(
+        self, stream: int, shape: tuple[int, int, int], kind: str, first: int = 0
+    ) -> Tensor:
+        """ξ of shape (K, B, C) on this process's measured samples ``first … first + B − 1``,
+        in the model's dtype: drawn by the samples' positions in the whole measured set (the
+        same ξ however the set is shared among processes,
+        :mod:`~lightning_flatness.core.positional`), or, under data parallelism when the
+        positions are unknown, from a stream of this process's own."""
         functional = self.functional
-        if self.shard is None and self.all_reduce is not None:
-            return probe_vectors(shape, self.local, functional.dtype, functional.device, kind)
-        positions = shard_positions(shape[1], self.shard)
+        if self.shard is None and self.all_reduce is not None:  # positions unknown
+            stream += PROCESS_STREAM_SPACING * self.rank  # this process's own draws
+        positions = shard_positions(shape[1], self.shard, first)
         draws = position_draws(stream + self.seed, positions, shape[0], shape[2], kind)
         return draws.to(device=functional.device, dtype=functional.dtype)
+
+    def _hutchinson_draws(self, stream: int, first: int, shape: tuple[int, int, int]) -> Tensor:
+        """``hutchinson``'s draws (:class:`HutchinsonFisher`): stream 0–2 its variants' probes,
+        :data:`POWER_START_STREAM` the power iteration's Gaussian starts."""
+        kind = "gaussian" if stream == POWER_START_STREAM else self.settings.distribution
+        return self._sample_probes(
+            HUTCHINSON_PROBE_STREAM + 3 * self.seed + stream, shape, kind, first
+        )
 
     def _solver(self, source, num_samples: int, classes: int) -> CGFisher:
         """``cg``'s accumulator over the kept inputs, with this backend's preconditioner sums

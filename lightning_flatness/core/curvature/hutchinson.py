@@ -33,12 +33,13 @@ The bounds' summaries sit in ``blocks`` (see :meth:`HutchinsonFisher.estimate`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
-from lightning_flatness.core.functional_stats import FunctionalModel, probe_vectors
+from lightning_flatness.core.functional_stats import FunctionalModel
 from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.likelihoods import OutputCore
 from lightning_flatness.core.spectral import SpectralSummary, check_lam, spectral_summary
@@ -47,6 +48,8 @@ __all__ = ["VARIANTS", "HutchinsonFisher", "jackknife_summary"]
 
 #: The three Hutchinson variants: Eq. 2 (unbiased), Eq. 8 (upper bound), Eq. 9 (lower bound).
 VARIANTS = ("estimate", "upper", "lower")
+#: the draw stream of the power iteration's standard Gaussian starts (streams 0–2: the variants)
+POWER_START_STREAM = 3
 
 
 def jackknife_summary(
@@ -78,7 +81,10 @@ class HutchinsonFisher(CurvatureAccumulator):
             the lower bound keeps one random output direction per sample).
         probes: probe vectors per batch (≥ 2 for standard errors).
         distribution: ``"rademacher"`` or ``"gaussian"``.
-        generator: the private generator that draws the probes.
+        draw_sample_probes: ``(stream, first, shape) →`` draws of ``shape = (K, B, C)`` (in
+            ``distribution``; ``stream`` 3 asks for standard Gaussians, the power iteration's
+            starts) for this process's samples ``first … first + B − 1`` of the measured set,
+            float64 (by the samples' positions in the whole set where they are known).
         power_iterations: power iterations for the top eigenpair of ``Λ`` (Eq. 9).
         bounds: also estimate the upper (Eq. 8) and lower (Eq. 9) bounds.
         grad_sq_sum: the running ``Σ_i g_i∘g_i`` of the true-label gradients (filled by the
@@ -94,14 +100,15 @@ class HutchinsonFisher(CurvatureAccumulator):
         loss: str,
         probes: int,
         distribution: str,
-        generator: torch.Generator,
+        draw_sample_probes: Callable[[int, int, tuple[int, int, int]], Tensor],
         power_iterations: int,
         bounds: bool,
         grad_sq_sum: Tensor | None = None,
     ) -> None:
         self.grad_sq_sum = grad_sq_sum
         self.model, self.loss, self.probes = model, loss, probes
-        self.distribution, self.generator = distribution, generator
+        self.distribution, self.draw_sample_probes = distribution, draw_sample_probes
+        self.seen = 0  # this process's samples drawn for so far
         self.power_iterations = power_iterations
         self.variants = VARIANTS if bounds else VARIANTS[:1]
         self.squares: Tensor | None = None
@@ -113,18 +120,19 @@ class HutchinsonFisher(CurvatureAccumulator):
         shape = (self.probes, batch, classes)
         dtype, device = logits.dtype, logits.device
 
-        def draw(shape: tuple[int, ...]) -> Tensor:
-            return probe_vectors(shape, self.generator, dtype, device, self.distribution)
+        first, self.seen = self.seen, self.seen + batch
 
-        cotangents = [core.sqrt_transpose(draw(shape))]  # Σ_c √p̃_c ξ_c ∂log p_c/∂z
+        def draw(stream: int, shape: tuple[int, int, int]) -> Tensor:
+            return self.draw_sample_probes(stream, first, shape).to(device=device, dtype=dtype)
+
+        cotangents = [core.sqrt_transpose(draw(0, shape))]  # Σ_c √p̃_c ξ_c ∂log p_c/∂z
         if "upper" in self.variants:
-            cotangents.append(core.diagonal(logits).sqrt() * draw(shape))  # Σ_c √p̃_c ξ_c e_c
+            cotangents.append(core.diagonal(logits).sqrt() * draw(1, shape))  # Σ_c √p̃_c ξ_c e_c
         if "lower" in self.variants:
-            value, vector = core.top_eigenpair(
-                self.generator, self.power_iterations, (batch, classes)
-            )
+            start = self.draw_sample_probes(POWER_START_STREAM, first, (1, batch, classes))[0]
+            value, vector = core.top_eigenpair(start, self.power_iterations)
             direction = value.sqrt().to(dtype).unsqueeze(-1) * vector.to(dtype)
-            cotangents.append(direction * draw((self.probes, batch, 1)))  # √λ̃_C ṽ_C ξ_x
+            cotangents.append(direction * draw(2, (self.probes, batch, 1)))  # √λ̃_C ṽ_C ξ_x
         return torch.cat(cotangents)
 
     def update(self, inputs: Tensor) -> None:
