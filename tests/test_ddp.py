@@ -35,11 +35,21 @@ def run_ddp(tmp_path: Path, *args: str, timeout: float = 600) -> list[dict]:
 
 
 @pytest.mark.ddp
-@pytest.mark.parametrize("structure", ["kfac", "dense", "probe_kernel", "cg", "lanczos"])
-def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure):
-    """probe_kernel, cg and lanczos draw their probes by the samples' global positions: two
-    processes log what one process computes on the union."""
-    rank0, rank1 = run_ddp(tmp_path, structure)
+@pytest.mark.parametrize(
+    ("structure", "mode"),
+    [
+        ("kfac", ""),
+        ("kfac", "sampled"),
+        ("dense", ""),
+        ("probe_kernel", ""),
+        ("cg", ""),
+        ("lanczos", ""),
+    ],
+)
+def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure, mode):
+    """probe_kernel, cg and lanczos draw their probes, and kfac its sampled labels, by the
+    samples' global positions: two processes log what one process computes on the union."""
+    rank0, rank1 = run_ddp(tmp_path, structure, mode)
     assert_records_equal(rank0, rank1)  # every rank logs the same values
     weights = torch.load(tmp_path / "weights0.pt", weights_only=True)
     model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3)
@@ -55,6 +65,7 @@ def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure):
         num_train_samples=256,
         structure=structure,
         val_batches=val_union,
+        **({"kfac_mode": "sampled", "trace_estimator": "sampled"} if mode else {}),
     ).as_dict()
     assert rank0["num_samples"] == 200 and rank0["num_val_samples"] == 100
     # float32 model: the probe kernel factorises in float32, where a last-bit difference in the

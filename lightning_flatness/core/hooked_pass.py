@@ -69,9 +69,12 @@ from lightning_flatness.core.layer_rules import (
 )
 from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.per_sample import map_samples
-from lightning_flatness.core.positional import position_signs
+from lightning_flatness.core.positional import position_draws, position_signs
 
 __all__ = ["COVERAGE", "BatchTerms", "HookedPass"]
+
+#: the position-keyed stream (plus 2·seed, and 1 for the held-out split) of the sampled labels
+SAMPLED_LABEL_STREAM = 2**43
 
 #: how a parameter enters the block-diagonal Fisher; "diagonal (whole model)" is the exact
 #: diagonal from per-sample backward passes through the whole model (the costly fallback)
@@ -131,9 +134,9 @@ class HookedPass:
             or ``"probe"`` (``mc_samples`` Rademacher probes ``A_iᵀξ``).
         trace_estimator: ``"exact"``, ``"sampled"`` or ``"probe"``: which of those rows give
             Tr(F).
-        generator: draws the sampled labels.
-        seed: draws each sample's probes from its position in the measured stream and this
-            seed (:func:`position_signs`), so that they do not depend on the batch size.
+        seed: draws each sample's probes and sampled labels from its position in the measured
+            stream and this seed (:mod:`~lightning_flatness.core.positional`), so that they do
+            not depend on the batch size or on how processes share the samples.
         shard: ``(rank, world_size)`` when this process measures the samples at positions
             ``rank, rank + world_size, …`` of the measured set (data parallelism): its local
             sample j is global position ``j·world_size + rank``, so every process draws the
@@ -152,7 +155,6 @@ class HookedPass:
         kfac_mode: str = "exact",
         mc_samples: int = 1,
         trace_estimator: str = "exact",
-        generator: torch.Generator | None = None,
         structure: str = "kfac",
         seed: int = 0,
         shard: tuple[int, int] | None = None,
@@ -166,7 +168,6 @@ class HookedPass:
         self.kfac_mode = kfac_mode
         self.mc_samples = int(mc_samples)
         self.trace_estimator = trace_estimator
-        self.generator = generator
         self.seed = seed
         self.shard = shard or (0, 1)
         #: the local position of the next sample in each stream (training, validation)
@@ -305,11 +306,20 @@ class HookedPass:
             identity = torch.eye(classes, dtype=logits.dtype, device=logits.device)
             rows.append(core.sqrt_transpose(identity.unsqueeze(1).expand(-1, z.shape[0], -1)))
             exact = slice(1, 1 + classes)
+        rank, world_size = self.shard
+        first = self.positions[curvature]
+        positions = torch.arange(first, first + z.shape[0]) * world_size + rank
         if "sampled" in (factors, self.trace_estimator):
             start = sum(r.shape[0] for r in rows)
             scores = []
-            for _ in range(self.mc_samples):
-                draw = self.likelihood.draw(z.detach(), self.generator)
+            likelihood = self.likelihood
+            outputs = 1 if likelihood.noise_per_sample else z.shape[1]
+            stream = SAMPLED_LABEL_STREAM + self.seed * 2 + int(not curvature)
+            noise = position_draws(
+                stream, positions, self.mc_samples, outputs, likelihood.noise_kind
+            )
+            for index in range(self.mc_samples):
+                draw = likelihood.draw_from(z.detach(), noise[index].squeeze(-1))
                 with torch.enable_grad():
                     objective = self.likelihood.sampled_score(z, draw).sum()
                     (score,) = torch.autograd.grad(objective, z)
@@ -319,9 +329,6 @@ class HookedPass:
         probe = None
         if "probe" in (factors, self.trace_estimator):
             start = sum(r.shape[0] for r in rows)
-            rank, world_size = self.shard
-            first = self.positions[curvature]
-            positions = torch.arange(first, first + z.shape[0]) * world_size + rank
             stream = self.seed * 2 + int(not curvature)
             signs = position_signs(stream, positions, self.mc_samples, z.shape[1])
             signs = signs.to(device=z.device, dtype=z.dtype)

@@ -229,12 +229,25 @@ class Likelihood(ABC):
     def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
         """Error, uncertainty and correct-prediction sums of a batch (module docstring)."""
 
-    @abstractmethod
+    #: the noise a draw is made from: ``"uniform"`` [0, 1) or standard ``"gaussian"``
+    noise_kind = "uniform"
+    #: True when one noise number per sample makes its draw (a class index), else one per output
+    noise_per_sample = False
+
     def draw(self, logits: Tensor, generator: torch.Generator) -> Tensor:
         """One draw per sample from the model's ``p(· | z_i)``, with ``generator`` only (the
         global RNG is never used): a class index (inverse CDF), 0/1 labels (comparison with
         uniforms) or, for the Gaussian, the noise ``ε = ỹ − z``. Draws stay fixed under small
         changes of θ for a generator in a fixed state."""
+        shape = (logits.shape[0],) if self.noise_per_sample else tuple(logits.shape)
+        draw_noise = torch.randn if self.noise_kind == "gaussian" else torch.rand
+        noise = draw_noise(shape, generator=generator, dtype=torch.float64, device=generator.device)
+        return self.draw_from(logits, noise)
+
+    @abstractmethod
+    def draw_from(self, logits: Tensor, noise: Tensor) -> Tensor:
+        """:meth:`draw` from given noise of :attr:`noise_kind`, (B,) or (B, C) (for draws keyed
+        by the samples' positions, :mod:`~lightning_flatness.core.positional`)."""
 
     def sampled_score(self, logits: Tensor, draw: Tensor) -> Tensor:
         """Per-sample ``s_i(θ)`` whose gradient is the score ``∇θ log p(ỹ_i | z_i)`` at the
@@ -350,11 +363,11 @@ class CategoricalLikelihood(Likelihood):
             correct=float((logits.argmax(-1) == targets).sum()),
         )
 
-    def draw(self, logits: Tensor, generator: torch.Generator) -> Tensor:
+    noise_per_sample = True
+
+    def draw_from(self, logits: Tensor, noise: Tensor) -> Tensor:
         p = torch.softmax(logits.detach().to(torch.float64), dim=-1)
-        uniforms = torch.rand(
-            p.shape[0], generator=generator, dtype=torch.float64, device=generator.device
-        ).to(p.device)
+        uniforms = noise.reshape(-1).to(device=p.device, dtype=torch.float64)
         labels = (p.cumsum(dim=-1) < uniforms.unsqueeze(-1)).sum(dim=-1)
         return labels.clamp_max(p.shape[-1] - 1)
 
@@ -403,11 +416,9 @@ class BernoulliLikelihood(Likelihood):
             correct=float(hits.sum()),
         )
 
-    def draw(self, logits: Tensor, generator: torch.Generator) -> Tensor:
+    def draw_from(self, logits: Tensor, noise: Tensor) -> Tensor:
         sigma = torch.sigmoid(logits.detach().to(torch.float64))
-        uniforms = torch.rand(
-            sigma.shape, generator=generator, dtype=torch.float64, device=generator.device
-        ).to(sigma.device)
+        uniforms = noise.to(device=sigma.device, dtype=torch.float64)
         return (uniforms < sigma).to(logits.dtype)
 
     def sqrt_rows(self, logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -440,10 +451,9 @@ class GaussianLikelihood(Likelihood):
     def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
         return SampleScores(math.nan, math.nan, math.nan)
 
-    def draw(self, logits: Tensor, generator: torch.Generator) -> Tensor:
-        noise = torch.randn(
-            logits.shape, generator=generator, dtype=torch.float64, device=generator.device
-        )
+    noise_kind = "gaussian"
+
+    def draw_from(self, logits: Tensor, noise: Tensor) -> Tensor:
         return noise.to(device=logits.device, dtype=logits.dtype)
 
     def sampled_score(self, logits: Tensor, draw: Tensor) -> Tensor:

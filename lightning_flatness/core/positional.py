@@ -37,9 +37,9 @@ def position_signs(stream: int, positions: Tensor, probes: int, outputs: int) ->
 
 
 def position_draws(stream: int, positions: Tensor, probes: int, outputs: int, kind: str) -> Tensor:
-    """Rademacher (±1) or standard Gaussian draws ``(probes, len(positions), outputs)``, float64,
-    keyed by position as :func:`position_signs`."""
-    if kind not in ("rademacher", "gaussian"):
+    """Rademacher (±1), standard Gaussian or uniform [0, 1) draws
+    ``(probes, len(positions), outputs)``, float64, keyed by position as :func:`position_signs`."""
+    if kind not in ("rademacher", "gaussian", "uniform"):
         raise ValueError(f"probe distribution must be 'rademacher' or 'gaussian', got {kind!r}.")
     positions = positions.reshape(-1).to(torch.long)
     out = torch.empty(probes, positions.numel(), outputs, dtype=torch.float64)
@@ -58,4 +58,6 @@ def _draw_block(stream: int, block: int, probes: int, outputs: int, kind: str) -
     shape = (probes, _SIGN_BLOCK, outputs)
     if kind == "gaussian":
         return torch.randn(shape, generator=generator, dtype=torch.float64)
+    if kind == "uniform":
+        return torch.rand(shape, generator=generator, dtype=torch.float64)
     return 2 * torch.randint(0, 2, shape, generator=generator).to(torch.float64) - 1

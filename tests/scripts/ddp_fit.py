@@ -41,6 +41,8 @@ def main() -> None:
         "kfac_mode": "exact",
         "overhead_budget": None,  # measured at the one epoch, whatever the timing
     }
+    if mode == "sampled":  # labels drawn from the model: keyed by position as well
+        monitor_kwargs.update(kfac_mode="sampled", trace_estimator="sampled")
     if mode == "regularize":
         monitor_kwargs.update(regularize=True, reg_strength=1.0)
     if mode == "compositional":

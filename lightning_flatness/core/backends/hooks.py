@@ -48,7 +48,7 @@ class HookBackend(Backend):
             rows, ``diag_mc`` ``mc_samples`` sampled ones) or
             :class:`~lightning_flatness.core.options.KernelOptions` (``probes`` probe rows).
         loss: the likelihood's name.
-        seed: seeds the generator of the sampled labels and probes.
+        seed: keys the sampled labels and probes (with each sample's position).
         summable: the curvature state must add up across processes.
         shard: ``(rank, world_size)`` when this process measures every world_size-th sample of
             the measured set from ``rank`` on (its probes are then those one process would draw;
@@ -101,12 +101,9 @@ class HookBackend(Backend):
     @contextmanager
     def session(self) -> Iterator[None]:
         with left_as_found(self.model):
-            device, _ = model_device_dtype(self.model)
-            generator = torch.Generator(device=device).manual_seed(int(self.seed) % (2**63))
             self.hooked = HookedPass(
                 self.model,
                 self.likelihood,
-                generator=generator,
                 seed=self.seed,
                 shard=self.shard,
                 **self.settings,
