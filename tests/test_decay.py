@@ -93,6 +93,39 @@ def test_kfac_blocks_use_their_own_decay(one_thread):
             assert report.blocks[name].soft_rank == pytest.approx(expected, rel=1e-8), name
 
 
+@pytest.mark.parametrize("structure", ["dense", "gram"])
+@pytest.mark.parametrize("bias_decay", [0.0, 1e-3])
+@pytest.mark.parametrize("batch_size", [1, 7])
+def test_backpack_structures_give_the_generalised_soft_rank(structure, bias_decay, batch_size):
+    """dense and gram scale BackPACK's rows and gradients by λ_j^{-1/2}: the exact
+    Tr(F(F+D)⁻¹), log-det and TIC trace Tr(C(F+D)⁻¹)."""
+    model = tiny_model("cnn")
+    inputs, targets = random_data(12)
+    decays = _decays(model, bias_decay)
+    report = measure(
+        model,
+        batches(inputs, targets, batch_size),
+        lam=decays,
+        num_train_samples=100,
+        structure=structure,
+    )
+    expected = _exact(model, inputs, decays)
+    assert report.soft_rank == pytest.approx(expected.soft_rank, rel=1e-7)
+    assert report.logdet == pytest.approx(expected.logdet, rel=1e-7)
+    assert report.lam == LAM
+    fisher = reference.dense_fisher(model, inputs)
+    covariance = reference.dense_gradient_covariance(model, inputs, targets)
+    effective = ParameterDecay(decays).effective
+    damping = torch.cat(
+        [
+            torch.full((p.numel(),), effective[name], dtype=torch.float64)
+            for name, p in model.named_parameters()
+        ]
+    )
+    tic = torch.linalg.solve(fisher + torch.diag(damping), covariance).diagonal().sum()
+    assert report.tic == pytest.approx(float(tic) / 100, rel=1e-6)
+
+
 @pytest.mark.parametrize("architecture", ["mlp", "cnn"])
 @pytest.mark.parametrize("bias_decay", [0.0, 1e-3])
 def test_cg_solves_with_the_per_group_decay(architecture, bias_decay, one_thread):

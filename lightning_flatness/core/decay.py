@@ -9,11 +9,11 @@ weights, as Hugging Face and timm scripts do). The objective is then
 
 the soft rank at λ = 1 of the Fisher whose per-sample gradient rows are scaled by
 ``λ_j^{-1/2}`` — the Fisher of the model in the coordinates ``φ_j = √λ_j θ_j``. So every
-layer-hook structure measures it by scaling its rows (its Kronecker ``G`` factors, blocks and
-diagonals by ``1/λ_j``) and estimating at λ = 1; rank⁽²⁾ and the log-det
-``½ log det(I + F D⁻¹)`` follow the same way. ``cg`` solves ``(F + D) x = w`` directly
-(``Tr(F(F+D)⁻¹) = E wᵀ(F+D)⁻¹w`` for E wwᵀ = F), preconditioned per weight by
-``(G ⊗ A + λ_j I)⁻¹``.
+layer-hook structure (and BackPACK's ``dense`` and ``gram``) measures it by scaling its rows
+(its Kronecker ``G`` factors, blocks and diagonals by ``1/λ_j``) and estimating at λ = 1;
+rank⁽²⁾ and the log-det ``½ log det(I + F D⁻¹)`` follow the same way. ``cg`` solves
+``(F + D) x = w`` directly (``Tr(F(F+D)⁻¹) = E wᵀ(F+D)⁻¹w`` for E wwᵀ = F), preconditioned
+per weight by ``(G ⊗ A + λ_j I)⁻¹``.
 
 A trainable group without decay (λ_j = 0) counts each Fisher direction it carries (the limit
 λ_j → 0); it is measured at ``λ_j = ZERO_DECAY_FRACTION × (the smallest positive λ)``.
@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+import torch
 from torch import Tensor
 
 __all__ = [
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 #: the structures that measure ``Tr(F(F+D)⁻¹)`` with a per-parameter ``D``
-DECAY_STRUCTURES = ("probe_kernel", "kfac", "diag", "diag_mc", "cg")
+DECAY_STRUCTURES = ("probe_kernel", "kfac", "diag", "diag_mc", "cg", "dense", "gram")
 #: a trainable group without decay is measured at this fraction of the smallest positive λ
 ZERO_DECAY_FRACTION = 1e-6
 
@@ -87,6 +88,16 @@ class ParameterDecay:
     def scale(self, name: str) -> float:
         """``1/λ_j`` for the parameter ``name`` (:meth:`of`)."""
         return 1.0 / self.of(name)
+
+    def column_scale(self, names: list[str], sizes: list[int]) -> Tensor:
+        """``λ_j^{-1/2}`` for every entry of a flat vector of the parameters ``names`` (with
+        ``sizes`` entries each), float64."""
+        return torch.cat(
+            [
+                torch.full((size,), self.scale(name) ** 0.5, dtype=torch.float64)
+                for name, size in zip(names, sizes, strict=True)
+            ]
+        )
 
     def scale_rows(self, name: str, rows: Tensor) -> Tensor:
         """Per-sample gradient rows of ``name`` scaled by ``λ_j^{-1/2}``."""

@@ -71,4 +71,4 @@ def make_backend(
     # BackPACK is imported only when one of its structures is measured.
     from lightning_flatness.core.backpack.backend import BackpackBackend
 
-    return BackpackBackend(model, structure, options, loss=loss, seed=seed)
+    return BackpackBackend(model, structure, options, loss=loss, seed=seed, decay=decay)

@@ -30,6 +30,7 @@ from lightning_flatness.core.backpack.gram import GramFisher
 from lightning_flatness.core.backpack.statistics import SampleStatistics
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
 from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import check_finite_loss
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import rng_devices
@@ -63,8 +64,10 @@ class BackpackBackend(Backend):
         *,
         loss: str,
         seed: int,
+        decay: ParameterDecay | None = None,
     ) -> None:
         trace_estimator = options.trace_estimator
+        self.decay = decay
         self.model = model
         self.loss = loss
         self.likelihood = get_likelihood(loss)
@@ -104,6 +107,10 @@ class BackpackBackend(Backend):
         check_finite_loss(float(loss.detach()), split, index)
         backward_with(model, loss, extensions, self.estimator.name if training else "statistics")
         if training:
+            if self.decay is not None and self.estimator.column_scale is None:
+                self.estimator.column_scale = self.decay.column_scale(
+                    model.names, [p.numel() for p in model.parameters]
+                )
             self.estimator.update(model, num_samples(inputs))
         sums = statistics.update(model, logits, targets)
         model.zero_grad()
@@ -113,7 +120,8 @@ class BackpackBackend(Backend):
         return self.estimator.summable_states()
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        return self.estimator.estimate(num_samples, lam)
+        """The estimate at ``lam``; with per-parameter decays, of the scaled Fisher at λ = 1."""
+        return self.estimator.estimate(num_samples, 1.0 if self.decay is not None else lam)
 
 
 def make_estimator(

@@ -58,8 +58,8 @@ class DenseFisher(CurvatureEstimator):
         return [SqrtGGNExact(), BatchGrad()]
 
     def update(self, model: ExtendedModel, batch_size: int) -> None:
-        factors = sqrt_factors(model, "sqrt_ggn_exact")
-        grads = batch_gradients(model)
+        factors = self.scaled(sqrt_factors(model, "sqrt_ggn_exact"))
+        grads = self.scaled(batch_gradients(model))
         if self.fisher_sum is None:
             self.check_size(factors.shape[1])
             size = factors.shape[1]

@@ -30,6 +30,16 @@ class CurvatureEstimator(CurvatureAccumulator):
         self.ggn_scale = ggn_scale
         # The loss itself carries the same factor, so its gradient products carry its square.
         self.cov_scale = ggn_scale**2
+        #: per-parameter-entry ``λ_j^{-1/2}`` (P,) under per-group decay (set by the backend):
+        #: rows and gradients are scaled by it and the estimate taken at λ = 1 (docs/math.md,
+        #: "Per-group weight decay")
+        self.column_scale: Tensor | None = None
+
+    def scaled(self, rows: Tensor) -> Tensor:
+        """``rows`` (…, P) with each parameter's entries scaled by :attr:`column_scale`."""
+        if self.column_scale is None:
+            return rows
+        return rows * self.column_scale.to(device=rows.device, dtype=rows.dtype)
 
     @abstractmethod
     def extensions(self) -> list[object]:

@@ -48,7 +48,7 @@ class GramFisher(CurvatureEstimator):
         return [SqrtGGNExact(), BatchGrad()]
 
     def update(self, model: ExtendedModel, batch_size: int) -> None:
-        factors = sqrt_factors(model, "sqrt_ggn_exact")
+        factors = self.scaled(sqrt_factors(model, "sqrt_ggn_exact"))
         self.num_rows += factors.shape[0]
         if self.num_rows > self.max_kernel_size:
             raise StructureTooLargeError(
@@ -58,7 +58,7 @@ class GramFisher(CurvatureEstimator):
                 "use structure='dense' when P is small, 'kfac' or 'diag', or raise the guard."
             )
         self.rows.append(factors)
-        self.grads.append(batch_gradients(model))
+        self.grads.append(self.scaled(batch_gradients(model)))
 
     def summable_states(self) -> list[Tensor]:
         raise NotImplementedError(
