@@ -28,14 +28,11 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "DECAY_STRUCTURES",
     "ZERO_DECAY_FRACTION",
     "ParameterDecay",
     "resolve_decay",
 ]
 
-#: the structures that measure ``Tr(F(F+D)⁻¹)`` with a per-parameter ``D``
-DECAY_STRUCTURES = ("probe_kernel", "kfac", "diag", "diag_mc", "cg", "dense", "gram")
 #: a trainable group without decay is measured at this fraction of the smallest positive λ
 ZERO_DECAY_FRACTION = 1e-6
 

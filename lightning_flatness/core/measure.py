@@ -44,7 +44,7 @@ from lightning_flatness.core.batches import (
     prepared_batches,
     wrap_for_batches,
 )
-from lightning_flatness.core.decay import DECAY_STRUCTURES, ParameterDecay, resolve_decay
+from lightning_flatness.core.decay import ParameterDecay, resolve_decay
 from lightning_flatness.core.defaults import AUTO, choose_structure, default_probes
 from lightning_flatness.core.failures import MeasurementError
 from lightning_flatness.core.likelihoods import get_likelihood
@@ -172,12 +172,6 @@ def measure(
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         summable = all_reduce is not None
         structure = choose_structure(trainable, seen, kernel, summable=summable).structure
-    if isinstance(decay, ParameterDecay) and structure not in DECAY_STRUCTURES:
-        raise ValueError(
-            f"structure={structure!r} measures one weight decay; the parameters have several "
-            f"({decay.describe()}). Per-group decay D is measured by {DECAY_STRUCTURES}; pass "
-            "one of them, or lam=<one λ>."
-        )
     options = structure_options(
         structure,
         trace_estimator=trace_estimator,

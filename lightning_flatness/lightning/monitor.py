@@ -42,7 +42,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_flatness.core.batches import LogitsFn, UnpackBatch
 from lightning_flatness.core.checks import check_choice, check_count
 from lightning_flatness.core.curvature import describe_coverage
-from lightning_flatness.core.decay import DECAY_STRUCTURES, ParameterDecay
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.defaults import AUTO, choose_structure
 from lightning_flatness.core.failures import (
     MeasurementError,
@@ -461,19 +461,6 @@ class FlatnessMonitor(Callback):
         if not self._checked:
             self._checked = True
             self._check_configuration(trainer, pl_module)
-            decay = self.resolved_lam
-            if isinstance(decay, ParameterDecay) and self.structure not in (
-                AUTO,
-                *DECAY_STRUCTURES,
-            ):
-                self._refuse(
-                    pl_module,
-                    ValueError(
-                        f"structure={self.structure!r} measures one weight decay, but the "
-                        f"optimizer's groups decay differently ({decay.describe()}). Use one "
-                        f"of {DECAY_STRUCTURES}, or pass lam=<one λ>."
-                    ),
-                )
             if self.structure == AUTO and self.disabled_reason is None:
                 self._choose_structure(trainer, pl_module)
             self.budget.charge(time.perf_counter() - checking)  # the checks; the trial below
@@ -513,19 +500,6 @@ class FlatnessMonitor(Callback):
             samples = math.ceil(samples / trainer.world_size)
         choice = choose_structure(trainable, samples, options, summable=trainer.world_size > 1)
         self._active_structure = choice.structure
-        if isinstance(self.resolved_lam, ParameterDecay) and choice.structure not in (
-            DECAY_STRUCTURES
-        ):
-            self._refuse(
-                pl_module,
-                ValueError(
-                    f"structure='auto' measures {choice.reason}, which needs one weight decay, "
-                    f"but the optimizer's groups decay differently "
-                    f"({self.resolved_lam.describe()}). Pass lam=<one λ>, or measure fewer "
-                    "samples (max_samples=) so that probe_kernel fits."
-                ),
-            )
-            return
         rank_zero_info(f"FlatnessMonitor: structure='auto' measures {choice.reason}.")
 
     def _check_configuration(self, trainer: Trainer, pl_module: LightningModule) -> None:

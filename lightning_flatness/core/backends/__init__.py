@@ -40,8 +40,7 @@ def make_backend(
 ) -> Backend:
     """The backend that measures ``structure`` with its validated ``options``
     (:func:`~lightning_flatness.core.options.structure_options`; the rest as for ``measure()``;
-    ``decay``: per-parameter weight decays, the structures of
-    :data:`~lightning_flatness.core.decay.DECAY_STRUCTURES`)."""
+    ``decay``: per-parameter weight decays, measured by every structure)."""
     if structure in MATRIX_FREE_STRUCTURES:
         return MatrixFreeBackend(
             model,

@@ -374,11 +374,6 @@ class MatrixFreeBackend(Backend):
         decay: ParameterDecay | None = None,
         shard: tuple[int, int] | None = None,
     ) -> None:
-        if decay is not None and structure != "cg":
-            raise ValueError(
-                f"structure={structure!r} measures one weight decay; of the matrix-free "
-                "structures only 'cg' measures per-group decay."
-            )
         self.decay, self.shard = decay, shard
         self.model, self.structure, self.loss = model, structure, loss
         self.seed, self.all_reduce = seed, all_reduce
@@ -432,6 +427,7 @@ class MatrixFreeBackend(Backend):
                     power_iterations=settings.power_iterations,
                     bounds=settings.bounds,
                     grad_sq_sum=self.grad_sq_sum,
+                    diagonal_scale=None if self.decay is None else self._column_scale().square(),
                 )
             try:
                 yield
@@ -495,6 +491,8 @@ class MatrixFreeBackend(Backend):
         if all_reduce is not None:  # a process without samples learns C from the others
             known = all_reduce(torch.tensor([float(classes), float(classes > 0)]))
             classes = round(float(known[0]) / max(1.0, float(known[1])))
+        if self.decay is not None and self.structure != "cg":  # the spectrum of D^-½ F D^-½
+            lam = 1.0
         curvature = self._curvature(num_samples, classes, lam)
         curvature.rank_bound = get_likelihood(self.loss).fisher_rank_bound(
             self.functional.num_parameters, num_samples, classes
@@ -535,8 +533,16 @@ class MatrixFreeBackend(Backend):
             max_basis_elements=settings.max_basis_elements,
             max_histogram=settings.max_histogram,
             breakdown_tol=settings.breakdown_tol,
+            column_scale=None if self.decay is None else self._column_scale(),
         )
         return estimator.estimate(num_samples, lam)
+
+    def _column_scale(self) -> Tensor:
+        """``D^{-1/2}`` (P,) of the per-group decays, in the model's dtype and device."""
+        functional = self.functional
+        sizes = [functional.params[name].numel() for name in functional.names]
+        scale = self.decay.column_scale(functional.names, sizes)
+        return scale.to(device=functional.device, dtype=functional.dtype)
 
     def _sample_probes(
         self, stream: int, shape: tuple[int, int, int], kind: str, first: int = 0

@@ -89,6 +89,9 @@ class HutchinsonFisher(CurvatureAccumulator):
         bounds: also estimate the upper (Eq. 8) and lower (Eq. 9) bounds.
         grad_sq_sum: the running ``Σ_i g_i∘g_i`` of the true-label gradients (filled by the
             backend's statistics pass) for the diagonal TIC, or None.
+        diagonal_scale: ``1/λ_j`` (P,) under per-group decay: the diagonals of F and C are
+            scaled by it and summarised at λ = 1 (``Σ μ_k/(μ_k + λ_k)`` and
+            ``Σ C_kk/(F_kk + λ_k)``).
     """
 
     name = "hutchinson"
@@ -104,8 +107,10 @@ class HutchinsonFisher(CurvatureAccumulator):
         power_iterations: int,
         bounds: bool,
         grad_sq_sum: Tensor | None = None,
+        diagonal_scale: Tensor | None = None,
     ) -> None:
         self.grad_sq_sum = grad_sq_sum
+        self.diagonal_scale = diagonal_scale
         self.model, self.loss, self.probes = model, loss, probes
         self.distribution, self.draw_sample_probes = distribution, draw_sample_probes
         self.seen = 0  # this process's samples drawn for so far
@@ -152,6 +157,11 @@ class HutchinsonFisher(CurvatureAccumulator):
         states = [] if self.squares is None else [self.squares]
         return states if self.grad_sq_sum is None else [*states, self.grad_sq_sum]
 
+    def _scaled(self, diagonal: Tensor) -> Tensor:
+        if self.diagonal_scale is None:
+            return diagonal
+        return diagonal * self.diagonal_scale.to(device=diagonal.device, dtype=torch.float64)
+
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         """Summaries of the estimated diagonals of ``F = (1/m) Σ_x F_x``, m = ``num_samples``.
 
@@ -171,7 +181,9 @@ class HutchinsonFisher(CurvatureAccumulator):
         diagonal = None
         summary = None
         for index, variant in enumerate(self.variants):
-            per_probe = [d.to(torch.float64) / num_samples for d in self.squares[index]]
+            per_probe = [
+                self._scaled(d.to(torch.float64) / num_samples) for d in self.squares[index]
+            ]
             variant_summary, stderr = jackknife_summary(per_probe, lam)
             blocks[f"hutchinson_{variant}"] = variant_summary
             blocks[f"hutchinson_{variant}_stderr"] = stderr
@@ -180,6 +192,6 @@ class HutchinsonFisher(CurvatureAccumulator):
                 blocks["stderr"] = stderr
         tic = math.nan
         if self.grad_sq_sum is not None:
-            covariance = self.grad_sq_sum.to(torch.float64) / num_samples
+            covariance = self._scaled(self.grad_sq_sum.to(torch.float64) / num_samples)
             tic = float((covariance / (diagonal.clamp_min(0.0) + lam)).sum())
         return CurvatureEstimate(summary, diagonal, tic_trace=tic, blocks=blocks)

@@ -245,11 +245,14 @@ class ParameterSpaceFisher:
     """``F V = (1/m) Σ_i J_iᵀ Λ_i J_i V`` for a block of flat parameter vectors (K, P).
 
     Products are accumulated into one reused (K, P) buffer (large fresh allocations are slow).
+    With ``column_scale`` S (P,), the products and probes are those of ``S F S`` (per-group
+    decay, ``S = D^{-1/2}``: docs/math.md, "Per-group weight decay").
     """
 
-    def __init__(self, model, source, loss, num_samples, all_reduce):
+    def __init__(self, model, source, loss, num_samples, all_reduce, column_scale=None):
         self.model, self.source, self.loss = model, source, loss
         self.num_samples, self.all_reduce = num_samples, all_reduce
+        self.column_scale: Tensor | None = column_scale
         self.buffer: Tensor | None = None
 
     def _zeroed(self, like: Tensor) -> Tensor:
@@ -259,6 +262,9 @@ class ParameterSpaceFisher:
 
     def __call__(self, vectors: Tensor) -> Tensor:
         total = self._zeroed(vectors)
+        scale = self.column_scale
+        if scale is not None:
+            vectors = vectors * scale
         for inputs in self.source.chunks():
             logits, tangents = self.model.jvp(inputs, vectors)
             core = OutputCore.from_logits(logits, self.loss)
@@ -266,7 +272,8 @@ class ParameterSpaceFisher:
             self.model.accumulate(total, backward(core.fisher(tangents)))
         if self.all_reduce is not None:
             total = self.all_reduce(total)
-        return total.div_(self.num_samples)
+        total = total.div_(self.num_samples)
+        return total if scale is None else total.mul_(scale)
 
     def range_start(self, xi: Tensor) -> Tensor:
         """``Ṽᵀ ξ = (1/√m) Σ_i V_iᵀ ξ_i`` (the Eq. 2 gradient) for ξ of shape (K, m_local, C)."""
@@ -280,19 +287,22 @@ class ParameterSpaceFisher:
             model.accumulate(total, backward(core.sqrt_transpose(xi[:, rows])))
         if self.all_reduce is not None:
             total = self.all_reduce(total)
-        return total.div_(math.sqrt(self.num_samples))
+        total = total.div_(math.sqrt(self.num_samples))
+        return total if self.column_scale is None else total.mul_(self.column_scale)
 
 
 class _SampleSpaceKernel:
-    """``K U = (1/m) V Vᵀ U`` for a block (K, m_local·C) of this process's sample-space rows.
+    """``K U = (1/m) V Vᵀ U`` for a block (K, m_local·C) of this process's sample-space rows
+    (``V S² Vᵀ`` with a ``column_scale`` S, the kernel of ``S F S``).
 
     Two passes: ``w = Σ_i V_iᵀ u_i`` (backward, summed across processes, in one reused (K, P)
     buffer), then ``V_i w`` (forward mode).
     """
 
-    def __init__(self, model, source, loss, num_samples, classes, all_reduce):
+    def __init__(self, model, source, loss, num_samples, classes, all_reduce, column_scale=None):
         self.model, self.source, self.loss = model, source, loss
         self.num_samples, self.classes, self.all_reduce = num_samples, classes, all_reduce
+        self.squared_scale = None if column_scale is None else column_scale.square()
         self.buffer: Tensor | None = None
 
     def __call__(self, vectors: Tensor) -> Tensor:
@@ -309,6 +319,8 @@ class _SampleSpaceKernel:
             model.accumulate(w, backward(core.sqrt_transpose(rows_view[:, rows])))
         if self.all_reduce is not None:
             w = self.all_reduce(w)
+        if self.squared_scale is not None:  # the kernel V S² Vᵀ of S F S
+            w = w * self.squared_scale
         out = torch.empty_like(rows_view)
         for inputs, rows in self.source.chunks(with_rows=True):
             logits, tangents = model.jvp(inputs, w)
@@ -342,6 +354,8 @@ class LanczosFisher(CurvatureAccumulator):
         distribution: ``"rademacher"`` or ``"gaussian"`` entries of ξ (and z).
         draw_sample_probes: ξ of a shape (K, m_local, C) on this process's samples, in the
             model's dtype (by the samples' positions in the whole set where they are known).
+        column_scale: ``D^{-1/2}`` (P,) under per-group decay: the spectrum is that of
+            ``D^{-1/2} F D^{-1/2}``, to be summarised at λ = 1.
         shared_generator: draws ``z`` for ``start="random"`` (must agree between processes).
         all_reduce: sums a tensor across processes in place and returns it, or None.
         max_basis_elements: refuse a Lanczos basis larger than this many numbers.
@@ -369,7 +383,9 @@ class LanczosFisher(CurvatureAccumulator):
         max_basis_elements: int,
         max_histogram: int,
         breakdown_tol: float | None,
+        column_scale: Tensor | None = None,
     ) -> None:
+        self.column_scale = column_scale
         self.model, self.source, self.loss, self.classes = model, source, loss, classes
         self.probes, self.steps, self.space, self.start = probes, steps, space, start
         self.distribution = distribution
@@ -410,14 +426,20 @@ class LanczosFisher(CurvatureAccumulator):
         divide_by_mu = False
         if space == "samples":
             operator = _SampleSpaceKernel(
-                model, self.source, self.loss, num_samples, classes, self.all_reduce
+                model,
+                self.source,
+                self.loss,
+                num_samples,
+                classes,
+                self.all_reduce,
+                self.column_scale,
             )
             xi = self.draw_sample_probes(xi_shape).to(torch.float64)
             start = operator.projected_start(xi)
             reduce = self._sum
         else:
             operator = ParameterSpaceFisher(
-                model, self.source, self.loss, num_samples, self.all_reduce
+                model, self.source, self.loss, num_samples, self.all_reduce, self.column_scale
             )
             reduce = None
             if self.start == "random":
