@@ -30,6 +30,7 @@ from lightning_flatness.core.failures import (
     TrainingSplitError,
     agreed,
 )
+from lightning_flatness.core.progress import progress
 from lightning_flatness.core.statistics import StatisticSums
 
 __all__ = ["SPLITS", "Backend", "model_device_dtype", "run_pipeline"]
@@ -114,6 +115,7 @@ def run_pipeline(
             for split, batches, limit in splits:
                 prepared = prepared_batches(batches, limit, device, dtype, unpack_batch, model.spec)
                 for index, inputs, targets in prepared:
+                    progress(f"pass over the {split} data", index, None, "batches")
                     try:
                         sums[split] = sums[split] + backend.batch(inputs, targets, split, index)
                     except NonFiniteLossError as error:

@@ -52,6 +52,7 @@ from lightning_flatness.core.failures import (
 from lightning_flatness.core.likelihoods import LOSSES
 from lightning_flatness.core.measure import check_batch, measure
 from lightning_flatness.core.options import HOOK_ROWS, MATRIX_FREE_STRUCTURES, structure_options
+from lightning_flatness.core.progress import reporting_progress
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.budget import (
     CHEAP,
@@ -84,6 +85,8 @@ __all__ = ["FlatnessMonitor"]
 DEFAULT_MAX_VAL_SAMPLES = 1024
 #: an exact measurement expected to take longer is announced with one line
 ANNOUNCE_SECONDS = 5.0
+#: during an exact measurement, one line of progress at most this often (seconds)
+PROGRESS_SECONDS = 10.0
 
 
 #: measure() arguments the monitor sets itself, and the constructor argument that sets each
@@ -673,7 +676,10 @@ class FlatnessMonitor(Callback):
         the last exact ratio), or None (skipped, or the fill-in cannot measure this model)."""
         if decision == EXACT:
             self._announce(epoch)
-            record = self._measure(trainer, pl_module)
+            with reporting_progress(
+                lambda line: rank_zero_info(f"FlatnessMonitor: {line}"), PROGRESS_SECONDS
+            ):
+                record = self._measure(trainer, pl_module)
             record.update(fill_in=0.0, calibration=1.0)
             return record
         if decision == CHEAP:

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.curvature.kfac import KFACFisher
+from lightning_flatness.core.progress import progress
 from lightning_flatness.core.spectral import SpectralSummary, check_lam
 
 __all__ = ["CGFisher", "KroneckerPreconditioner", "conjugate_gradients", "hutchinson_cg"]
@@ -179,6 +180,7 @@ def conjugate_gradients(
     ):
         product = fisher(directions) + damping * directions
         steps += 1
+        progress("cg", steps, max_steps, "Fisher-vector products")
         curvature = directions @ product.T  # Pᵀ A P, (k, k), eigenvalues ≥ λ
         step = torch.linalg.solve(curvature, directions @ r.T)  # (k, K)
         x += step.T @ directions

@@ -62,6 +62,7 @@ from lightning_flatness.core.curvature.base import CurvatureAccumulator, Curvatu
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.functional_stats import FunctionalModel, probe_vectors
 from lightning_flatness.core.likelihoods import OutputCore
+from lightning_flatness.core.progress import progress
 from lightning_flatness.core.spectral import SpectralSummary, check_lam
 from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 
@@ -142,6 +143,7 @@ def lanczos(
     for j in range(steps):
         q = basis[j]
         w = matmat(q)
+        progress("lanczos", j + 1, steps, "steps")
         alpha = reduce(torch.einsum("kn,kn->k", q, w).to(torch.float64))
         w.sub_(alpha.to(w.dtype).unsqueeze(1) * q)
         if j > 0:
