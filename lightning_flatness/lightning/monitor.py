@@ -162,8 +162,9 @@ class FlatnessMonitor(Callback):
             start), ``"probe_kernel"``, ``"kfac"``, ``"dense"``, ``"gram"``, ``"diag"``,
             ``"diag_mc"``, or matrix-free ``"cg"``, ``"lanczos"``, ``"hutchinson"``.
         lam: λ, the coupled L2 weight decay. ``None`` reads it from the optimizer (SGD, Adam,
-            RMSprop ``weight_decay``); AdamW's decoupled decay, ``weight_decay=0`` or different
-            decays across parameter groups are refused with a message to pass ``lam``.
+            RMSprop ``weight_decay``); different decays across parameter groups are measured as
+            per-group decay (``Tr(F(F+D)⁻¹)``, docs/math.md); AdamW's decoupled decay and
+            ``weight_decay=0`` on every group are refused with a message to pass ``lam``.
         every_n_epochs: measure at the end of every n-th training epoch (within
             ``overhead_budget``).
         overhead_budget: the most the monitor may add to the fit's training time, as a
