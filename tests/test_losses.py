@@ -159,13 +159,15 @@ def test_kfac_is_exact_per_layer_for_one_sample(cases, case):
         assert report.blocks[name].trace == pytest.approx(expected.trace, rel=1e-9)
 
 
-def test_sampled_structures_converge_for_bce(cases):
-    """diag_mc and the sampled Tr(F) draw Bernoulli labels: unbiased, error ~ 1/√(samples)."""
-    model, inputs, targets, fisher, _, _ = cases[("mlp", "bce", 10)]
+@pytest.mark.parametrize("outputs", [10, 1])
+def test_sampled_structures_converge_for_bce(cases, outputs):
+    """diag_mc and the sampled Tr(F) draw Bernoulli labels (one per output, also for a single
+    logit): unbiased, error ~ 1/√(samples)."""
+    model, inputs, targets, fisher, _, _ = cases[("mlp", "bce", outputs)]
     many = inputs.repeat(50, 1, 1, 1)
     report = measure(
         model,
-        [(many, targets.repeat(50, 1))],
+        [(many, targets.repeat(50, *[1] * (targets.dim() - 1)))],
         lam=LAM,
         num_train_samples=N_TRAIN,
         structure="diag_mc",

@@ -318,8 +318,10 @@ class HookedPass:
             noise = position_draws(
                 stream, positions, self.mc_samples, outputs, likelihood.noise_kind
             )
+            if likelihood.noise_per_sample:  # one number per sample: (mc_samples, B)
+                noise = noise.squeeze(-1)
             for index in range(self.mc_samples):
-                draw = likelihood.draw_from(z.detach(), noise[index].squeeze(-1))
+                draw = likelihood.draw_from(z.detach(), noise[index])
                 with torch.enable_grad():
                     objective = self.likelihood.sampled_score(z, draw).sum()
                     (score,) = torch.autograd.grad(objective, z)
