@@ -21,16 +21,16 @@ def _decays(model, bias_decay: float) -> dict[str, float]:
     }
 
 
+def _damping(model, decays: dict[str, float]) -> torch.Tensor:
+    """D: each parameter entry's λ_j (a zero-decay group at its measured floor), float64."""
+    names, sizes = zip(*((name, p.numel()) for name, p in model.named_parameters()), strict=True)
+    return ParameterDecay(decays).diagonal(list(names), list(sizes))
+
+
 def _exact(model, inputs, decays: dict[str, float]) -> spectral.SpectralSummary:
     """Tr(F(F+D)⁻¹) as the λ = 1 summary of D^{-1/2} F D^{-1/2} (dense, float64)."""
     fisher = reference.dense_fisher(model, inputs)
-    effective = ParameterDecay(decays).effective
-    scale = torch.cat(
-        [
-            torch.full((p.numel(),), effective[name] ** -0.5, dtype=torch.float64)
-            for name, p in model.named_parameters()
-        ]
-    )
+    scale = _damping(model, decays).rsqrt()
     whitened = scale[:, None] * fisher * scale[None, :]
     return spectral.spectral_summary(spectral.psd_eigenvalues(whitened), 1.0)
 
@@ -115,13 +115,7 @@ def test_backpack_structures_give_the_generalised_soft_rank(structure, bias_deca
     assert report.lam == LAM
     fisher = reference.dense_fisher(model, inputs)
     covariance = reference.dense_gradient_covariance(model, inputs, targets)
-    effective = ParameterDecay(decays).effective
-    damping = torch.cat(
-        [
-            torch.full((p.numel(),), effective[name], dtype=torch.float64)
-            for name, p in model.named_parameters()
-        ]
-    )
+    damping = _damping(model, decays)
     tic = torch.linalg.solve(fisher + torch.diag(damping), covariance).diagonal().sum()
     assert report.tic == pytest.approx(float(tic) / 100, rel=1e-6)
 
@@ -186,13 +180,7 @@ def test_lanczos_and_hutchinson_take_the_scaled_fisher(bias_decay, one_thread):
     stderr = lanczos.as_dict()["soft_rank_stderr"]
     assert abs(lanczos.soft_rank - expected) < 4 * stderr + 0.02 * expected
     diagonal = reference.dense_fisher(model, inputs).diagonal()
-    effective = ParameterDecay(decays).effective
-    damping = torch.cat(
-        [
-            torch.full((p.numel(),), effective[name], dtype=torch.float64)
-            for name, p in model.named_parameters()
-        ]
-    )
+    damping = _damping(model, decays)
     exact_diagonal = float((diagonal / (diagonal + damping)).sum())
     hutchinson = measure(
         model,

@@ -86,15 +86,19 @@ class ParameterDecay:
         """``1/λ_j`` for the parameter ``name`` (:meth:`of`)."""
         return 1.0 / self.of(name)
 
-    def column_scale(self, names: list[str], sizes: list[int]) -> Tensor:
-        """``λ_j^{-1/2}`` for every entry of a flat vector of the parameters ``names`` (with
-        ``sizes`` entries each), float64."""
+    def diagonal(self, names: list[str], sizes: list[int]) -> Tensor:
+        """``D``: ``λ_j`` (:meth:`of`) for every entry of a flat vector of the parameters
+        ``names`` (with ``sizes`` entries each), float64."""
         return torch.cat(
             [
-                torch.full((size,), self.scale(name) ** 0.5, dtype=torch.float64)
+                torch.full((size,), self.of(name), dtype=torch.float64)
                 for name, size in zip(names, sizes, strict=True)
             ]
         )
+
+    def column_scale(self, names: list[str], sizes: list[int]) -> Tensor:
+        """``D^{-1/2}``: ``λ_j^{-1/2}`` for every entry of such a flat vector, float64."""
+        return self.diagonal(names, sizes).rsqrt()
 
     def scale_rows(self, name: str, rows: Tensor) -> Tensor:
         """Per-sample gradient rows of ``name`` scaled by ``λ_j^{-1/2}``."""

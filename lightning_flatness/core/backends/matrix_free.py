@@ -427,7 +427,7 @@ class MatrixFreeBackend(Backend):
                     power_iterations=settings.power_iterations,
                     bounds=settings.bounds,
                     grad_sq_sum=self.grad_sq_sum,
-                    diagonal_scale=None if self.decay is None else self._column_scale().square(),
+                    diagonal_scale=None if self.decay is None else self._diagonal().reciprocal(),
                 )
             try:
                 yield
@@ -537,12 +537,15 @@ class MatrixFreeBackend(Backend):
         )
         return estimator.estimate(num_samples, lam)
 
-    def _column_scale(self) -> Tensor:
-        """``D^{-1/2}`` (P,) of the per-group decays, in the model's dtype and device."""
+    def _diagonal(self) -> Tensor:
+        """``D`` (P,) of the per-group decays over the model's flat parameters, float64."""
         functional = self.functional
         sizes = [functional.params[name].numel() for name in functional.names]
-        scale = self.decay.column_scale(functional.names, sizes)
-        return scale.to(device=functional.device, dtype=functional.dtype)
+        return self.decay.diagonal(functional.names, sizes).to(functional.device)
+
+    def _column_scale(self) -> Tensor:
+        """``D^{-1/2}`` (P,), in the model's dtype."""
+        return self._diagonal().rsqrt().to(self.functional.dtype)
 
     def _sample_probes(
         self, stream: int, shape: tuple[int, int, int], kind: str, first: int = 0
@@ -587,9 +590,5 @@ class MatrixFreeBackend(Backend):
             max_steps=settings.cg_steps,
             tol=settings.cg_tol,
             dtype=functional.dtype,
-            decays=(
-                None
-                if self.decay is None
-                else {name: self.decay.of(name) for name in functional.names}
-            ),
+            decay=self.decay,
         )

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.curvature.kfac import KFACFisher
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.progress import progress
 from lightning_flatness.core.spectral import SpectralSummary, check_lam
 
@@ -242,10 +243,9 @@ class CGFisher(CurvatureAccumulator):
         kfac: the preconditioner's running sums, or None.
         max_steps, tol: the solves' budget and stopping share (:func:`conjugate_gradients`).
         dtype: the model's (the preconditioner's products, :class:`KroneckerPreconditioner`).
-        decays: each parameter's λ_j (per-group decay, a zero-decay group at its measured
-            floor, :class:`~lightning_flatness.core.decay.ParameterDecay`): the solves are then
-            ``(F + D) x = w`` and the soft rank ``Tr(F(F+D)⁻¹)``; ``lam`` of :meth:`estimate`
-            is ignored.
+        decay: the per-group decays (a zero-decay group at its measured floor): the solves are
+            then ``(F + D) x = w`` and the soft rank ``Tr(F(F+D)⁻¹)``; ``lam`` of
+            :meth:`estimate` is ignored.
     """
 
     name = "cg"
@@ -261,10 +261,10 @@ class CGFisher(CurvatureAccumulator):
         max_steps: int,
         tol: float,
         dtype: torch.dtype = torch.float64,
-        decays: Mapping[str, float] | None = None,
+        decay: ParameterDecay | None = None,
     ) -> None:
         self.fisher, self.draw_probes = fisher, draw_probes
-        self.decays = decays
+        self.decay = decay
         self.dtype = dtype
         self.names, self.shapes, self.kfac = names, shapes, kfac
         self.max_steps, self.tol = max_steps, tol
@@ -275,14 +275,10 @@ class CGFisher(CurvatureAccumulator):
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         damping: float | Tensor = lam
         block_lams: float | Mapping[str, float] = lam
-        if self.decays is not None:
-            block_lams = self.decays
-            damping = torch.cat(
-                [
-                    torch.full((math.prod(shape),), self.decays[name], dtype=torch.float64)
-                    for name, shape in zip(self.names, self.shapes, strict=True)
-                ]
-            )
+        if self.decay is not None:
+            block_lams = {name: self.decay.of(name) for name in self.names}
+            sizes = [math.prod(shape) for shape in self.shapes]
+            damping = self.decay.diagonal(self.names, sizes)
         preconditioner = None
         if self.kfac is not None:
             preconditioner = KroneckerPreconditioner(
