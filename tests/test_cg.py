@@ -128,3 +128,24 @@ def test_kronecker_preconditioner_inverts_its_own_approximation():
     ) + lam * torch.eye(20, dtype=torch.float64)
     vectors = torch.randn(2, 20, generator=generator, dtype=torch.float64)
     assert torch.allclose(precondition(vectors @ dense), vectors, atol=1e-10)
+
+
+def test_kronecker_preconditioner_reads_a_transposed_weight_in_its_own_layout():
+    """A weight stored (in, out) (Hugging Face's ``Conv1D``) has the factors of its (out, in)
+    map: in the stored layout its block is ``A ⊗ G``, square or not."""
+    generator = torch.Generator().manual_seed(2)
+    for outputs, features in ((3, 4), (3, 3)):
+        g_root = torch.randn(outputs, outputs, generator=generator, dtype=torch.float64)
+        a_root = torch.randn(features, features, generator=generator, dtype=torch.float64)
+        kfac = KFACFisher()
+        kfac.kronecker["t"] = [g_root @ g_root.T, a_root @ a_root.T]
+        lam = 0.3
+        shape = torch.Size([features, outputs])
+        precondition = KroneckerPreconditioner(
+            kfac, ["t"], [shape], 1, lam, transposed=frozenset({"t"})
+        )
+        size = outputs * features
+        stored = torch.kron(kfac.kronecker["t"][1], kfac.kronecker["t"][0])
+        dense = stored + lam * torch.eye(size, dtype=torch.float64)
+        vectors = torch.randn(2, size, generator=generator, dtype=torch.float64)
+        assert torch.allclose(precondition(vectors @ dense), vectors, atol=1e-10)

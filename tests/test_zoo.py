@@ -225,6 +225,15 @@ def test_matrix_free_structures_agree_with_the_reference(references, name, one_t
     assert hutchinson["trace_fisher"] == pytest.approx(float(fisher.trace()), rel=1e-9)
     error = hutchinson["hutchinson_trace_estimate_stderr"]
     assert abs(hutchinson["hutchinson_trace_estimate"] - truth.trace) <= 4 * error + 1e-9
+    cg = measure(
+        model,
+        data,
+        lam=LAM,
+        num_train_samples=100,
+        structure="cg",
+        matrix_free_options={"probes": 16, "cg_steps": 400, "cg_tol": 1e-6},
+    ).as_dict()
+    assert abs(cg["soft_rank"] - truth.soft_rank) <= 4 * cg["soft_rank_stderr"]
 
 
 @pytest.mark.parametrize("name", ["resnet", "transformer"])

@@ -287,6 +287,15 @@ class HookedPass:
         kinds.update({name: "diagonal (whole model)" for name in self.fallback})
         return {name: kinds[name] for name in self.names if name in kinds}
 
+    def transposed_weights(self) -> frozenset[str]:
+        """The Kronecker weights stored (in, out) (Hugging Face's ``Conv1D``): their factors
+        are those of the (out, in) map."""
+        return frozenset(
+            rule.names["weight"]
+            for rule in self.rules
+            if isinstance(rule, KroneckerRule) and rule.transposed
+        )
+
     # -- one batch ---------------------------------------------------------------------------
 
     def _cotangents(self, logits: Tensor, targets: Tensor, curvature: bool) -> tuple[Tensor, _Rows]:

@@ -591,4 +591,5 @@ class MatrixFreeBackend(Backend):
             tol=settings.cg_tol,
             dtype=functional.dtype,
             decay=self.decay,
+            transposed=self.hooked.transposed_weights() if self.hooked else frozenset(),
         )

@@ -59,6 +59,8 @@ class KroneckerPreconditioner:
         dtype: of the eigenvectors and the products (the factors are decomposed in float64):
             the model's, since PCG needs only an approximate inverse — for a float32 model half
             the time of float64 (a 1,000-class head's 1,000 × 1,000 factor dominates the cost).
+        transposed: the Kronecker weights stored (in, out) (Hugging Face's ``Conv1D``), whose
+            factors are those of the (out, in) map.
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class KroneckerPreconditioner:
         num_samples: int,
         lam: float | Mapping[str, float],
         dtype: torch.dtype = torch.float64,
+        transposed: frozenset[str] = frozenset(),
     ) -> None:
         self.names, self.shapes = names, shapes
+        self.transposed = transposed
         self.lams = {
             name: float(lam[name]) if isinstance(lam, Mapping) else float(lam) for name in names
         }
@@ -105,10 +109,13 @@ class KroneckerPreconditioner:
                 result = v / lam
             elif part[0] == "kron":
                 _, g, q_g, a, q_a = part
+                flipped = name in self.transposed
                 matrix = v.reshape(v.shape[0], shape[0], -1)
+                matrix = matrix.transpose(1, 2) if flipped else matrix
                 rotated = q_g.T @ matrix @ q_a
                 rotated = rotated / (torch.outer(g, a) + lam)
-                result = (q_g @ rotated @ q_a.T).reshape(v.shape)
+                result = q_g @ rotated @ q_a.T
+                result = (result.transpose(1, 2) if flipped else result).reshape(v.shape)
             elif part[0] == "rows":
                 _, counts, g, q_g = part
                 matrix = v.reshape(v.shape[0], shape[0], -1)
@@ -246,6 +253,7 @@ class CGFisher(CurvatureAccumulator):
         decay: the per-group decays (a zero-decay group at its measured floor): the solves are
             then ``(F + D) x = w`` and the soft rank ``Tr(F(F+D)⁻¹)``; ``lam`` of
             :meth:`estimate` is ignored.
+        transposed: the Kronecker weights stored (in, out) (:class:`KroneckerPreconditioner`).
     """
 
     name = "cg"
@@ -262,9 +270,10 @@ class CGFisher(CurvatureAccumulator):
         tol: float,
         dtype: torch.dtype = torch.float64,
         decay: ParameterDecay | None = None,
+        transposed: frozenset[str] = frozenset(),
     ) -> None:
         self.fisher, self.draw_probes = fisher, draw_probes
-        self.decay = decay
+        self.decay, self.transposed = decay, transposed
         self.dtype = dtype
         self.names, self.shapes, self.kfac = names, shapes, kfac
         self.max_steps, self.tol = max_steps, tol
@@ -282,7 +291,13 @@ class CGFisher(CurvatureAccumulator):
         preconditioner = None
         if self.kfac is not None:
             preconditioner = KroneckerPreconditioner(
-                self.kfac, self.names, self.shapes, num_samples, block_lams, self.dtype
+                self.kfac,
+                self.names,
+                self.shapes,
+                num_samples,
+                block_lams,
+                self.dtype,
+                transposed=self.transposed,
             )
         probes = self.draw_probes().to(torch.float64)
         if isinstance(damping, Tensor):
