@@ -390,7 +390,6 @@ def test_regularized_fit_trains_on_batchnorm_and_token_models(name, params, esti
 NOT_KRONECKER = {
     ("tied_mlp", "head.weight"): "also used outside its layer (F.linear)",
     ("compiled", "head.weight"): "also used outside its layer (F.linear)",
-    ("gpt2", "wpe.weight"): "position embedding looked up without a batch dimension",
     # nn.MultiheadAttention applies its output projection inside its fused forward, not through
     # the nn.Linear's forward: exact per-sample gradients, a diagonal block under kfac
     ("transformer", "encoder.self_attn.out_proj.weight"): "inside nn.MultiheadAttention",

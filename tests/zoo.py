@@ -171,7 +171,8 @@ class TinyGPT2(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         batch, length = input_ids.shape
-        h = self.wte(input_ids) + self.wpe(torch.arange(length, device=input_ids.device))
+        positions = torch.arange(length, device=input_ids.device)[None]  # (1, T), as the library
+        h = self.wte(input_ids) + self.wpe(positions)
         q, k, v = self.c_attn(self.ln_1(h)).split(h.shape[-1], dim=-1)
         q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
         scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5

@@ -186,6 +186,8 @@ class HookedPass:
         self.last_layer = last_layer(model.model)
         self._features: list[Tensor] = []
         self._recording = False
+        #: the samples of the batch being recorded
+        self._batch = 0
         self._checked = _apply_plan(self)
         by_module: dict[int, tuple[nn.Module, list[Rule]]] = {}
         for rule in self.rules:
@@ -250,6 +252,11 @@ class HookedPass:
             if not self._recording:
                 return None
             tensor = output[0] if isinstance(output, tuple) else output
+            if _broadcast_lookup(module, args, tensor, self._batch):
+                # one lookup shared by the batch (Hugging Face's position ids of shape (1, T)):
+                # expanded to the batch, the same logits, and each sample's own output gradient
+                tensor = tensor.expand(self._batch, *tensor.shape[1:])
+                args = (args[0].expand(self._batch, *args[0].shape[1:]), *args[1:])
             # An in-place op downstream (ReLU(inplace=True)) must not change the recorded
             # tensor whose gradient is taken: downstream code gets a copy.
             copy = tensor.clone()
@@ -368,10 +375,10 @@ class HookedPass:
         logits, and the gradient of copy i is sample i's gradient (checked on the first batch).
         """
         with self._recorded():
+            batch = self._batch = num_samples(inputs)
             if not self.tapped:
                 return self.model(*inputs)
             params = dict(self.model.model.named_parameters())
-            batch = num_samples(inputs)
             self._taps = {
                 name: params[name].detach().expand(batch, *params[name].shape[1:]).clone()
                 for name in self.tapped
@@ -746,3 +753,18 @@ def _agrees(
         return False
     squared = float(expected.square().sum())
     return abs(norms - squared) <= tolerance * max(squared + norms, floor**2, 1e-30)
+
+
+def _broadcast_lookup(module: nn.Module, args: tuple, output: Tensor, batch: int) -> bool:
+    """An embedding looked up once for the whole batch: indices and output with a leading
+    dimension of one, broadcast over ``batch > 1`` samples downstream."""
+    return (
+        isinstance(module, nn.Embedding)
+        and batch > 1
+        and output.dim() >= 2
+        and output.shape[0] == 1
+        and bool(args)
+        and isinstance(args[0], Tensor)
+        and args[0].dim() >= 1
+        and args[0].shape[0] == 1
+    )
