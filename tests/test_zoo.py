@@ -10,6 +10,7 @@ structures agree with the reference within their error bars.
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import nullcontext
 
 import pytest
@@ -273,6 +274,42 @@ def test_penalty_gradient_matches_finite_differences_on_the_zoo(name, one_thread
     with pytest.warns(UserWarning) if name in ("resnet", "transformer") else nullcontext():
         directional_check(model, lambda: penalty(model, inputs))
     assert model.training and all(m.training for m in model.modules() if m is not model)
+
+
+@pytest.mark.parametrize("labels", ["sampled", "exact"])
+@pytest.mark.parametrize("name", ["gpt2", "resnet", "functional_cnn", "tied_mlp", "vit"])
+def test_rule_rows_are_the_per_sample_gradients_of_torch_func(name, labels, one_thread):
+    """The batch kernel from the measurement's layer rules (one batched backward with graph)
+    equals the one from torch.func's per-sample gradients, in value and in gradient, on GPT-2's
+    data-dependent mask code and BatchNorm; a weight also used outside its layer (tied) or
+    parameters outside any layer rule (class token, attention) are refused, by name."""
+    from lightning_flatness.regularizer import fisher_gram
+
+    model = original_module(build(name)).eval()
+    inputs, _ = zoo_data(name, 5)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def kernel_and_gradient(backend: str):
+        generator = torch.Generator().manual_seed(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the func rows' loop over samples on GPT-2
+            kernel = fisher_gram(model, inputs, labels=labels, generator=generator, backend=backend)
+        gradient = torch.autograd.grad(kernel.square().sum(), params, allow_unused=True)
+        return kernel.detach(), [
+            g if g is not None else torch.zeros_like(p)
+            for g, p in zip(gradient, params, strict=True)
+        ]
+
+    if name in ("tied_mlp", "vit"):
+        missing = "head.weight" if name == "tied_mlp" else "cls_token"
+        with pytest.raises(ValueError, match=f"backend='rules' cannot handle.*{missing}"):
+            kernel_and_gradient("rules")
+        return
+    expected, expected_grads = kernel_and_gradient("func")
+    kernel, grads = kernel_and_gradient("rules")
+    assert torch.allclose(kernel, expected, rtol=1e-9, atol=1e-12)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert torch.allclose(got, want, rtol=1e-8, atol=1e-10)
 
 
 class ZooClassifier(LightningModule):

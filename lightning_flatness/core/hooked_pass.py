@@ -60,8 +60,9 @@ from lightning_flatness.core.layer_rules import (
     KroneckerRule,
     LayerCall,
     Rule,
+    assign_rules,
+    broadcast_lookup,
     kronecker_factors,
-    make_rule,
     weight_batch_gradient,
     weight_rows,
     weight_square_sums,
@@ -172,7 +173,7 @@ class HookedPass:
         self.shard = shard or (0, 1)
         #: the local position of the next sample in each stream (training, validation)
         self.positions = {True: 0, False: 0}
-        self.names, self.rules, self.fallback = self._assign(model.model)
+        self.names, self.rules, self.fallback = assign_rules(model.model)
         params = dict(model.model.named_parameters())
         #: fallback parameters with a leading dimension of one (class tokens, positional
         #: embeddings), tried as per-sample copies ("taps") in the forward pass
@@ -200,59 +201,12 @@ class HookedPass:
         if self.last_layer is not None:
             self._handles.append(self.last_layer.register_forward_hook(self._feature_hook))
 
-    # -- set-up ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _assign(model: nn.Module) -> tuple[list[str], list[Rule], list[str]]:
-        """Trainable parameter names, the rules that cover some of them, and the rest.
-
-        A parameter owned by one module goes to that module's rule; a weight (or bias) shared
-        by several layers of one Kronecker type (tied weights) to one rule over all of them,
-        whose calls are positions of one layer; anything else to the fallback.
-        """
-        owners: dict[int, list[tuple[nn.Module, str]]] = {}
-        names: dict[int, str] = {}
-        attention_parts: set[int] = set()
-        for module in model.modules():
-            if isinstance(module, nn.MultiheadAttention):
-                attention_parts.update(id(m) for m in module.modules() if m is not module)
-        for prefix, module in model.named_modules(remove_duplicate=False):
-            if id(module) in attention_parts:
-                continue
-            recurse = isinstance(module, nn.MultiheadAttention)
-            for attr, param in module.named_parameters(recurse=recurse, remove_duplicate=False):
-                if param.requires_grad:
-                    places = owners.setdefault(id(param), [])
-                    if all(module is not owner for owner, _ in places):
-                        places.append((module, attr))
-                    names.setdefault(id(param), f"{prefix}.{attr}" if prefix else attr)
-        ordered = [n for n, p in model.named_parameters() if p.requires_grad]
-        rules: dict[tuple, Rule] = {}
-        fallback: list[str] = []
-        for param_id, places in owners.items():
-            modules = [module for module, _ in places]
-            key = tuple(id(module) for module in modules)
-            if key not in rules:
-                rule = make_rule(modules, {})
-                if rule is None:
-                    fallback.append(names[param_id])
-                    continue
-                rules[key] = rule
-            attrs = {attr for _, attr in places}
-            if len(attrs) != 1:
-                fallback.append(names[param_id])
-                continue
-            rules[key].names[attrs.pop()] = names[param_id]
-        order = {name: i for i, name in enumerate(ordered)}
-        fallback.sort(key=order.__getitem__)
-        return ordered, [rule for rule in rules.values() if rule.names], fallback
-
     def _hook(self, rules: list[Rule]):
         def record(module: nn.Module, args: tuple, kwargs: dict, output):
             if not self._recording:
                 return None
             tensor = output[0] if isinstance(output, tuple) else output
-            if _broadcast_lookup(module, args, tensor, self._batch):
+            if broadcast_lookup(module, args, tensor, self._batch):
                 # one lookup shared by the batch (Hugging Face's position ids of shape (1, T)):
                 # expanded to the batch, the same logits, and each sample's own output gradient
                 tensor = tensor.expand(self._batch, *tensor.shape[1:])
@@ -753,18 +707,3 @@ def _agrees(
         return False
     squared = float(expected.square().sum())
     return abs(norms - squared) <= tolerance * max(squared + norms, floor**2, 1e-30)
-
-
-def _broadcast_lookup(module: nn.Module, args: tuple, output: Tensor, batch: int) -> bool:
-    """An embedding looked up once for the whole batch: indices and output with a leading
-    dimension of one, broadcast over ``batch > 1`` samples downstream."""
-    return (
-        isinstance(module, nn.Embedding)
-        and batch > 1
-        and output.dim() >= 2
-        and output.shape[0] == 1
-        and bool(args)
-        and isinstance(args[0], Tensor)
-        and args[0].dim() >= 1
-        and args[0].shape[0] == 1
-    )

@@ -38,6 +38,8 @@ __all__ = [
     "LayerCall",
     "LocalRule",
     "NormRule",
+    "assign_rules",
+    "broadcast_lookup",
     "Rule",
     "is_transposed_linear",
     "make_rule",
@@ -473,3 +475,63 @@ def make_rule(modules: list[nn.Module], names: dict[str, str]) -> Rule | None:
     if isinstance(module, nn.MultiheadAttention) or not any(True for _ in module.children()):
         return LocalRule(modules, names)
     return None
+
+
+def assign_rules(model: nn.Module) -> tuple[list[str], list[Rule], list[str]]:
+    """Trainable parameter names, the rules that cover some of them, and the rest.
+
+    A parameter owned by one module goes to that module's rule; a weight (or bias) shared
+    by several layers of one Kronecker type (tied weights) to one rule over all of them,
+    whose calls are positions of one layer; anything else to the fallback.
+    """
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    names: dict[int, str] = {}
+    attention_parts: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, nn.MultiheadAttention):
+            attention_parts.update(id(m) for m in module.modules() if m is not module)
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if id(module) in attention_parts:
+            continue
+        recurse = isinstance(module, nn.MultiheadAttention)
+        for attr, param in module.named_parameters(recurse=recurse, remove_duplicate=False):
+            if param.requires_grad:
+                places = owners.setdefault(id(param), [])
+                if all(module is not owner for owner, _ in places):
+                    places.append((module, attr))
+                names.setdefault(id(param), f"{prefix}.{attr}" if prefix else attr)
+    ordered = [n for n, p in model.named_parameters() if p.requires_grad]
+    rules: dict[tuple, Rule] = {}
+    fallback: list[str] = []
+    for param_id, places in owners.items():
+        modules = [module for module, _ in places]
+        key = tuple(id(module) for module in modules)
+        if key not in rules:
+            rule = make_rule(modules, {})
+            if rule is None:
+                fallback.append(names[param_id])
+                continue
+            rules[key] = rule
+        attrs = {attr for _, attr in places}
+        if len(attrs) != 1:
+            fallback.append(names[param_id])
+            continue
+        rules[key].names[attrs.pop()] = names[param_id]
+    order = {name: i for i, name in enumerate(ordered)}
+    fallback.sort(key=order.__getitem__)
+    return ordered, [rule for rule in rules.values() if rule.names], fallback
+
+
+def broadcast_lookup(module: nn.Module, args: tuple, output: Tensor, batch: int) -> bool:
+    """An embedding looked up once for the whole batch: indices and output with a leading
+    dimension of one, broadcast over ``batch > 1`` samples downstream."""
+    return (
+        isinstance(module, nn.Embedding)
+        and batch > 1
+        and output.dim() >= 2
+        and output.shape[0] == 1
+        and bool(args)
+        and isinstance(args[0], Tensor)
+        and args[0].dim() >= 1
+        and args[0].shape[0] == 1
+    )

@@ -43,13 +43,13 @@ LABELS = ("sampled", "exact")
 ESTIMATORS = ("batched", "compositional")
 
 #: how the kernel is computed (see the package docstring)
-BACKENDS = ("auto", "func", "layerwise")
+BACKENDS = ("auto", "func", "layerwise", "rules")
 
 FunctionName = Literal["soft_rank", "logdet"]
 
 LabelMode = Literal["sampled", "exact"]
 
-Backend = Literal["auto", "func", "layerwise"]
+Backend = Literal["auto", "func", "layerwise", "rules"]
 
 EstimatorName = Literal["batched", "compositional"]
 

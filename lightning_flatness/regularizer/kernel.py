@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Literal
 
 import torch
@@ -38,8 +39,18 @@ from lightning_flatness.regularizer.parameters import (
     select_parameters,
 )
 from lightning_flatness.regularizer.products import gram_product
+from lightning_flatness.regularizer.rule_rows import rule_rows
 
 __all__ = ["batch_gram", "fisher_gram"]
+
+#: models whose fall-back to ``torch.func`` rows was already said
+_SAID: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _say_once(model: nn.Module, message: str) -> None:
+    if model not in _SAID:
+        _SAID.add(model)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def batch_gram(
@@ -61,22 +72,31 @@ def batch_gram(
         mode = resolve_labels(labels, generator, num_samples(leaves))
         selected = select_parameters(model, params)
         wrapped = LogitsModule(model, spec, logits_fn)
-        if backend != "func":
+        rows = None
+        if backend in ("auto", "layerwise"):
             try:
                 return layerwise_gram(wrapped, leaves, mode, selected, generator, side, likelihood)
             except LayerwiseUnsupported as error:
                 if backend == "layerwise":
                     raise ValueError(
                         f"backend='layerwise' cannot handle this model: {error} Use "
+                        "backend='rules', 'func' (any differentiable model) or 'auto'."
+                    ) from None
+        if backend in ("auto", "rules"):
+            try:
+                rows = rule_rows(wrapped, leaves, mode, selected, generator, likelihood)
+            except LayerwiseUnsupported as error:
+                if backend == "rules":
+                    raise ValueError(
+                        f"backend='rules' cannot handle this model: {error} Use "
                         "backend='func' (any differentiable model) or 'auto'."
                     ) from None
                 if isinstance(error, LayerwiseIncomplete):
-                    warnings.warn(
-                        f"backend='auto' uses torch.func for this model: {error}",
-                        RuntimeWarning,
-                        stacklevel=3,
+                    _say_once(
+                        wrapped.model, f"backend='auto' uses torch.func for this model: {error}"
                     )
-        rows = func_rows(wrapped, leaves, mode, selected, generator, likelihood)
+        if rows is None:
+            rows = func_rows(wrapped, leaves, mode, selected, generator, likelihood)
     if side == "smaller" and rows.shape[1] <= rows.shape[0]:
         return gram_product(rows.T)
     return gram_product(rows)
