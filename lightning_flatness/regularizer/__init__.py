@@ -55,7 +55,7 @@ Rows of ``V_b`` (``labels=``):
 Only the parameters selected by ``params=`` are differentiated (their rows form ``V_b``); the
 others enter as constants (detached), so the penalty gives them no gradient at all.
 
-Backends (``backend=``), both exact and returning the same number:
+Backends (``backend=``), all exact and returning the same number:
 
 - ``"func"``: per-sample gradients that keep their graph, by :func:`torch.func.vmap` of
   :func:`torch.func.grad` (sampled) or :func:`torch.func.jacrev` (exact) over
@@ -71,7 +71,15 @@ Backends (``backend=``), both exact and returning the same number:
   independently (which also defines ``V_i``). The first evaluation for a model checks that the
   hooked layers account for the whole batch gradient (a parameter also used outside its
   module's forward would break that).
-- ``"auto"`` (default): ``"layerwise"`` when it applies, else ``"func"``.
+- ``"rules"``: the rows of ``V_b`` from the measurement's layer rules
+  (:mod:`lightning_flatness.regularizer.rule_rows`): linear maps, Hugging Face's ``Conv1D``,
+  convolutions, embeddings and normalisation layers give their per-sample gradients from one
+  batched forward and one batched backward kept in the graph, also where the model's control
+  flow depends on the data (GPT-2's and BERT's mask code, which ``vmap`` cannot follow). Needs
+  every selected parameter inside such a layer; the first evaluation for a model checks one
+  sample's rows against autograd.
+- ``"auto"`` (default): ``"layerwise"`` when it applies, else ``"rules"``, else ``"func"``
+  (said once per model).
 
 Either way the smaller of ``V_b V_bᵀ`` and ``V_bᵀ V_b`` is factorised (Cholesky of
 ``I + K/λ`` in float64), and the trace function has a closed-form gradient
