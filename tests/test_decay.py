@@ -249,3 +249,102 @@ def test_auto_falling_back_to_cg_measures_the_per_group_decay(tmp_path):
     assert monitor.disabled_reason is None
     record = monitor.history[-1]
     assert record["lam"] == 1e-3 and record["soft_rank"] > 0
+
+
+# ------------------------------------------------------------------ the regularizer under D
+
+
+@pytest.mark.parametrize("backend", ["layerwise", "rules", "func"])
+@pytest.mark.parametrize("labels", ["exact", "sampled"])
+@pytest.mark.parametrize("bias_decay", [0.0, 1e-3])
+def test_batched_penalty_is_the_generalised_soft_rank_of_the_batch_fisher(
+    backend, labels, bias_decay, one_thread
+):
+    """``h(F_b)/B`` with F_b from the batch's rows and D = diag(λ_j), dense, for every backend:
+    Tr(F_b(F_b+D)⁻¹)/B over the decayed parameters."""
+    from lightning_flatness.regularizer import fisher_rows, soft_rank_penalty
+
+    model = tiny_model("mlp")
+    inputs, _ = random_data(6)
+    decays = _decays(model, bias_decay)
+    n = 40
+    rows = fisher_rows(model, inputs, labels=labels, generator=torch.Generator().manual_seed(5))
+    decayed = torch.cat(
+        [torch.full((p.numel(),), decays[name] > 0) for name, p in model.named_parameters()]
+    )  # a zero-decay group is left out of the batched bound (docs/math.md)
+    rows = rows.detach()[:, decayed]
+    fisher = rows.T @ rows / n
+    damping = _damping(model, decays)[decayed]
+    expected = torch.trace(fisher @ torch.linalg.inv(fisher + torch.diag(damping))) / 6
+    value = soft_rank_penalty(
+        model,
+        inputs,
+        lam=decays,
+        num_train_samples=n,
+        labels=labels,
+        generator=torch.Generator().manual_seed(5),
+        backend=backend,
+    )
+    assert float(value) == pytest.approx(float(expected), rel=1e-8)
+
+
+@pytest.mark.parametrize("estimator", ["batched", "compositional"])
+def test_penalty_gradient_under_per_group_decay_matches_finite_differences(estimator, one_thread):
+    from test_regularizer import directional_check
+
+    from lightning_flatness.regularizer import SoftRankPenalty
+
+    model = tiny_model("cnn")
+    inputs, _ = random_data(5)
+    decays = _decays(model, 1e-4)
+    options = {"labels": "exact"} if estimator == "batched" else {}
+    penalty = SoftRankPenalty(lam=decays, num_train_samples=40, estimator=estimator, **options)
+    if estimator == "batched":
+        directional_check(model, lambda: penalty(model, inputs))
+        return
+    from test_compositional import fixed_probe_surrogate
+
+    penalty(model, inputs)  # F̂ initialised; then the surrogate q/n at a fixed F̂ and probes
+    value, _ = fixed_probe_surrogate(penalty, model, inputs)
+    directional_check(model, value)
+
+
+def test_compositional_value_is_the_generalised_soft_rank_of_the_running_fisher(one_thread):
+    """h(F̂)/n with each block of F̂ at its own λ_j equals Tr(F̂(F̂+D)⁻¹)/n formed densely."""
+    from lightning_flatness.regularizer import SoftRankPenalty
+    from lightning_flatness.regularizer.compositional import running_trace_function
+
+    model = tiny_model("mlp")
+    inputs, _ = random_data(8)
+    decays = _decays(model, 0.0)
+    penalty = SoftRankPenalty(lam=decays, num_train_samples=40, estimator="compositional")
+    for _ in range(3):
+        penalty(model, inputs)
+    with torch.no_grad():
+        value = float(penalty(model, inputs))
+    dense = penalty.running_fisher.dense().to(torch.float64)
+    damping = _damping(model, decays)
+    expected = torch.trace(dense @ torch.linalg.inv(dense + torch.diag(damping))) / 40
+    assert value == pytest.approx(float(expected), rel=1e-6)
+    # the same F̂ at one λ for all: the zero-decay biases count fully only under D
+    plain = running_trace_function(penalty.running_fisher, LAM, "soft_rank") / 40
+    assert plain < value
+
+
+@pytest.mark.parametrize("estimator", ["batched", "compositional"])
+def test_a_regularized_fit_with_no_decay_groups_penalises_the_same_decays(tmp_path, estimator):
+    """The standard decay / no-decay groups are accepted by the regularizer, which penalises
+    with the per-parameter decays the monitor measures with."""
+    from lightning_flatness import SoftRankRegularizer
+
+    regularizer = SoftRankRegularizer(strength=0.1, estimator=estimator)
+    trainer = quiet_trainer(tmp_path, [regularizer])
+    data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
+    model = GroupedClassifier(architecture="mlp")
+    trainer.fit(model, data)
+    penalty = regularizer._penalty
+    assert penalty is not None and penalty.lam == 1e-3
+    assert penalty.parameter_decay is not None
+    expected = {n: 0.0 if n.endswith("bias") else 1e-3 for n, _ in model.named_parameters()}
+    assert penalty.parameter_decay.decays == expected
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -29,6 +29,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_flatness.core.batches import LogitsFn, UnpackBatch, default_unpack_batch
 from lightning_flatness.core.checks import check_count
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.lightning.trainer_facts import resolve_lam, resolve_missing
 from lightning_flatness.regularizer import SoftRankPenalty
 from lightning_flatness.regularizer.arguments import ParamSpec
@@ -53,7 +54,9 @@ class SoftRankRegularizer(Callback):
         params: ``"all"``, ``"last_layer"`` or a list of module names.
         every_n_steps: add the penalty on every n-th training batch only.
         warmup_steps: no penalty for the first k training batches.
-        lam: λ, the coupled L2 weight decay; ``None`` reads it from the optimizer.
+        lam: λ, the coupled L2 weight decay; ``None`` reads it from the optimizer: one λ, or
+            each parameter's λ_j when the groups decay differently (no decay on biases and
+            norms), which penalises ``Tr(F(F+D)⁻¹)`` (docs/math.md, "Per-group weight decay").
         num_train_samples: n; ``None`` reads ``len(train dataset)``.
         loss: the likelihood whose Fisher is penalised (``"cross_entropy"``, ``"bce"``,
             ``"mse"``).
@@ -120,7 +123,7 @@ class SoftRankRegularizer(Callback):
         # Builds the penalty once with placeholder λ and n: SoftRankPenalty validates function,
         # labels, backend, params, loss, estimator, decay and probes where it checks them.
         SoftRankPenalty(**self._penalty_options(lam=1.0, num_train_samples=1))
-        self.resolved_lam: float | None = None
+        self.resolved_lam: float | ParameterDecay | None = None
         self.resolved_num_train_samples: int | None = None
         self._penalty: SoftRankPenalty | None = None
         self._restored_penalty_state: dict[str, Any] | None = None
@@ -180,7 +183,7 @@ class SoftRankRegularizer(Callback):
 
     # ------------------------------------------------------------------ λ and n
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.resolved_lam = resolve_lam(trainer.optimizers, self.lam)
+        self.resolved_lam = resolve_lam(trainer.optimizers, self.lam, pl_module)
         self._process = (trainer.global_rank, trainer.world_size)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -193,6 +196,7 @@ class SoftRankRegularizer(Callback):
             self.lam,
             self.num_train_samples,
             (self.resolved_lam, self.resolved_num_train_samples),
+            trainer.lightning_module,
         )
 
     # ------------------------------------------------------------------ the penalty
@@ -203,9 +207,11 @@ class SoftRankRegularizer(Callback):
                 "SoftRankRegularizer resolves λ and n when fit starts; compute the penalty from "
                 "training_step (or later)."
             )
+        lam = self.resolved_lam
         penalty = SoftRankPenalty(
             **self._penalty_options(
-                lam=self.resolved_lam, num_train_samples=self.resolved_num_train_samples
+                lam=lam.decays if isinstance(lam, ParameterDecay) else lam,
+                num_train_samples=self.resolved_num_train_samples,
             )
         )
         penalty.process = self._process

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.model_state import uncompiled
 from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
@@ -104,32 +105,50 @@ def probe_gradients(
     return {name: torch.stack(stack) for name, stack in stacks.items()}
 
 
-def _quadratic_form(running: RunningFisher, gradients: dict[str, Tensor], lam: float, name: str):
+def _block_lam(lam: float, decay: ParameterDecay | None, key: str) -> float:
+    """The λ of one parameter's block: its λ_j under per-group decay, else λ."""
+    return lam if decay is None else decay.of(key)
+
+
+def _quadratic_form(
+    running: RunningFisher,
+    gradients: dict[str, Tensor],
+    lam: float,
+    name: str,
+    decay: ParameterDecay | None = None,
+):
     """``Σ_k u^(k)ᵀ h'(F̂) u^(k)`` (summed in float64, differentiable in the gradients; the
-    rotations run in the gradients' dtype)."""
+    rotations run in the gradients' dtype), each block at its own λ_j under ``decay``."""
     derivative = TRACE_FUNCTIONS[name].derivative
     total = torch.zeros((), dtype=torch.float64)
     for key, spectrum in running.spectra():
+        lam_j = _block_lam(lam, decay, key)
         matrices = running.blocks[key].as_matrix(gradients[key])
         rotated = spectrum.rotate(matrices)
         place = (rotated.device, rotated.dtype)
         weights = spectrum.cached(
-            ("derivative", name, lam, *place),
-            lambda values, place=place: derivative(values, lam).to(*place),
+            ("derivative", name, lam_j, *place),
+            lambda values, place=place, lam_j=lam_j: derivative(values, lam_j).to(*place),
         )
         total = total.to(rotated.device) + (weights * rotated.square()).sum().double()
     return total
 
 
-def running_trace_function(running: RunningFisher, lam: float, name: str) -> float:
-    """``h(F̂) = Σ h(μ)`` over the eigenvalues of the running estimate."""
+def running_trace_function(
+    running: RunningFisher, lam: float, name: str, decay: ParameterDecay | None = None
+) -> float:
+    """``h(F̂) = Σ h(μ)`` over the eigenvalues of the running estimate, each block at its own
+    λ_j under ``decay``."""
     value = TRACE_FUNCTIONS[name].value
-    return float(
-        sum(
-            spectrum.cached(("value", name, lam), lambda values: value(values, lam).sum())
-            for _, spectrum in running.spectra()
+    total = 0.0
+    for key, spectrum in running.spectra():
+        lam_j = _block_lam(lam, decay, key)
+        total += float(
+            spectrum.cached(
+                ("value", name, lam_j), lambda values, lam_j=lam_j: value(values, lam_j).sum()
+            )
         )
-    )
+    return total
 
 
 @dataclass(frozen=True)
@@ -137,7 +156,8 @@ class CompositionalSettings:
     """The fixed options of a compositional penalty.
 
     Attributes:
-        lam: λ > 0.
+        lam: λ > 0 (per-group decay: the largest λ_j).
+        decay: the per-group decays (each block of ``F̂`` at its own λ_j), or None.
         num_train_samples: n.
         function: ``"soft_rank"`` or ``"logdet"``.
         likelihood: the likelihood whose Fisher is penalised.
@@ -152,6 +172,7 @@ class CompositionalSettings:
     likelihood: Likelihood
     probes: int = 1
     batch_norm: str = "batch"
+    decay: ParameterDecay | None = None
 
 
 def _probe_quadratic(
@@ -170,7 +191,7 @@ def _probe_quadratic(
         )
     if running.is_empty:
         running.update(gradients, num_samples(leaves))
-    quadratic = _quadratic_form(running, gradients, settings.lam, settings.function)
+    quadratic = _quadratic_form(running, gradients, settings.lam, settings.function, settings.decay)
     return quadratic / (num_samples(leaves) * settings.probes), gradients
 
 
@@ -221,11 +242,12 @@ def compositional_penalty(
                 "The compositional penalty has no running Fisher yet: call it once with "
                 "gradients enabled (a training step) before evaluating it under torch.no_grad."
             )
-        value = running_trace_function(running, lam, function) / settings.num_train_samples
+        value = running_trace_function(running, lam, function, settings.decay)
+        value /= settings.num_train_samples
         return torch.tensor(value, dtype=dtype)
     first = running.is_empty
     quadratic, gradients = _probe_quadratic(wrapped, leaves, selected, running, generator, settings)
-    value = running_trace_function(running, lam, function)
+    value = running_trace_function(running, lam, function, settings.decay)
     if not first:
         running.update(gradients, num_samples(leaves))
     return ((value + quadratic - quadratic.detach()) / settings.num_train_samples).to(dtype)

@@ -14,6 +14,7 @@ from lightning_flatness.core.batches import (
     LogitsModule,
     num_samples,
 )
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.regularizer.arguments import (
     BACKENDS,
@@ -64,18 +65,25 @@ def batch_gram(
     side: Literal["smaller", "kernel"],
     loss: str,
     logits_fn: LogitsFn | None,
+    decay: ParameterDecay | None = None,
 ) -> Tensor:
+    """``V_b V_bᵀ`` (or the smaller ``V_bᵀ V_b``), from the first assembly that applies; with
+    ``decay``, parameter j's entries of every row scaled by ``√c_j``, ``c_j = λ*/λ_j``
+    (λ* the largest λ_j; docs/math.md, "Per-group weight decay")."""
     spec, leaves = check_inputs(inputs)
     check_choice("backend", backend, BACKENDS)
     likelihood = get_likelihood(loss)
     with penalty_modes(model):
         mode = resolve_labels(labels, generator, num_samples(leaves))
-        selected = select_parameters(model, params)
+        selected = _decayed(select_parameters(model, params), decay)
+        scales = _column_scales(selected, decay)
         wrapped = LogitsModule(model, spec, logits_fn)
         rows = None
         if backend in ("auto", "layerwise"):
             try:
-                return layerwise_gram(wrapped, leaves, mode, selected, generator, side, likelihood)
+                return layerwise_gram(
+                    wrapped, leaves, mode, selected, generator, side, likelihood, scales
+                )
             except LayerwiseUnsupported as error:
                 if backend == "layerwise":
                     raise ValueError(
@@ -97,9 +105,44 @@ def batch_gram(
                     )
         if rows is None:
             rows = func_rows(wrapped, leaves, mode, selected, generator, likelihood)
+    if scales is not None:
+        rows = rows * torch.cat(
+            [
+                torch.full((p.numel(),), scales[name] ** 0.5, dtype=rows.dtype, device=rows.device)
+                for name, p in selected.items()
+            ]
+        )
     if side == "smaller" and rows.shape[1] <= rows.shape[0]:
         return gram_product(rows.T)
     return gram_product(rows)
+
+
+def _decayed(
+    selected: dict[str, nn.Parameter], decay: ParameterDecay | None
+) -> dict[str, nn.Parameter]:
+    """The selected parameters with a positive decay. A group without decay counts every
+    direction of ``F_b`` it touches fully, so with it ``h(F_b)`` saturates at the batch's rank
+    and has no gradient; without it the penalty is ``h`` of the decayed parameters' block,
+    which bounds the part of ``rank_D(F)`` that can change (docs/math.md, "Per-group weight
+    decay")."""
+    if decay is None:
+        return selected
+    kept = {name: p for name, p in selected.items() if decay.decays.get(name, 1.0) > 0}
+    if not kept:
+        raise ValueError(
+            "Every selected parameter has weight decay 0, so the batched penalty has nothing "
+            "to penalise; select decayed parameters (params=...) or give them a decay."
+        )
+    return kept
+
+
+def _column_scales(
+    selected: dict[str, nn.Parameter], decay: ParameterDecay | None
+) -> dict[str, float] | None:
+    """``c_j = λ*/λ_j`` of each selected parameter (None: one λ for all)."""
+    if decay is None:
+        return None
+    return {name: decay.representative / decay.of(name) for name in selected}
 
 
 def fisher_gram(

@@ -253,8 +253,10 @@ def layerwise_gram(
     generator: torch.Generator | None,
     side: Literal["smaller", "kernel"],
     likelihood: Likelihood,
+    scales: dict[str, float] | None = None,
 ) -> Tensor:
-    """The Gram matrix of ``V_b`` from one batched forward and backward (package docstring)."""
+    """The Gram matrix of ``V_b`` from one batched forward and backward (package docstring),
+    each selected parameter's part of the rows scaled by ``√scales[name]`` when given."""
     layers = _layerwise_layers(wrapped.model, selected)
     _check_layerwise(wrapped, inputs, layers, selected, likelihood)
     batch_size = num_samples(inputs)
@@ -288,7 +290,8 @@ def layerwise_gram(
             objective = score(likelihood, mode, logits, chosen).sum()
             deltas = _grad_or_zeros(objective, outputs, create_graph)
             repeat = 1
-        return _assemble_gram(used, deltas, batch_size, repeat, side)
+        by_id = {id(p): (scales or {}).get(name, 1.0) for name, p in selected.items()}
+        return _assemble_gram(used, deltas, batch_size, repeat, side, by_id)
 
 
 def _assemble_gram(
@@ -297,8 +300,10 @@ def _assemble_gram(
     batch_size: int,
     repeat: int,
     side: Literal["smaller", "kernel"],
+    scales: dict[int, float],
 ) -> Tensor:
-    """``V_b V_bᵀ`` (M × M, M = B·repeat) or, when smaller and allowed, ``V_bᵀ V_b``."""
+    """``V_b V_bᵀ`` (M × M, M = B·repeat) or, when smaller and allowed, ``V_bᵀ V_b``; each
+    parameter's kernel term times ``scales[id(parameter)]`` (its rows times the root)."""
     num_rows = batch_size * repeat
     matrices, start = [], 0
     for layer in layers:
@@ -324,7 +329,9 @@ def _assemble_gram(
     rows: list[Tensor] = []
     for layer, (a, d) in zip(layers, matrices, strict=True):
         positions, fan_in, fan_out = a.shape[1], a.shape[2], d.shape[2]
+        module = layer.module
         if layer.weight:
+            weight_scale = scales.get(id(module.weight), 1.0)
             materialized_cost = num_rows * fan_in * fan_out * (positions + num_rows)
             ghost_cost = num_rows**2 * positions**2 * (fan_out + 1) + batch_size**2 * (
                 positions**2 * fan_in
@@ -344,11 +351,15 @@ def _assemble_gram(
                 part = (inner_a * inner_d).sum(dim=-1)
             else:
                 part = None
-                rows.append(torch.bmm(d.transpose(1, 2), expand_rows(a)).reshape(num_rows, -1))
+                flat = torch.bmm(d.transpose(1, 2), expand_rows(a)).reshape(num_rows, -1)
+                rows.append(flat * weight_scale**0.5 if weight_scale != 1.0 else flat)
             if part is not None:
+                part = part * weight_scale if weight_scale != 1.0 else part
                 kernel = part if kernel is None else kernel + part
         if layer.bias:
-            rows.append(d.sum(dim=1))
+            bias_scale = scales.get(id(module.bias), 1.0)
+            summed = d.sum(dim=1)
+            rows.append(summed * bias_scale**0.5 if bias_scale != 1.0 else summed)
     if materialize_all:
         flat = torch.cat(rows, dim=1)
         return gram_product(flat.T)

@@ -3,7 +3,7 @@ computes it or the compositional estimate (:mod:`~lightning_flatness.regularizer
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -15,6 +15,7 @@ from lightning_flatness.core.batches import (
     take_rows,
 )
 from lightning_flatness.core.checks import check_count
+from lightning_flatness.core.decay import ParameterDecay, resolve_decay
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import original_module
 from lightning_flatness.core.spectral import check_lam
@@ -42,14 +43,22 @@ from lightning_flatness.regularizer.parameters import select_parameters
 from lightning_flatness.regularizer.running_fisher import RunningFisher, check_decay
 from lightning_flatness.regularizer.trace_function import gram_trace_function
 
-__all__ = ["SoftRankPenalty", "soft_rank_penalty"]
+__all__ = ["SoftRankPenalty", "penalty_decay", "soft_rank_penalty"]
+
+
+def penalty_decay(lam: float | Mapping[str, float]) -> tuple[float, ParameterDecay | None]:
+    """``(λ, None)`` for one λ; ``(λ*, decay)`` for per-group decays, λ* the largest λ_j."""
+    decay = resolve_decay(lam)
+    if isinstance(decay, ParameterDecay):
+        return decay.representative, decay
+    return check_lam(decay), None
 
 
 def soft_rank_penalty(
     model: nn.Module,
     inputs: object,
     *,
-    lam: float,
+    lam: float | Mapping[str, float],
     num_train_samples: int,
     function: FunctionName = "soft_rank",
     labels: LabelMode = "sampled",
@@ -69,7 +78,10 @@ def soft_rank_penalty(
         model: the classifier, returning logits (batch, classes); BatchNorm is evaluated on
             its running statistics and Dropout switched off inside the penalty (said once).
         inputs: the training minibatch (B inputs); targets are not needed.
-        lam: λ > 0, the coupled L2 weight decay (docs/math.md, "Setting").
+        lam: λ > 0, the coupled L2 weight decay (docs/math.md, "Setting"); or
+            ``{parameter name: λ_j ≥ 0}`` for per-group decay, penalising
+            ``rank_D(F_b) = Tr(F_b(F_b+D)⁻¹)`` (docs/math.md, "Per-group weight decay"; a
+            selected parameter missing from the mapping takes the largest λ_j).
         num_train_samples: n, the training-set size (n ≥ B).
         function: ``"soft_rank"`` (``h(μ) = μ/(μ+λ)``) or ``"logdet"``
             (``h(μ) = ½ log(1 + μ/λ)``, with the ½ of
@@ -93,7 +105,7 @@ def soft_rank_penalty(
             BatchNorm without running statistics.
         TypeError: for inputs that are not a tensor, a tuple or a dict of tensors.
     """
-    lam = check_lam(lam)
+    lam, decay = penalty_decay(lam)
     check_choice("function", function, FUNCTIONS)
     check_choice("labels", labels, LABELS)
     _, leaves = check_inputs(inputs)
@@ -109,6 +121,7 @@ def soft_rank_penalty(
         side="smaller",
         loss=loss,
         logits_fn=logits_fn,
+        decay=decay,
     )
     value = gram_trace_function(gram, lam=lam, scale=1.0 / num_train_samples, function=function)
     return (value / batch_size).to(gram.dtype)
@@ -130,7 +143,9 @@ class SoftRankPenalty:
         loss = cross_entropy(model(x), y) + beta * penalty(model, x)
 
     Args:
-        lam: λ > 0, the coupled L2 weight decay.
+        lam: λ > 0, the coupled L2 weight decay, or ``{parameter name: λ_j ≥ 0}`` (per-group
+            decay, as in :func:`soft_rank_penalty`; the compositional estimator gives each
+            parameter's block of ``F̂`` its own λ_j).
         num_train_samples: n, the training-set size.
         function: ``"soft_rank"`` or ``"logdet"`` (log-det complexity with the ½).
         labels: rows of the batched estimator: ``"sampled"`` (B × B kernel) or ``"exact"``
@@ -161,7 +176,7 @@ class SoftRankPenalty:
     def __init__(
         self,
         *,
-        lam: float,
+        lam: float | Mapping[str, float],
         num_train_samples: int,
         function: FunctionName = "soft_rank",
         labels: LabelMode = "sampled",
@@ -177,7 +192,8 @@ class SoftRankPenalty:
         max_samples: int | None = 32,
         batch_norm: str | None = None,
     ) -> None:
-        self.lam = check_lam(lam)
+        #: λ (per-group decay: the largest λ_j) and the per-group decays, if any
+        self.lam, self.parameter_decay = penalty_decay(lam)
         self.loss = get_likelihood(loss).name
         self.logits_fn = logits_fn
         self.num_train_samples = check_count(
@@ -280,10 +296,11 @@ class SoftRankPenalty:
         """The penalty for the minibatch ``inputs``: ``h(F_b)/B`` (batched, see
         :func:`soft_rank_penalty`) or the compositional estimate (which updates ``F̂``)."""
         if self.estimator == "batched":
+            decay = self.parameter_decay
             return soft_rank_penalty(
                 model,
                 inputs,
-                lam=self.lam,
+                lam=self.lam if decay is None else decay.decays,
                 num_train_samples=self.num_train_samples,
                 function=self.function,  # type: ignore[arg-type]
                 labels=self.labels,  # type: ignore[arg-type]
@@ -315,6 +332,7 @@ class SoftRankPenalty:
         running = self._running_fisher_for(selected)
         settings = CompositionalSettings(
             lam=self.lam,
+            decay=self.parameter_decay,
             num_train_samples=self.num_train_samples,
             function=self.function,
             likelihood=get_likelihood(self.loss),
