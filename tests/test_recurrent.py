@@ -1,7 +1,10 @@
 """Recurrent layers (nn.RNN, nn.LSTM, nn.GRU): every structure that measures per-sample
-gradients gets them exactly, against the dense reference, in float64."""
+gradients gets them exactly, against the dense reference, in float64; the step-by-step
+recursion they are batched through is the fused kernel's."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -57,8 +60,11 @@ def test_recurrent_models_are_measured_exactly(kind, batch_first, bidirectional,
     fisher = reference.dense_fisher(model, inputs)
     exact = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
     data = [(inputs[i : i + 4], targets[i : i + 4]) for i in range(0, 10, 4)]
-    with pytest.warns(UserWarning, match="one sample at a time"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         default = measure(model, data, lam=LAM, num_train_samples=100)  # 3 classes: exact rows
+    # the recurrent layer's rows come batched, through its step-by-step recursion
+    assert not [w for w in caught if "one sample at a time" in str(w.message)]
     assert default.soft_rank == pytest.approx(exact.soft_rank, rel=1e-8)
     assert default.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-8)
     diag = measure(model, data, lam=LAM, num_train_samples=100, structure="diag")
@@ -77,3 +83,33 @@ def test_a_float32_lstm_is_measured_by_the_matrix_free_path():
     stderr = cg.blocks["stderr"].soft_rank
     assert abs(cg.soft_rank - exact.soft_rank) <= 4 * stderr + 0.05 * exact.soft_rank
     assert torch.backends.mkldnn.enabled
+
+
+@pytest.mark.parametrize("kind", ["rnn", "lstm", "gru"])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_the_step_by_step_recursion_is_the_fused_kernel(kind, batch_first, bidirectional):
+    from lightning_flatness.core.recurrent import recurrent_forward
+
+    torch.manual_seed(0)
+    options = {"num_layers": 2, "batch_first": batch_first, "bidirectional": bidirectional}
+    if kind == "lstm":
+        options["proj_size"] = 2
+    module = LAYERS[kind](4, 3, **options).double()
+    shape = (5, 7, 4) if batch_first else (7, 5, 4)
+    inputs = torch.randn(*shape, dtype=torch.float64)
+    states = 2 * (2 if bidirectional else 1)
+    hidden = torch.randn(states, 5, 2 if kind == "lstm" else 3, dtype=torch.float64)
+    state = (hidden, torch.randn(states, 5, 3, dtype=torch.float64)) if kind == "lstm" else hidden
+    for given in (None, state):
+        expected = module(inputs, given)
+        found = recurrent_forward(module, dict(module.named_parameters()), inputs, given)
+        flat = [expected[0], *(expected[1] if kind == "lstm" else [expected[1]])]
+        got = [found[0], *(found[1] if kind == "lstm" else [found[1]])]
+        for want, have in zip(flat, got, strict=True):
+            assert torch.allclose(have, want, atol=1e-12)
+    single = module(inputs[0] if batch_first else inputs[:, 0])[0]
+    alone = recurrent_forward(
+        module, dict(module.named_parameters()), inputs[0] if batch_first else inputs[:, 0]
+    )[0]
+    assert torch.allclose(alone, single, atol=1e-12)

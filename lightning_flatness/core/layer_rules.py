@@ -15,7 +15,9 @@ any per-sample backward pass (docs/math.md, "Kronecker factors from layer hooks"
   ``γ ∘ x̂ + β`` of the normalised input ``x̂``; per-sample gradients ``Σ s ∘ x̂`` and ``Σ s``;
 - :class:`LocalRule` (any other leaf module with parameters, and ``nn.MultiheadAttention``):
   per-sample gradients of the module's own forward, ``torch.func.vmap`` of a vector-Jacobian
-  product over the samples of the recorded inputs — a backward pass through that module only.
+  product over the samples of the recorded inputs — a backward pass through that module only
+  (recurrent layers through their step-by-step recursion, :mod:`lightning_flatness.core.recurrent`,
+  which ``vmap`` batches where the fused kernel cannot be).
 
 Every rule works on tensors shaped ``(K, N, ...)``: K cotangents, N samples.
 """
@@ -32,6 +34,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
 from lightning_flatness.core.per_sample import map_samples
+from lightning_flatness.core.recurrent import recurrent_forward, unrolls
 
 __all__ = [
     "KroneckerRule",
@@ -402,7 +405,10 @@ class LocalRule(Rule):
             }
 
             def output(theta: dict[str, Tensor]) -> Tensor:
-                value = functional_call(self.module, theta, args, kwargs)
+                if unrolls(self.module, args):  # the fused kernel has no batching rule
+                    value = recurrent_forward(self.module, theta, *args, **kwargs)
+                else:
+                    value = functional_call(self.module, theta, args, kwargs)
                 value = value[0] if isinstance(value, tuple) else value
                 return value.squeeze(out_dim)
 

@@ -1,0 +1,109 @@
+"""``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` written out step by step, as functions of their weights.
+
+PyTorch runs recurrent layers as one fused kernel, which :func:`torch.func.vmap` has no batching
+rule for: per-sample gradients through it take one pass per sample. The same recursions written
+with matrix products and elementwise gates batch like any other layer, so a layer rule can take
+the per-sample gradients of a recurrent layer's weights with one ``vmap`` over the samples
+(:class:`~lightning_flatness.core.layer_rules.LocalRule`). The equations are PyTorch's own (its
+documentation of each module), for any number of layers, either direction, with or without
+biases, batch first or not, and an LSTM's projection ``proj_size``; dropout between layers is
+that of evaluation mode (none), as in a measurement. Packed sequences are not covered.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["recurrent_forward", "unrolls"]
+
+
+def unrolls(module: nn.Module, args: tuple) -> bool:
+    """:func:`recurrent_forward` computes ``module(*args)``: a recurrent layer on a padded
+    tensor (not a packed sequence)."""
+    return (
+        isinstance(module, (nn.RNN, nn.LSTM, nn.GRU)) and bool(args) and isinstance(args[0], Tensor)
+    )
+
+
+def _cell(mode: str, x: Tensor, h: Tensor, c: Tensor | None, weights: list[Tensor | None]):
+    """One time step: the next hidden (and LSTM cell) state."""
+    w_ih, w_hh, b_ih, b_hh, w_hr = weights
+    gates_x = x @ w_ih.T + (b_ih if b_ih is not None else 0)
+    gates_h = h @ w_hh.T + (b_hh if b_hh is not None else 0)
+    if mode == "LSTM":
+        i, f, g, o = (gates_x + gates_h).chunk(4, dim=-1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        return (h @ w_hr.T if w_hr is not None else h), c
+    if mode == "GRU":
+        x_r, x_z, x_n = gates_x.chunk(3, dim=-1)
+        h_r, h_z, h_n = gates_h.chunk(3, dim=-1)
+        r = torch.sigmoid(x_r + h_r)
+        z = torch.sigmoid(x_z + h_z)
+        n = torch.tanh(x_n + r * h_n)
+        return (1 - z) * n + z * h, None
+    pre = gates_x + gates_h
+    return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None
+
+
+def recurrent_forward(
+    module: nn.RNN | nn.LSTM | nn.GRU,
+    params: dict[str, Tensor],
+    input: Tensor,
+    hx: Tensor | tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
+    """``module(input, hx)`` with the weights ``params`` (by attribute name), step by step.
+
+    Returns:
+        ``(output, h_n)``, or ``(output, (h_n, c_n))`` for an LSTM, as the module returns them.
+    """
+    mode = module.mode
+    lstm = mode == "LSTM"
+    unbatched = input.dim() == 2
+    x = (
+        input.unsqueeze(1)
+        if unbatched
+        else (input.transpose(0, 1) if module.batch_first else input)
+    )
+    steps, batch = x.shape[0], x.shape[1]
+    directions = 2 if module.bidirectional else 1
+    proj = getattr(module, "proj_size", 0)
+    out_size = proj if proj > 0 else module.hidden_size
+    h0 = c0 = None
+    if hx is not None:
+        h0, c0 = hx if lstm else (hx, None)
+        if unbatched:
+            h0 = h0.unsqueeze(1)
+            c0 = c0.unsqueeze(1) if c0 is not None else None
+    finals_h, finals_c = [], []
+    for layer in range(module.num_layers):
+        outputs = []
+        for direction in range(directions):
+            suffix = f"_l{layer}" + ("_reverse" if direction else "")
+            weights = [
+                params.get(f"{name}{suffix}")
+                for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
+            ]
+            index = layer * directions + direction
+            h = h0[index] if h0 is not None else x.new_zeros(batch, out_size)
+            c = None
+            if lstm:
+                c = c0[index] if c0 is not None else x.new_zeros(batch, module.hidden_size)
+            order = range(steps) if direction == 0 else range(steps - 1, -1, -1)
+            found: list[Tensor | None] = [None] * steps
+            for t in order:
+                h, c = _cell(mode, x[t], h, c, weights)
+                found[t] = h
+            outputs.append(torch.stack(found))  # type: ignore[arg-type]
+            finals_h.append(h)
+            if c is not None:
+                finals_c.append(c)
+        x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
+    output = x.squeeze(1) if unbatched else (x.transpose(0, 1) if module.batch_first else x)
+    h_n = torch.stack(finals_h)
+    h_n = h_n.squeeze(1) if unbatched else h_n
+    if not lstm:
+        return output, h_n
+    c_n = torch.stack(finals_c)
+    return output, (h_n, c_n.squeeze(1) if unbatched else c_n)
