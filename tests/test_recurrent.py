@@ -18,20 +18,29 @@ LAYERS = {"rnn": nn.RNN, "lstm": nn.LSTM, "gru": nn.GRU}
 
 
 class SequenceClassifier(nn.Module):
-    def __init__(self, kind: str, batch_first: bool, bidirectional: bool, layers: int):
+    def __init__(
+        self, kind: str, batch_first: bool, bidirectional: bool, layers: int, state: bool = False
+    ):
         super().__init__()
+        self.reads_state = state  # the head reads the last layer's final state, not out[:, -1]
         self.embed = nn.Embedding(11, 4)
         self.rnn = LAYERS[kind](
             4, 3, num_layers=layers, batch_first=batch_first, bidirectional=bidirectional
         )
         self.batch_first = batch_first
+        self.bidirectional = bidirectional
         self.head = nn.Linear(3 * (2 if bidirectional else 1), 3)
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens)  # (N, T, E)
         if not self.batch_first:
             x = x.transpose(0, 1)
-        out, _ = self.rnn(x)
+        out, final = self.rnn(x)
+        if self.reads_state:
+            hidden = final[0] if isinstance(final, tuple) else final
+            return self.head(
+                torch.cat(list(hidden[-2:] if self.bidirectional else hidden[-1:]), -1)
+            )
         out = out if self.batch_first else out.transpose(0, 1)
         return self.head(out[:, -1])
 
@@ -52,10 +61,13 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("state", [False, True])
 @pytest.mark.parametrize(("kind", "batch_first", "bidirectional", "layers"), CASES)
-def test_recurrent_models_are_measured_exactly(kind, batch_first, bidirectional, layers):
+def test_recurrent_models_are_measured_exactly(kind, batch_first, bidirectional, layers, state):
+    """The head on the last output step or on the final state (h_n): either way the layer's
+    own rule gives its rows, batched."""
     torch.manual_seed(0)
-    model = SequenceClassifier(kind, batch_first, bidirectional, layers).double().eval()
+    model = SequenceClassifier(kind, batch_first, bidirectional, layers, state).double().eval()
     inputs, targets = _data(10)
     fisher = reference.dense_fisher(model, inputs)
     exact = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
@@ -67,6 +79,8 @@ def test_recurrent_models_are_measured_exactly(kind, batch_first, bidirectional,
     assert not [w for w in caught if "one sample at a time" in str(w.message)]
     assert default.soft_rank == pytest.approx(exact.soft_rank, rel=1e-8)
     assert default.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-8)
+    coverage = measure(model, data, lam=LAM, num_train_samples=100, structure="kfac").coverage
+    assert {coverage[name] for name in coverage if name.startswith("rnn.")} == {"diagonal"}
     diag = measure(model, data, lam=LAM, num_train_samples=100, structure="diag")
     assert diag.soft_rank == pytest.approx(spectral.soft_rank(fisher.diagonal(), LAM), rel=1e-8)
 

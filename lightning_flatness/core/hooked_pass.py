@@ -59,6 +59,7 @@ from lightning_flatness.core.layer_rules import (
     CHUNK_ELEMENTS,
     KroneckerRule,
     LayerCall,
+    RecurrentRule,
     Rule,
     assign_rules,
     broadcast_lookup,
@@ -71,6 +72,7 @@ from lightning_flatness.core.layer_rules import (
 from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.core.positional import position_draws, position_signs
+from lightning_flatness.core.recurrent import joint_output, split_joint, unrolls
 
 __all__ = ["COVERAGE", "BatchTerms", "HookedPass"]
 
@@ -202,9 +204,22 @@ class HookedPass:
             self._handles.append(self.last_layer.register_forward_hook(self._feature_hook))
 
     def _hook(self, rules: list[Rule]):
+        recurrent = any(isinstance(rule, RecurrentRule) for rule in rules)
+
         def record(module: nn.Module, args: tuple, kwargs: dict, output):
             if not self._recording:
                 return None
+            if recurrent and unrolls(module, args):
+                # the output sequence and the final states as one tensor (a model may read
+                # either); the layer returns views of its copy
+                joint = joint_output(module, output[0], output[1])
+                copy = joint.clone()
+                detached = tuple(_detach_tree(a) for a in args)
+                kept = {k: _detach_tree(v) for k, v in kwargs.items()}
+                call = LayerCall(module, detached, kept, joint)
+                for rule in rules:
+                    rule.calls.append(call)
+                return split_joint(module, copy, output[0], output[1])
             tensor = output[0] if isinstance(output, tuple) else output
             if broadcast_lookup(module, args, tensor, self._batch):
                 # one lookup shared by the batch (Hugging Face's position ids of shape (1, T)):
@@ -665,6 +680,8 @@ def _samples_dimension(
     cotangents vanish outside their sample; 0 when both do (the check decides); None when
     neither does: the layer's output is shared by the samples (position embeddings looked up
     without a batch dimension), and no split of its gradient is a per-sample one."""
+    if isinstance(rule, RecurrentRule):  # its recorded output is sample-first (joint)
+        return 0
     if isinstance(rule.module, (nn.MultiheadAttention, nn.RNNBase)):
         return 0 if rule.module.batch_first else 1
     if not grads:
@@ -707,3 +724,12 @@ def _agrees(
         return False
     squared = float(expected.square().sum())
     return abs(norms - squared) <= tolerance * max(squared + norms, floor**2, 1e-30)
+
+
+def _detach_tree(value: object) -> object:
+    """A tensor, or a tuple of tensors (an LSTM's state), detached."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detach_tree(v) for v in value)
+    return value

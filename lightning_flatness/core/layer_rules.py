@@ -34,13 +34,14 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
 from lightning_flatness.core.per_sample import map_samples
-from lightning_flatness.core.recurrent import recurrent_forward, unrolls
+from lightning_flatness.core.recurrent import joint_output, recurrent_forward, unrolls
 
 __all__ = [
     "KroneckerRule",
     "LayerCall",
     "LocalRule",
     "NormRule",
+    "RecurrentRule",
     "assign_rules",
     "broadcast_lookup",
     "Rule",
@@ -430,6 +431,55 @@ class LocalRule(Rule):
         return {attr: torch.cat([piece[attr] for piece in pieces], dim=1) for attr in params}
 
 
+class RecurrentRule(LocalRule):
+    """``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` on a padded batch: the recorded output is
+    :func:`~lightning_flatness.core.recurrent.joint_output` (each sample's output sequence and
+    final states in one row, so a model reading either is followed), and the per-sample
+    gradients come from one ``vmap`` of the step-by-step recursion
+    (:func:`~lightning_flatness.core.recurrent.recurrent_forward`)."""
+
+    def _call_gradients(
+        self, call: LayerCall, grad: Tensor, params: dict[str, Tensor]
+    ) -> dict[str, Tensor]:
+        if not unrolls(self.module, call.args):
+            return super()._call_gradients(call, grad, params)
+        module = self.module
+        inputs = call.args[0]
+        state = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
+        input_dim = 0 if module.batch_first else 1
+        state_dim = None if state is None else ((1, 1) if isinstance(state, tuple) else 1)
+
+        def one_sample(x: Tensor, hx: object, cotangents: Tensor) -> dict[str, Tensor]:
+            x = x.unsqueeze(input_dim)
+            if isinstance(hx, tuple):
+                hx = tuple(h.unsqueeze(1) for h in hx)
+            elif hx is not None:
+                hx = hx.unsqueeze(1)
+
+            def output(theta: dict[str, Tensor]) -> Tensor:
+                sequence, final = recurrent_forward(module, theta, x, hx)
+                return joint_output(module, sequence, final).squeeze(0)
+
+            _, pullback = vjp(output, params)
+            return vmap(pullback)(cotangents)[0]
+
+        batch = grad.shape[1]
+        numel = sum(p.numel() for p in params.values()) * grad.shape[0]
+        per_chunk = max(1, CHUNK_ELEMENTS // max(1, numel))
+        batched = map_samples(one_sample, (input_dim, state_dim, 1), module, out_dims=1)
+        pieces = []
+        for rows in _chunks(batch, per_chunk):
+            size = rows.stop - rows.start
+            x = inputs.narrow(input_dim, rows.start, size)
+            hx = state
+            if isinstance(state, tuple):
+                hx = tuple(h.narrow(1, rows.start, size) for h in state)
+            elif state is not None:
+                hx = state.narrow(1, rows.start, size)
+            pieces.append(batched(x, hx, grad[:, rows]))
+        return {attr: torch.cat([piece[attr] for piece in pieces], dim=1) for attr in params}
+
+
 def _chunks(size: int, per_chunk: int) -> Iterator[slice]:
     for start in range(0, size, per_chunk):
         yield slice(start, min(size, start + per_chunk))
@@ -478,6 +528,8 @@ def make_rule(modules: list[nn.Module], names: dict[str, str]) -> Rule | None:
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is None:
             return None
         return NormRule(modules, names)
+    if isinstance(module, (nn.RNN, nn.LSTM, nn.GRU)):
+        return RecurrentRule(modules, names)
     if isinstance(module, nn.MultiheadAttention) or not any(True for _ in module.children()):
         return LocalRule(modules, names)
     return None

@@ -15,14 +15,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["recurrent_forward", "unrolls"]
+__all__ = ["joint_output", "recurrent_forward", "split_joint", "unrolls"]
 
 
 def unrolls(module: nn.Module, args: tuple) -> bool:
     """:func:`recurrent_forward` computes ``module(*args)``: a recurrent layer on a padded
-    tensor (not a packed sequence)."""
+    batch (not a packed sequence, not one unbatched sequence)."""
     return (
-        isinstance(module, (nn.RNN, nn.LSTM, nn.GRU)) and bool(args) and isinstance(args[0], Tensor)
+        isinstance(module, (nn.RNN, nn.LSTM, nn.GRU))
+        and bool(args)
+        and isinstance(args[0], Tensor)
+        and args[0].dim() == 3
     )
 
 
@@ -53,7 +56,8 @@ def recurrent_forward(
     input: Tensor,
     hx: Tensor | tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
-    """``module(input, hx)`` with the weights ``params`` (by attribute name), step by step.
+    """``module(input, hx)`` with the weights ``params`` (by attribute name; the module's own
+    for those not given), step by step.
 
     Returns:
         ``(output, h_n)``, or ``(output, (h_n, c_n))`` for an LSTM, as the module returns them.
@@ -81,8 +85,8 @@ def recurrent_forward(
         outputs = []
         for direction in range(directions):
             suffix = f"_l{layer}" + ("_reverse" if direction else "")
-            weights = [
-                params.get(f"{name}{suffix}")
+            weights = [  # a weight not passed in is the module's own (as functional_call)
+                params.get(f"{name}{suffix}", getattr(module, f"{name}{suffix}", None))
                 for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh", "weight_hr")
             ]
             index = layer * directions + direction
@@ -107,3 +111,37 @@ def recurrent_forward(
         return output, h_n
     c_n = torch.stack(finals_c)
     return output, (h_n, c_n.squeeze(1) if unbatched else c_n)
+
+
+def _states(state: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return state if isinstance(state, tuple) else (state,)
+
+
+def joint_output(module: nn.RNNBase, output: Tensor, state: Tensor | tuple) -> Tensor:
+    """Everything a batched recurrent layer returns, sample by sample: ``(N, total)``, each row
+    a sample's output sequence followed by its final states, flattened. A model may read the
+    output sequence, the final states or both; the gradient of this one tensor carries all of
+    it."""
+    sequence = output if module.batch_first else output.transpose(0, 1)
+    pieces = [sequence.flatten(1)] + [s.transpose(0, 1).flatten(1) for s in _states(state)]
+    return torch.cat(pieces, dim=1)
+
+
+def split_joint(
+    module: nn.RNNBase, joint: Tensor, output: Tensor, state: Tensor | tuple
+) -> tuple[Tensor, Tensor | tuple[Tensor, ...]]:
+    """``(output, state)`` shaped as the layer returned them, computed from ``joint``
+    (:func:`joint_output`): the same values, now functions of ``joint``."""
+    batch = joint.shape[0]
+    sequence_shape = (output if module.batch_first else output.transpose(0, 1)).shape
+    states = _states(state)
+    sizes = [joint.shape[1] - sum(s.numel() // batch for s in states)]
+    sizes += [s.numel() // batch for s in states]
+    parts = joint.split(sizes, dim=1)
+    sequence = parts[0].reshape(sequence_shape)
+    rebuilt = (sequence if module.batch_first else sequence.transpose(0, 1)).contiguous()
+    finals = tuple(
+        part.reshape(batch, s.shape[0], *s.shape[2:]).transpose(0, 1).contiguous()
+        for part, s in zip(parts[1:], states, strict=True)
+    )
+    return rebuilt, (finals if isinstance(state, tuple) else finals[0])
