@@ -282,7 +282,7 @@ def test_rule_rows_are_the_per_sample_gradients_of_torch_func(name, labels, one_
     """The batch kernel from the measurement's layer rules (one batched backward with graph)
     equals the one from torch.func's per-sample gradients, in value and in gradient, on GPT-2's
     data-dependent mask code and BatchNorm; a weight also used outside its layer (tied) or
-    parameters outside any layer rule (class token, attention) are refused, by name."""
+    inside a layer the rules take through vmap (attention) are refused, by name."""
     from lightning_flatness.regularizer import fisher_gram
 
     model = original_module(build(name)).eval()
@@ -301,7 +301,7 @@ def test_rule_rows_are_the_per_sample_gradients_of_torch_func(name, labels, one_
         ]
 
     if name in ("tied_mlp", "vit"):
-        missing = "head.weight" if name == "tied_mlp" else "cls_token"
+        missing = "head.weight" if name == "tied_mlp" else "self_attn.in_proj_weight"
         with pytest.raises(ValueError, match=f"backend='rules' cannot handle.*{missing}"):
             kernel_and_gradient("rules")
         return
@@ -310,6 +310,52 @@ def test_rule_rows_are_the_per_sample_gradients_of_torch_func(name, labels, one_
     assert torch.allclose(kernel, expected, rtol=1e-9, atol=1e-12)
     for got, want in zip(grads, expected_grads, strict=True):
         assert torch.allclose(got, want, rtol=1e-8, atol=1e-10)
+
+
+class TokenMixer(torch.nn.Module):
+    """Hugging Face ViT's way with tokens, without attention: a linear patch embedding, a class
+    token and a position embedding as raw parameters of shape (1, ...) added in ``forward``,
+    LayerNorm, and a head on the class token."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = torch.nn.Linear(4, 5)
+        self.cls_token = torch.nn.Parameter(0.1 * torch.randn(1, 1, 5))
+        self.position = torch.nn.Parameter(0.1 * torch.randn(1, 5, 5))
+        self.mix = torch.nn.Linear(5, 5)
+        self.norm = torch.nn.LayerNorm(5)
+        self.head = torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        tokens = self.patch(x.reshape(x.shape[0], 4, 4))  # four patches of four pixels
+        tokens = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), tokens], 1)
+        tokens = tokens + self.position
+        tokens = tokens + torch.tanh(self.mix(self.norm(tokens))).mean(1, keepdim=True)
+        return self.head(tokens[:, 0])
+
+
+@pytest.mark.parametrize("labels", ["sampled", "exact"])
+def test_rule_rows_take_class_tokens_as_per_sample_copies(labels, one_thread):
+    from lightning_flatness.regularizer import fisher_gram
+
+    torch.manual_seed(0)
+    model = TokenMixer().double().eval()
+    inputs = torch.randn(5, 16, dtype=torch.float64)
+    params = list(model.parameters())
+    results = []
+    for backend in ("func", "rules"):
+        kernel = fisher_gram(
+            model,
+            inputs,
+            labels=labels,
+            generator=torch.Generator().manual_seed(2),
+            backend=backend,
+        )
+        results.append((kernel, torch.autograd.grad(kernel.square().sum(), params)))
+    (expected, want), (kernel, got) = results
+    assert torch.allclose(kernel, expected, rtol=1e-9, atol=1e-12)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, rtol=1e-8, atol=1e-10)
 
 
 class ZooClassifier(LightningModule):

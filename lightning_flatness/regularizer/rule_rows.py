@@ -10,10 +10,12 @@ and one batched backward (C of them for ``labels="exact"``), and no per-sample p
 the model. This covers the transformers whose mask code ``vmap`` cannot follow (GPT-2, BERT,
 DistilBERT), which the ``torch.func`` rows would otherwise compute one sample at a time.
 
-A selection with a parameter no such rule covers (used outside its module, a raw
-``nn.Parameter`` added in ``forward``, a module evaluated through ``vmap`` by its rule) is
-refused with :class:`~lightning_flatness.regularizer.layerwise.LayerwiseIncomplete`, and the
-first use on a model checks the rules' rows of one sample against plain autograd.
+A parameter of shape ``(1, ...)`` outside any layer (a class token, a position embedding added
+in ``forward``) is replaced by N stacked copies, whose gradients are the per-sample ones. A
+selection with a parameter none of these covers (used outside its module, a module evaluated
+through ``vmap`` by its rule: attention, recurrent layers) is refused with
+:class:`~lightning_flatness.regularizer.layerwise.LayerwiseIncomplete`, and the first use on a
+model checks the rules' rows of one sample against plain autograd.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ _CHECKED: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, ...], Exception |
 )
 
 
-def _rules_for(model: nn.Module, selected: dict[str, nn.Parameter]) -> list[Rule]:
-    """The rules covering the selected parameters; raises unless each is covered by a
-    Kronecker or normalisation rule."""
-    _, rules, _ = assign_rules(model)
+def _rules_for(model: nn.Module, selected: dict[str, nn.Parameter]) -> tuple[list[Rule], list[str]]:
+    """The rules covering the selected parameters, and the selected parameters of shape
+    ``(1, ...)`` outside any layer (a class token, a position embedding added in ``forward``),
+    taken as N stacked copies; raises unless every selected parameter is one or the other."""
+    _, rules, fallback = assign_rules(model)
     chosen = [rule for rule in rules if set(rule.names.values()) & set(selected)]
     covered = {
         name
@@ -58,7 +61,12 @@ def _rules_for(model: nn.Module, selected: dict[str, nn.Parameter]) -> list[Rule
         if isinstance(rule, (KroneckerRule, NormRule))
         for name in rule.names.values()
     }
-    missing = [name for name in selected if name not in covered]
+    taps = [
+        name
+        for name in fallback
+        if name in selected and selected[name].dim() >= 2 and selected[name].shape[0] == 1
+    ]
+    missing = [name for name in selected if name not in covered and name not in taps]
     if missing:
         raise LayerwiseIncomplete(
             f"parameters {missing[:3]} are not all inside linear, convolution, embedding or "
@@ -66,7 +74,7 @@ def _rules_for(model: nn.Module, selected: dict[str, nn.Parameter]) -> list[Rule
         )
     for rule in chosen:  # the rows of unselected parameters are not needed
         rule.names = {attr: name for attr, name in rule.names.items() if name in selected}
-    return chosen
+    return chosen, taps
 
 
 @contextmanager
@@ -150,15 +158,25 @@ def _rows(
     wrapped: LogitsModule,
     leaves: Leaves,
     rules: list[Rule],
+    taps: list[str],
     objectives_of,
     create_graph: bool,
 ) -> dict[str, Tensor]:
-    """One hooked forward and the K objectives' per-sample rows, ``{name: (K, N, size)}``."""
-    with _recording(rules, num_samples(leaves)):
-        logits = wrapped(*leaves)
+    """One hooked forward and the K objectives' per-sample rows, ``{name: (K, N, size)}``.
+    A tapped parameter ``p`` is replaced by ``p`` expanded to the N samples (the same logits
+    where the model broadcasts it); the gradient of copy i is sample i's."""
+    batch = num_samples(leaves)
+    params = dict(wrapped.model.named_parameters())
+    copies = {name: params[name].expand(batch, *params[name].shape[1:]) for name in taps}
+    with _recording(rules, batch):
+        logits = wrapped.call(copies, leaves) if copies else wrapped(*leaves)
     objectives = objectives_of(logits)
     outputs = [call.output for rule in rules for call in rule.calls]
-    return _per_sample(rules, _output_gradients(objectives, outputs, create_graph))
+    grads = _output_gradients(objectives, outputs + list(copies.values()), create_graph)
+    found = _per_sample(rules, grads[: len(outputs)])
+    for name, grad in zip(copies, grads[len(outputs) :], strict=True):
+        found[name] = grad.flatten(2)
+    return found
 
 
 def rule_rows(
@@ -171,8 +189,8 @@ def rule_rows(
 ) -> Tensor:
     """The rows of ``V_b``, (B·C, P_sel) sample-major for ``"exact"`` or (B, P_sel), selected
     parameters flattened in their order, differentiable in them (module docstring)."""
-    rules = _rules_for(wrapped.model, selected)
-    _check_once(wrapped, leaves, rules, selected, likelihood)
+    rules, taps = _rules_for(wrapped.model, selected)
+    _check_once(wrapped, leaves, rules, taps, selected, likelihood)
     batch = num_samples(leaves)
     create_graph = torch.is_grad_enabled()
     weights: Tensor | None = None
@@ -191,7 +209,7 @@ def rule_rows(
         return [score(likelihood, mode, logits, chosen).sum()]
 
     with torch.enable_grad():
-        found = _rows(wrapped, leaves, rules, objectives_of, create_graph)
+        found = _rows(wrapped, leaves, rules, taps, objectives_of, create_graph)
     rows = torch.cat([found[name] for name in selected], dim=-1)  # (K, N, P_sel)
     if weights is None:
         return rows[0]
@@ -203,6 +221,7 @@ def _check_once(
     wrapped: LogitsModule,
     leaves: Leaves,
     rules: list[Rule],
+    taps: list[str],
     selected: dict[str, nn.Parameter],
     likelihood: Likelihood,
 ) -> None:
@@ -212,7 +231,7 @@ def _check_once(
     known = _CHECKED.setdefault(wrapped.model, {})
     key = tuple(selected)
     if key not in known:
-        known[key] = _first_use_error(wrapped, leaves, rules, selected, likelihood)
+        known[key] = _first_use_error(wrapped, leaves, rules, taps, selected, likelihood)
     if known[key] is not None:
         raise known[key]
 
@@ -221,6 +240,7 @@ def _first_use_error(
     wrapped: LogitsModule,
     leaves: Leaves,
     rules: list[Rule],
+    taps: list[str],
     selected: dict[str, nn.Parameter],
     likelihood: Likelihood,
 ) -> LayerwiseIncomplete | None:
@@ -233,7 +253,7 @@ def _first_use_error(
         return [(logits * weight).sum()]
 
     with torch.enable_grad():
-        found = _rows(wrapped, leaves, rules, one_sample, create_graph=False)
+        found = _rows(wrapped, leaves, rules, taps, one_sample, create_graph=False)
         objective = one_sample(wrapped(*leaves))[0]
         expected = torch.autograd.grad(objective, list(selected.values()), allow_unused=True)
     for (name, param), grad in zip(selected.items(), expected, strict=True):
