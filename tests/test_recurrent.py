@@ -9,9 +9,11 @@ import warnings
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from lightning_flatness import measure
 from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.failures import UnsupportedModelError
 
 LAM = 1e-3
 LAYERS = {"rnn": nn.RNN, "lstm": nn.LSTM, "gru": nn.GRU}
@@ -127,3 +129,62 @@ def test_the_step_by_step_recursion_is_the_fused_kernel(kind, batch_first, bidir
         module, dict(module.named_parameters()), inputs[0] if batch_first else inputs[:, 0]
     )[0]
     assert torch.allclose(alone, single, atol=1e-12)
+
+
+class PackedClassifier(nn.Module):
+    """Padded token sequences packed by their lengths (unsorted), as text models do."""
+
+    def __init__(self, kind: str, reads_state: bool):
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.rnn = LAYERS[kind](4, 3, num_layers=2, batch_first=True, bidirectional=True)
+        self.reads_state = reads_state
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        packed = pack_padded_sequence(
+            self.embed(tokens), lengths, batch_first=True, enforce_sorted=False
+        )
+        out, final = self.rnn(packed)
+        if self.reads_state:
+            hidden = final[0] if isinstance(final, tuple) else final
+            return self.head(torch.cat([hidden[-2], hidden[-1]], -1))
+        padded, _ = pad_packed_sequence(out, batch_first=True)
+        return self.head(padded.sum(1) / lengths.unsqueeze(1))
+
+
+def _autograd_fisher(model: nn.Module, tokens: Tensor, lengths: Tensor) -> Tensor:
+    """F = (1/m) Σ_i Σ_c p_ic ∇log p_ic ∇log p_icᵀ, one sample and class at a time (plain
+    autograd; the definition of :mod:`lightning_flatness.core.reference`)."""
+    params = list(model.parameters())
+    rows = []
+    for i in range(tokens.shape[0]):
+        log_p = model(tokens[i : i + 1], lengths[i : i + 1])[0].log_softmax(-1)
+        for c in range(log_p.shape[0]):
+            grads = torch.autograd.grad(log_p[c], params, retain_graph=True)
+            rows.append(log_p[c].exp().sqrt().detach() * torch.cat([g.flatten() for g in grads]))
+    stacked = torch.stack(rows)
+    return stacked.T @ stacked / tokens.shape[0]
+
+
+@pytest.mark.parametrize(("kind", "reads_state"), [("lstm", True), ("gru", False), ("rnn", True)])
+def test_packed_sequences_are_measured_exactly(kind, reads_state):
+    """A PackedSequence goes through the layer's rule padded, each sample's recursion masked
+    beyond its length: the rows, and so the soft rank and Tr(F), are the exact ones."""
+    torch.manual_seed(0)
+    model = PackedClassifier(kind, reads_state).double().eval()
+    tokens, targets = _data(10)
+    lengths = (tokens != 0).sum(1)
+    fisher = _autograd_fisher(model, tokens, lengths)  # torch.func cannot run a packed LSTM
+    exact = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
+    data = [((tokens[i : i + 4], lengths[i : i + 4]), targets[i : i + 4]) for i in (0, 4, 8)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        default = measure(model, data, lam=LAM, num_train_samples=100)
+    assert not [w for w in caught if "one sample at a time" in str(w.message)]
+    assert default.soft_rank == pytest.approx(exact.soft_rank, rel=1e-8)
+    assert default.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-8)
+    coverage = measure(model, data, lam=LAM, num_train_samples=100, structure="kfac").coverage
+    assert {coverage[name] for name in coverage if name.startswith("rnn.")} == {"diagonal"}
+    with pytest.raises(UnsupportedModelError, match=r"PackedSequence.*probe_kernel"):
+        measure(model, data, lam=LAM, num_train_samples=100, structure="cg")

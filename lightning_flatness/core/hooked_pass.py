@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torch.func import vjp, vmap
+from torch.nn.utils.rnn import PackedSequence
 
 from lightning_flatness.core.batches import (
     Leaves,
@@ -72,7 +73,13 @@ from lightning_flatness.core.layer_rules import (
 from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.core.positional import position_draws, position_signs
-from lightning_flatness.core.recurrent import joint_output, split_joint, unrolls
+from lightning_flatness.core.recurrent import (
+    joint_output,
+    packed_joint,
+    split_joint,
+    split_packed_joint,
+    unrolls,
+)
 
 __all__ = ["COVERAGE", "BatchTerms", "HookedPass"]
 
@@ -209,16 +216,22 @@ class HookedPass:
         def record(module: nn.Module, args: tuple, kwargs: dict, output):
             if not self._recording:
                 return None
-            if recurrent and unrolls(module, args):
+            packed = recurrent and bool(args) and isinstance(args[0], PackedSequence)
+            if packed or (recurrent and unrolls(module, args)):
                 # the output sequence and the final states as one tensor (a model may read
                 # either); the layer returns views of its copy
-                joint = joint_output(module, output[0], output[1])
+                kept = {k: _detach_tree(v) for k, v in kwargs.items()}
+                if packed:  # recorded padded, batch first, with the lengths
+                    joint, args, kept["lengths"] = packed_joint(module, args, output)
+                else:
+                    joint = joint_output(module, output[0], output[1])
                 copy = joint.clone()
                 detached = tuple(_detach_tree(a) for a in args)
-                kept = {k: _detach_tree(v) for k, v in kwargs.items()}
                 call = LayerCall(module, detached, kept, joint)
                 for rule in rules:
                     rule.calls.append(call)
+                if packed:
+                    return split_packed_joint(module, copy, output)
                 return split_joint(module, copy, output[0], output[1])
             tensor = output[0] if isinstance(output, tuple) else output
             if broadcast_lookup(module, args, tensor, self._batch):

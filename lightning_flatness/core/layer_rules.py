@@ -432,7 +432,8 @@ class LocalRule(Rule):
 
 
 class RecurrentRule(LocalRule):
-    """``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` on a padded batch: the recorded output is
+    """``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` on a padded or packed batch (recorded padded,
+    with its lengths): the recorded output is
     :func:`~lightning_flatness.core.recurrent.joint_output` (each sample's output sequence and
     final states in one row, so a model reading either is followed), and the per-sample
     gradients come from one ``vmap`` of the step-by-step recursion
@@ -446,19 +447,25 @@ class RecurrentRule(LocalRule):
         module = self.module
         inputs = call.args[0]
         state = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
-        input_dim = 0 if module.batch_first else 1
+        lengths = call.kwargs.get("lengths")  # a packed batch, recorded padded, batch first
+        first = True if lengths is not None else module.batch_first
+        input_dim = 0 if first else 1
         state_dim = None if state is None else ((1, 1) if isinstance(state, tuple) else 1)
+        length_dim = None if lengths is None else 0
 
-        def one_sample(x: Tensor, hx: object, cotangents: Tensor) -> dict[str, Tensor]:
+        def one_sample(
+            x: Tensor, hx: object, length: Tensor | None, cotangents: Tensor
+        ) -> dict[str, Tensor]:
             x = x.unsqueeze(input_dim)
             if isinstance(hx, tuple):
                 hx = tuple(h.unsqueeze(1) for h in hx)
             elif hx is not None:
                 hx = hx.unsqueeze(1)
+            length = None if length is None else length.unsqueeze(0)
 
             def output(theta: dict[str, Tensor]) -> Tensor:
-                sequence, final = recurrent_forward(module, theta, x, hx)
-                return joint_output(module, sequence, final).squeeze(0)
+                sequence, final = recurrent_forward(module, theta, x, hx, length, first)
+                return joint_output(module, sequence, final, first).squeeze(0)
 
             _, pullback = vjp(output, params)
             return vmap(pullback)(cotangents)[0]
@@ -466,7 +473,8 @@ class RecurrentRule(LocalRule):
         batch = grad.shape[1]
         numel = sum(p.numel() for p in params.values()) * grad.shape[0]
         per_chunk = max(1, CHUNK_ELEMENTS // max(1, numel))
-        batched = map_samples(one_sample, (input_dim, state_dim, 1), module, out_dims=1)
+        dims = (input_dim, state_dim, length_dim, 1)
+        batched = map_samples(one_sample, dims, module, out_dims=1)
         pieces = []
         for rows in _chunks(batch, per_chunk):
             size = rows.stop - rows.start
@@ -476,7 +484,8 @@ class RecurrentRule(LocalRule):
                 hx = tuple(h.narrow(1, rows.start, size) for h in state)
             elif state is not None:
                 hx = state.narrow(1, rows.start, size)
-            pieces.append(batched(x, hx, grad[:, rows]))
+            length = None if lengths is None else lengths[rows].to(inputs.device)
+            pieces.append(batched(x, hx, length, grad[:, rows]))
         return {attr: torch.cat([piece[attr] for piece in pieces], dim=1) for attr in params}
 
 

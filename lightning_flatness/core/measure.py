@@ -46,7 +46,7 @@ from lightning_flatness.core.batches import (
 )
 from lightning_flatness.core.decay import ParameterDecay, resolve_decay
 from lightning_flatness.core.defaults import AUTO, choose_structure, default_probes
-from lightning_flatness.core.failures import MeasurementError
+from lightning_flatness.core.failures import MeasurementError, UnsupportedModelError
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import per_sample_modes, rng_devices, uncompiled
 from lightning_flatness.core.options import KernelOptions, structure_options
@@ -153,7 +153,8 @@ def measure(
         TargetError: targets that do not fit ``loss`` (names the loss that fits them).
         MeasurementError: no samples, or a non-finite loss.
         UnsupportedModelError: a layer BackPACK cannot handle, for ``dense`` and ``gram``
-            (names the module type).
+            (names the module type); a recurrent layer on a ``PackedSequence``, for the
+            matrix-free structures (names the structures that measure it).
     """
     decay = resolve_decay(lam)
     lam = decay.representative if isinstance(decay, ParameterDecay) else check_lam(decay)
@@ -203,17 +204,28 @@ def measure(
             shard=shard,
             decay=decay if isinstance(decay, ParameterDecay) else None,
         )
-        curvature, train_sums, val_sums = run_pipeline(
-            backend,
-            wrapped,
-            first_pass,
-            val_batches,
-            lam=lam,
-            max_samples=max_samples,
-            max_val_samples=max_val_samples,
-            all_reduce=all_reduce,
-            unpack_batch=unpack_batch,
-        )
+        try:
+            curvature, train_sums, val_sums = run_pipeline(
+                backend,
+                wrapped,
+                first_pass,
+                val_batches,
+                lam=lam,
+                max_samples=max_samples,
+                max_val_samples=max_val_samples,
+                all_reduce=all_reduce,
+                unpack_batch=unpack_batch,
+            )
+        except RuntimeError as error:
+            if _packed_recurrent_failure(error, model):
+                raise UnsupportedModelError(
+                    f"structure={structure!r} differentiates the model with torch.func, which "
+                    "cannot run a recurrent layer on a PackedSequence (PyTorch: "
+                    f"{str(error).splitlines()[0]}). Use structure='probe_kernel' (exact), "
+                    "'kfac' or 'diag', which take a recurrent layer's rows from its own rule, "
+                    "or pass padded batches."
+                ) from error
+            raise
     return build_report(
         curvature,
         train_sums,
@@ -261,3 +273,10 @@ def check_batch(
     likelihood.check_not_transformed(logits)
     likelihood.prepare_targets(targets, logits)
     return num_samples(inputs), int(logits.shape[1])
+
+
+def _packed_recurrent_failure(error: RuntimeError, model: nn.Module) -> bool:
+    """``torch.func`` failing inside a recurrent layer fed a ``PackedSequence`` (its fused
+    kernel reads the packed data's storage, which functorch's wrappers have none of)."""
+    recurrent = any(isinstance(m, nn.RNNBase) for m in model.modules())
+    return recurrent and "doesn't have storage" in str(error)

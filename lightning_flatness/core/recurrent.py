@@ -7,15 +7,24 @@ the per-sample gradients of a recurrent layer's weights with one ``vmap`` over t
 (:class:`~lightning_flatness.core.layer_rules.LocalRule`). The equations are PyTorch's own (its
 documentation of each module), for any number of layers, either direction, with or without
 biases, batch first or not, and an LSTM's projection ``proj_size``; dropout between layers is
-that of evaluation mode (none), as in a measurement. Packed sequences are not covered.
+that of evaluation mode (none), as in a measurement. A packed batch (``PackedSequence``) is
+computed padded, each sample's recursion masked beyond its length.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-__all__ = ["joint_output", "recurrent_forward", "split_joint", "unrolls"]
+__all__ = [
+    "joint_output",
+    "packed_joint",
+    "recurrent_forward",
+    "split_joint",
+    "split_packed_joint",
+    "unrolls",
+]
 
 
 def unrolls(module: nn.Module, args: tuple) -> bool:
@@ -55,21 +64,25 @@ def recurrent_forward(
     params: dict[str, Tensor],
     input: Tensor,
     hx: Tensor | tuple[Tensor, Tensor] | None = None,
+    lengths: Tensor | None = None,
+    batch_first: bool | None = None,
 ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
     """``module(input, hx)`` with the weights ``params`` (by attribute name; the module's own
     for those not given), step by step.
+
+    ``lengths`` (N,) makes it the module on the packed sequences of those lengths, padded: a
+    sample's state stops changing after its last step (a reverse direction starts there) and its
+    output is zero beyond it, as ``pad_packed_sequence`` of the packed output gives.
+    ``batch_first`` overrides the module's layout of ``input`` and the output.
 
     Returns:
         ``(output, h_n)``, or ``(output, (h_n, c_n))`` for an LSTM, as the module returns them.
     """
     mode = module.mode
     lstm = mode == "LSTM"
+    first = module.batch_first if batch_first is None else batch_first
     unbatched = input.dim() == 2
-    x = (
-        input.unsqueeze(1)
-        if unbatched
-        else (input.transpose(0, 1) if module.batch_first else input)
-    )
+    x = input.unsqueeze(1) if unbatched else (input.transpose(0, 1) if first else input)
     steps, batch = x.shape[0], x.shape[1]
     directions = 2 if module.bidirectional else 1
     proj = getattr(module, "proj_size", 0)
@@ -97,14 +110,21 @@ def recurrent_forward(
             order = range(steps) if direction == 0 else range(steps - 1, -1, -1)
             found: list[Tensor | None] = [None] * steps
             for t in order:
-                h, c = _cell(mode, x[t], h, c, weights)
-                found[t] = h
+                if lengths is None:
+                    h, c = _cell(mode, x[t], h, c, weights)
+                    found[t] = h
+                    continue
+                valid = (lengths > t).unsqueeze(-1)  # (N, 1): step t is inside the sequence
+                new_h, new_c = _cell(mode, x[t], h, c, weights)
+                h = torch.where(valid, new_h, h)
+                c = torch.where(valid, new_c, c) if new_c is not None else None
+                found[t] = torch.where(valid, new_h, torch.zeros_like(new_h))
             outputs.append(torch.stack(found))  # type: ignore[arg-type]
             finals_h.append(h)
             if c is not None:
                 finals_c.append(c)
         x = outputs[0] if directions == 1 else torch.cat(outputs, dim=-1)
-    output = x.squeeze(1) if unbatched else (x.transpose(0, 1) if module.batch_first else x)
+    output = x.squeeze(1) if unbatched else (x.transpose(0, 1) if first else x)
     h_n = torch.stack(finals_h)
     h_n = h_n.squeeze(1) if unbatched else h_n
     if not lstm:
@@ -117,31 +137,74 @@ def _states(state: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
     return state if isinstance(state, tuple) else (state,)
 
 
-def joint_output(module: nn.RNNBase, output: Tensor, state: Tensor | tuple) -> Tensor:
+def joint_output(
+    module: nn.RNNBase, output: Tensor, state: Tensor | tuple, batch_first: bool | None = None
+) -> Tensor:
     """Everything a batched recurrent layer returns, sample by sample: ``(N, total)``, each row
     a sample's output sequence followed by its final states, flattened. A model may read the
     output sequence, the final states or both; the gradient of this one tensor carries all of
-    it."""
-    sequence = output if module.batch_first else output.transpose(0, 1)
+    it. ``batch_first`` overrides the module's layout of ``output``."""
+    first = module.batch_first if batch_first is None else batch_first
+    sequence = output if first else output.transpose(0, 1)
     pieces = [sequence.flatten(1)] + [s.transpose(0, 1).flatten(1) for s in _states(state)]
     return torch.cat(pieces, dim=1)
 
 
 def split_joint(
-    module: nn.RNNBase, joint: Tensor, output: Tensor, state: Tensor | tuple
+    module: nn.RNNBase,
+    joint: Tensor,
+    output: Tensor,
+    state: Tensor | tuple,
+    batch_first: bool | None = None,
 ) -> tuple[Tensor, Tensor | tuple[Tensor, ...]]:
     """``(output, state)`` shaped as the layer returned them, computed from ``joint``
     (:func:`joint_output`): the same values, now functions of ``joint``."""
+    first = module.batch_first if batch_first is None else batch_first
     batch = joint.shape[0]
-    sequence_shape = (output if module.batch_first else output.transpose(0, 1)).shape
+    sequence_shape = (output if first else output.transpose(0, 1)).shape
     states = _states(state)
     sizes = [joint.shape[1] - sum(s.numel() // batch for s in states)]
     sizes += [s.numel() // batch for s in states]
     parts = joint.split(sizes, dim=1)
     sequence = parts[0].reshape(sequence_shape)
-    rebuilt = (sequence if module.batch_first else sequence.transpose(0, 1)).contiguous()
+    rebuilt = (sequence if first else sequence.transpose(0, 1)).contiguous()
     finals = tuple(
         part.reshape(batch, s.shape[0], *s.shape[2:]).transpose(0, 1).contiguous()
         for part, s in zip(parts[1:], states, strict=True)
     )
     return rebuilt, (finals if isinstance(state, tuple) else finals[0])
+
+
+def packed_joint(module: nn.RNNBase, args: tuple, output: tuple) -> tuple[Tensor, tuple, Tensor]:
+    """For a layer called on a ``PackedSequence``: the padded input (batch first, in the
+    samples' own order) with its lengths, and :func:`joint_output` of the padded output."""
+    packed_input, packed_output = args[0], output[0]
+    padded, lengths = pad_packed_sequence(packed_input, batch_first=True)
+    padded_output, _ = pad_packed_sequence(
+        packed_output, batch_first=True, total_length=padded.shape[1]
+    )
+    joint = joint_output(module, padded_output, output[1], batch_first=True)
+    return joint, (padded, *args[1:]), lengths
+
+
+def split_packed_joint(
+    module: nn.RNNBase, joint: Tensor, output: tuple
+) -> tuple[PackedSequence, Tensor | tuple[Tensor, ...]]:
+    """The layer's ``(PackedSequence, state)`` computed from ``joint`` (:func:`packed_joint`)."""
+    packed = output[0]
+    steps = len(packed.batch_sizes)
+    batch = joint.shape[0]
+    width = packed.data.shape[-1]
+    padded_shape = torch.Size((batch, steps, width))
+    padded, state = split_joint(
+        module, joint, torch.empty(padded_shape, device="meta"), output[1], batch_first=True
+    )
+    order = packed.sorted_indices
+    order = torch.arange(batch) if order is None else order.cpu()
+    samples = torch.cat([order[: int(size)] for size in packed.batch_sizes])
+    times = torch.repeat_interleave(torch.arange(steps), packed.batch_sizes)
+    data = padded[samples.to(padded.device), times.to(padded.device)]
+    rebuilt = PackedSequence(
+        data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices
+    )
+    return rebuilt, state
