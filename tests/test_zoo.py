@@ -277,12 +277,14 @@ def test_penalty_gradient_matches_finite_differences_on_the_zoo(name, one_thread
 
 
 @pytest.mark.parametrize("labels", ["sampled", "exact"])
-@pytest.mark.parametrize("name", ["gpt2", "resnet", "functional_cnn", "tied_mlp", "vit"])
+@pytest.mark.parametrize(
+    "name", ["gpt2", "resnet", "functional_cnn", "transformer", "lstm", "tied_mlp", "vit"]
+)
 def test_rule_rows_are_the_per_sample_gradients_of_torch_func(name, labels, one_thread):
     """The batch kernel from the measurement's layer rules (one batched backward with graph)
     equals the one from torch.func's per-sample gradients, in value and in gradient, on GPT-2's
-    data-dependent mask code and BatchNorm; a weight also used outside its layer (tied) or
-    inside a layer the rules take through vmap (attention) are refused, by name."""
+    data-dependent mask code, BatchNorm, attention and an LSTM; a weight also used outside its
+    layer (tied) or a sequence-first stack (the ViT's encoder) are refused, saying why."""
     from lightning_flatness.regularizer import fisher_gram
 
     model = original_module(build(name)).eval()
@@ -301,7 +303,7 @@ def test_rule_rows_are_the_per_sample_gradients_of_torch_func(name, labels, one_
         ]
 
     if name in ("tied_mlp", "vit"):
-        missing = "head.weight" if name == "tied_mlp" else "self_attn.in_proj_weight"
+        missing = "head.weight" if name == "tied_mlp" else "(first axis|mixes samples)"
         with pytest.raises(ValueError, match=f"backend='rules' cannot handle.*{missing}"):
             kernel_and_gradient("rules")
         return

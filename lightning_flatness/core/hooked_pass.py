@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torch.func import vjp, vmap
-from torch.nn.utils.rnn import PackedSequence
 
 from lightning_flatness.core.batches import (
     Leaves,
@@ -59,12 +58,11 @@ from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.layer_rules import (
     CHUNK_ELEMENTS,
     KroneckerRule,
-    LayerCall,
     RecurrentRule,
     Rule,
     assign_rules,
-    broadcast_lookup,
     kronecker_factors,
+    record_call,
     weight_batch_gradient,
     weight_rows,
     weight_square_sums,
@@ -73,13 +71,6 @@ from lightning_flatness.core.layer_rules import (
 from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.core.positional import position_draws, position_signs
-from lightning_flatness.core.recurrent import (
-    joint_output,
-    packed_joint,
-    split_joint,
-    split_packed_joint,
-    unrolls,
-)
 
 __all__ = ["COVERAGE", "BatchTerms", "HookedPass"]
 
@@ -211,45 +202,10 @@ class HookedPass:
             self._handles.append(self.last_layer.register_forward_hook(self._feature_hook))
 
     def _hook(self, rules: list[Rule]):
-        recurrent = any(isinstance(rule, RecurrentRule) for rule in rules)
-
         def record(module: nn.Module, args: tuple, kwargs: dict, output):
             if not self._recording:
                 return None
-            packed = recurrent and bool(args) and isinstance(args[0], PackedSequence)
-            if packed or (recurrent and unrolls(module, args)):
-                # the output sequence and the final states as one tensor (a model may read
-                # either); the layer returns views of its copy
-                kept = {k: _detach_tree(v) for k, v in kwargs.items()}
-                if packed:  # recorded padded, batch first, with the lengths
-                    joint, args, kept["lengths"] = packed_joint(module, args, output)
-                else:
-                    joint = joint_output(module, output[0], output[1])
-                copy = joint.clone()
-                detached = tuple(_detach_tree(a) for a in args)
-                call = LayerCall(module, detached, kept, joint)
-                for rule in rules:
-                    rule.calls.append(call)
-                if packed:
-                    return split_packed_joint(module, copy, output)
-                return split_joint(module, copy, output[0], output[1])
-            tensor = output[0] if isinstance(output, tuple) else output
-            if broadcast_lookup(module, args, tensor, self._batch):
-                # one lookup shared by the batch (Hugging Face's position ids of shape (1, T)):
-                # expanded to the batch, the same logits, and each sample's own output gradient
-                tensor = tensor.expand(self._batch, *tensor.shape[1:])
-                args = (args[0].expand(self._batch, *args[0].shape[1:]), *args[1:])
-            # An in-place op downstream (ReLU(inplace=True)) must not change the recorded
-            # tensor whose gradient is taken: downstream code gets a copy.
-            copy = tensor.clone()
-            detached_args = tuple(a.detach() if isinstance(a, Tensor) else a for a in args)
-            detached_kwargs = {
-                k: v.detach() if isinstance(v, Tensor) else v for k, v in kwargs.items()
-            }
-            call = LayerCall(module, detached_args, detached_kwargs, tensor)
-            for rule in rules:
-                rule.calls.append(call)
-            return (copy, *output[1:]) if isinstance(output, tuple) else copy
+            return record_call(rules, module, args, kwargs, output, self._batch)
 
         return record
 
@@ -737,12 +693,3 @@ def _agrees(
         return False
     squared = float(expected.square().sum())
     return abs(norms - squared) <= tolerance * max(squared + norms, floor**2, 1e-30)
-
-
-def _detach_tree(value: object) -> object:
-    """A tensor, or a tuple of tensors (an LSTM's state), detached."""
-    if isinstance(value, Tensor):
-        return value.detach()
-    if isinstance(value, tuple):
-        return tuple(_detach_tree(v) for v in value)
-    return value

@@ -32,9 +32,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.nn.utils.rnn import PackedSequence
 
 from lightning_flatness.core.per_sample import map_samples
-from lightning_flatness.core.recurrent import joint_output, recurrent_forward, unrolls
+from lightning_flatness.core.recurrent import (
+    joint_output,
+    packed_joint,
+    recurrent_forward,
+    split_joint,
+    split_packed_joint,
+    unrolls,
+)
 
 __all__ = [
     "KroneckerRule",
@@ -47,6 +55,7 @@ __all__ = [
     "Rule",
     "is_transposed_linear",
     "make_rule",
+    "record_call",
     "weight_rows",
     "weight_square_sums",
 ]
@@ -379,9 +388,14 @@ class LocalRule(Rule):
         kwarg_dims = {key: dim_of(v, None) for key, v in call.kwargs.items()}
         return arg_dims, kwarg_dims
 
+    #: the gradients keep their graph to the parameters (the regularizer differentiates them)
+    keep_graph = False
+
     def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
         result: dict[str, Tensor] = {}
-        params = {attr: p.detach() for attr, p in self.parameters().items()}
+        params = {
+            attr: p if self.keep_graph else p.detach() for attr, p in self.parameters().items()
+        }
         for call, grad in zip(self.calls, grads, strict=True):
             for attr, term in self._call_gradients(call, grad, params).items():
                 name = self.names[attr]
@@ -602,3 +616,71 @@ def broadcast_lookup(module: nn.Module, args: tuple, output: Tensor, batch: int)
         and args[0].dim() >= 1
         and args[0].shape[0] == 1
     )
+
+
+def _detach_tree(value: object) -> object:
+    """A tensor, or a tuple of tensors (an LSTM's state), detached."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detach_tree(v) for v in value)
+    return value
+
+
+def record_call(
+    rules: list[Rule],
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    output: object,
+    batch: int,
+    *,
+    keep_graph: bool = False,
+) -> object:
+    """Record one call of ``module`` for ``rules`` (a forward hook's body) and return what the
+    module should return instead: the same values, downstream of the recorded output tensor, so
+    the gradient of that tensor is what the rest of the model does with the output.
+
+    - A recurrent layer (:class:`RecurrentRule`) records each sample's output sequence and final
+      states as one tensor (:func:`~lightning_flatness.core.recurrent.joint_output`); fed a
+      ``PackedSequence``, it records the padded input with its lengths.
+    - An embedding looked up once for the batch (Hugging Face's position ids of shape (1, T))
+      is expanded to the ``batch`` samples, each with its own output gradient.
+    - Downstream code gets a copy, so an in-place op there (``ReLU(inplace=True)``) cannot
+      change the recorded tensor.
+
+    Inputs are recorded detached unless ``keep_graph`` (the regularizer differentiates the rows).
+    Returns None (output unchanged, nothing recorded) for an output that is not a tensor.
+    """
+    keep = (lambda value: value) if keep_graph else _detach_tree
+    recurrent = any(isinstance(rule, RecurrentRule) for rule in rules)
+    packed = recurrent and bool(args) and isinstance(args[0], PackedSequence)
+    if packed or (recurrent and unrolls(module, args)):
+        kept = {key: keep(value) for key, value in kwargs.items()}
+        if packed:  # recorded padded, batch first, with the lengths
+            joint, args, kept["lengths"] = packed_joint(module, args, output)
+        else:
+            joint = joint_output(module, output[0], output[1])
+        copy = joint.clone()
+        call = LayerCall(module, tuple(keep(a) for a in args), kept, joint)
+        for rule in rules:
+            rule.calls.append(call)
+        if packed:
+            return split_packed_joint(module, copy, output)
+        return split_joint(module, copy, output[0], output[1])
+    tensor = output[0] if isinstance(output, tuple) else output
+    if not isinstance(tensor, Tensor):
+        return None
+    if broadcast_lookup(module, args, tensor, batch):
+        tensor = tensor.expand(batch, *tensor.shape[1:])
+        args = (args[0].expand(batch, *args[0].shape[1:]), *args[1:])
+    copy = tensor.clone()
+    call = LayerCall(
+        module,
+        tuple(keep(a) for a in args),
+        {key: keep(value) for key, value in kwargs.items()},
+        tensor,
+    )
+    for rule in rules:
+        rule.calls.append(call)
+    return (copy, *output[1:]) if isinstance(output, tuple) else copy

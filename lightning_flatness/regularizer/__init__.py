@@ -73,11 +73,12 @@ Backends (``backend=``), all exact and returning the same number:
   module's forward would break that).
 - ``"rules"``: the rows of ``V_b`` from the measurement's layer rules
   (:mod:`lightning_flatness.regularizer.rule_rows`): linear maps, Hugging Face's ``Conv1D``,
-  convolutions, embeddings and normalisation layers give their per-sample gradients from one
-  batched forward and one batched backward kept in the graph, also where the model's control
-  flow depends on the data (GPT-2's and BERT's mask code, which ``vmap`` cannot follow). Needs
-  every selected parameter inside such a layer; the first evaluation for a model checks one
-  sample's rows against autograd.
+  convolutions, embeddings, normalisation layers, attention, recurrent layers (padded or
+  packed) and class tokens give their per-sample gradients from one batched forward and one
+  batched backward kept in the graph, also where the model's control flow depends on the data
+  (GPT-2's and BERT's mask code, which ``vmap`` cannot follow). Needs every selected parameter
+  inside such a layer, with the samples on the first axis; the first evaluation for a model
+  checks one sample's rows against autograd.
 - ``"auto"`` (default): ``"layerwise"`` when it applies, else ``"rules"``, else ``"func"``
   (said once per model).
 

@@ -10,12 +10,13 @@ and one batched backward (C of them for ``labels="exact"``), and no per-sample p
 the model. This covers the transformers whose mask code ``vmap`` cannot follow (GPT-2, BERT,
 DistilBERT), which the ``torch.func`` rows would otherwise compute one sample at a time.
 
-A parameter of shape ``(1, ...)`` outside any layer (a class token, a position embedding added
-in ``forward``) is replaced by N stacked copies, whose gradients are the per-sample ones. A
-selection with a parameter none of these covers (used outside its module, a module evaluated
-through ``vmap`` by its rule: attention, recurrent layers) is refused with
-:class:`~lightning_flatness.regularizer.layerwise.LayerwiseIncomplete`, and the first use on a
-model checks the rules' rows of one sample against plain autograd.
+Attention and recurrent layers take their per-sample gradients from a ``vmap`` of their own
+vector-Jacobian product, kept in the graph. A parameter of shape ``(1, ...)`` outside any layer
+(a class token, a position embedding added in ``forward``) is replaced by N stacked copies,
+whose gradients are the per-sample ones. A selection with a parameter none of these covers, or
+a model whose layers see the samples on another axis (sequence-first stacks), is refused with
+:class:`~lightning_flatness.regularizer.layerwise.LayerwiseIncomplete`; the first use on a model
+checks the rules' rows of one sample against plain autograd.
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from torch import Tensor, nn
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
 from lightning_flatness.core.layer_rules import (
     KroneckerRule,
-    LayerCall,
-    NormRule,
+    LocalRule,
+    RecurrentRule,
     Rule,
     assign_rules,
-    broadcast_lookup,
+    record_call,
     weight_rows,
 )
 from lightning_flatness.core.likelihoods import Likelihood
@@ -55,12 +56,14 @@ def _rules_for(model: nn.Module, selected: dict[str, nn.Parameter]) -> tuple[lis
     taken as N stacked copies; raises unless every selected parameter is one or the other."""
     _, rules, fallback = assign_rules(model)
     chosen = [rule for rule in rules if set(rule.names.values()) & set(selected)]
-    covered = {
-        name
-        for rule in chosen
-        if isinstance(rule, (KroneckerRule, NormRule))
-        for name in rule.names.values()
-    }
+    for rule in chosen:
+        if isinstance(rule, LocalRule):  # attention, recurrent layers: vmap with graph
+            rule.keep_graph = True
+            sequence_first = isinstance(rule.module, (nn.MultiheadAttention, nn.RNNBase)) and (
+                not rule.module.batch_first
+            )
+            rule.batch_dim = 1 if sequence_first and not isinstance(rule, RecurrentRule) else 0
+    covered = {name for rule in chosen for name in rule.names.values()}
     taps = [
         name
         for name in fallback
@@ -83,16 +86,7 @@ def _recording(rules: list[Rule], batch: int) -> Iterator[None]:
 
     def hook_for(owners: list[Rule]):
         def record(module: nn.Module, args: tuple, kwargs: dict, output: object):
-            tensor = output[0] if isinstance(output, tuple) else output
-            if not isinstance(tensor, Tensor):
-                return None
-            if broadcast_lookup(module, args, tensor, batch):
-                tensor = tensor.expand(batch, *tensor.shape[1:])
-                args = (args[0].expand(batch, *args[0].shape[1:]), *args[1:])
-            copy = tensor.clone()  # an in-place op downstream must not change `tensor`
-            for rule in owners:
-                rule.calls.append(LayerCall(module, args, kwargs, tensor))
-            return (copy, *output[1:]) if isinstance(output, tuple) else copy
+            return record_call(owners, module, args, kwargs, output, batch, keep_graph=True)
 
         return record
 
@@ -253,9 +247,18 @@ def _first_use_error(
         return [(logits * weight).sum()]
 
     with torch.enable_grad():
-        found = _rows(wrapped, leaves, rules, taps, one_sample, create_graph=False)
+        try:
+            found = _rows(wrapped, leaves, rules, taps, one_sample, create_graph=False)
+        except (RuntimeError, IndexError) as error:  # e.g. a layer's samples on another axis
+            return LayerwiseIncomplete(f"the layer rules cannot follow this model ({error}).")
         objective = one_sample(wrapped(*leaves))[0]
         expected = torch.autograd.grad(objective, list(selected.values()), allow_unused=True)
+    misplaced = [name for name, rows in found.items() if rows.shape[1] != batch]
+    if misplaced:
+        return LayerwiseIncomplete(
+            f"the samples of {misplaced[0]!r}'s layer are not on its first axis (a "
+            "sequence-first layer)."
+        )
     for (name, param), grad in zip(selected.items(), expected, strict=True):
         truth = torch.zeros_like(param) if grad is None else grad
         rows = found[name][0].detach()
