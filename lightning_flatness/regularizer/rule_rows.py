@@ -183,7 +183,15 @@ def rule_rows(
 ) -> Tensor:
     """The rows of ``V_b``, (B·C, P_sel) sample-major for ``"exact"`` or (B, P_sel), selected
     parameters flattened in their order, differentiable in them (module docstring)."""
-    rules, taps = _rules_for(wrapped.model, selected)
+    known = _CHECKED.setdefault(wrapped.model, {})
+    refusal = known.get(tuple(selected))
+    if refusal is not None:  # refused before: not even the rules are assigned again
+        raise refusal
+    try:
+        rules, taps = _rules_for(wrapped.model, selected)
+    except LayerwiseIncomplete as error:
+        known[tuple(selected)] = error
+        raise
     _check_once(wrapped, leaves, rules, taps, selected, likelihood)
     batch = num_samples(leaves)
     create_graph = torch.is_grad_enabled()
