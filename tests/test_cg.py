@@ -149,3 +149,38 @@ def test_kronecker_preconditioner_reads_a_transposed_weight_in_its_own_layout():
         dense = stored + lam * torch.eye(size, dtype=torch.float64)
         vectors = torch.randn(2, size, generator=generator, dtype=torch.float64)
         assert torch.allclose(precondition(vectors @ dense), vectors, atol=1e-10)
+
+
+def test_cg_measures_gpt2_with_frozen_transposed_weights(one_thread):
+    """BitFit-style fine-tuning: Conv1D weights frozen, their biases trained; the
+    preconditioner has no transposed weight to read and cg still lands on the exact value."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo import build, zoo_data
+
+    model = build("gpt2").double().eval()
+    for module in (model.c_attn, model.attn_proj, model.c_fc, model.mlp_proj):
+        module.weight.requires_grad_(False)
+    inputs, targets = zoo_data("gpt2", 8)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    rows = []
+    for i in range(8):
+        one = {key: value[i : i + 1] for key, value in inputs.items()}
+        log_p = model(**one)[0].log_softmax(-1)
+        for c in range(log_p.shape[0]):
+            grads = torch.autograd.grad(log_p[c], trainable, retain_graph=True)
+            rows.append(log_p[c].exp().sqrt().detach() * torch.cat([g.flatten() for g in grads]))
+    stacked = torch.stack(rows)
+    exact = spectral.soft_rank(spectral.psd_eigenvalues(stacked.T @ stacked / 8), LAM)
+    data = [({k: v[i : i + 4] for k, v in inputs.items()}, targets[i : i + 4]) for i in (0, 4)]
+    report = measure(
+        model,
+        data,
+        lam=LAM,
+        num_train_samples=100,
+        structure="cg",
+        matrix_free_options={"probes": 16, "cg_steps": 300, "cg_tol": 1e-6},
+    )
+    assert abs(report.soft_rank - exact) < 4 * report.as_dict()["soft_rank_stderr"] + 1e-6

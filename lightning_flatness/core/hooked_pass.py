@@ -238,7 +238,7 @@ class HookedPass:
         return frozenset(
             rule.names["weight"]
             for rule in self.rules
-            if isinstance(rule, KroneckerRule) and rule.transposed
+            if isinstance(rule, KroneckerRule) and rule.transposed and "weight" in rule.names
         )
 
     # -- one batch ---------------------------------------------------------------------------
