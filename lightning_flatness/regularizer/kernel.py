@@ -105,13 +105,10 @@ def batch_gram(
                     )
         if rows is None:
             rows = func_rows(wrapped, leaves, mode, selected, generator, likelihood)
-    if scales is not None:
-        rows = rows * torch.cat(
-            [
-                torch.full((p.numel(),), scales[name] ** 0.5, dtype=rows.dtype, device=rows.device)
-                for name, p in selected.items()
-            ]
-        )
+    if decay is not None:  # √(λ*/λ_j) per entry: λ*^{1/2} D^{-1/2}
+        sizes = [p.numel() for p in selected.values()]
+        root = decay.column_scale(list(selected), sizes) * decay.representative**0.5
+        rows = rows * root.to(dtype=rows.dtype, device=rows.device)
     if side == "smaller" and rows.shape[1] <= rows.shape[0]:
         return gram_product(rows.T)
     return gram_product(rows)
@@ -142,7 +139,7 @@ def _column_scales(
     """``c_j = λ*/λ_j`` of each selected parameter (None: one λ for all)."""
     if decay is None:
         return None
-    return {name: decay.representative / decay.of(name) for name in selected}
+    return {name: decay.representative * decay.scale(name) for name in selected}
 
 
 def fisher_gram(

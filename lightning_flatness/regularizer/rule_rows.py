@@ -183,16 +183,20 @@ def rule_rows(
 ) -> Tensor:
     """The rows of ``V_b``, (B·C, P_sel) sample-major for ``"exact"`` or (B, P_sel), selected
     parameters flattened in their order, differentiable in them (module docstring)."""
+    # None: the rules' rows were checked right; an error: refused, for good
     known = _CHECKED.setdefault(wrapped.model, {})
-    refusal = known.get(tuple(selected))
-    if refusal is not None:  # refused before: not even the rules are assigned again
-        raise refusal
+    key = tuple(selected)
+    if known.get(key) is not None:  # refused before: not even the rules are assigned again
+        raise known[key]
     try:
         rules, taps = _rules_for(wrapped.model, selected)
     except LayerwiseIncomplete as error:
-        known[tuple(selected)] = error
+        known[key] = error
         raise
-    _check_once(wrapped, leaves, rules, taps, selected, likelihood)
+    if key not in known:  # first use: one sample's rows against autograd
+        known[key] = _first_use_error(wrapped, leaves, rules, taps, selected, likelihood)
+        if known[key] is not None:
+            raise known[key]
     batch = num_samples(leaves)
     create_graph = torch.is_grad_enabled()
     weights: Tensor | None = None
@@ -219,25 +223,6 @@ def rule_rows(
     return (rows.transpose(0, 1) * weights.unsqueeze(-1)).reshape(-1, rows.shape[-1])
 
 
-def _check_once(
-    wrapped: LogitsModule,
-    leaves: Leaves,
-    rules: list[Rule],
-    taps: list[str],
-    selected: dict[str, nn.Parameter],
-    likelihood: Likelihood,
-) -> None:
-    """On a model's first use, the rows of one sample against autograd of that sample's
-    objective alone (a parameter used outside its layer, or samples mixed by the model, show
-    up as a difference); raises :class:`LayerwiseIncomplete` then and on every later use."""
-    known = _CHECKED.setdefault(wrapped.model, {})
-    key = tuple(selected)
-    if key not in known:
-        known[key] = _first_use_error(wrapped, leaves, rules, taps, selected, likelihood)
-    if known[key] is not None:
-        raise known[key]
-
-
 def _first_use_error(
     wrapped: LogitsModule,
     leaves: Leaves,
@@ -246,6 +231,8 @@ def _first_use_error(
     selected: dict[str, nn.Parameter],
     likelihood: Likelihood,
 ) -> LayerwiseIncomplete | None:
+    """The rows of one sample against autograd of that sample's objective alone (a parameter
+    used outside its layer, or samples mixed by the model, show up as a difference)."""
     batch = num_samples(leaves)
     sample = batch - 1
 
