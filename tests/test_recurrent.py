@@ -82,9 +82,48 @@ def test_recurrent_models_are_measured_exactly(kind, batch_first, bidirectional,
     assert default.soft_rank == pytest.approx(exact.soft_rank, rel=1e-8)
     assert default.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-8)
     coverage = measure(model, data, lam=LAM, num_train_samples=100, structure="kfac").coverage
-    assert {coverage[name] for name in coverage if name.startswith("rnn.")} == {"diagonal"}
+    for name, kind in coverage.items():  # gate weights are linear maps at every step
+        if name.startswith("rnn."):
+            assert kind == ("kronecker" if ".weight_" in name else "exact block"), name
     diag = measure(model, data, lam=LAM, num_train_samples=100, structure="diag")
     assert diag.soft_rank == pytest.approx(spectral.soft_rank(fisher.diagonal(), LAM), rel=1e-8)
+
+
+@pytest.mark.parametrize("kind", ["rnn", "lstm", "gru"])
+def test_gate_weight_kronecker_blocks_are_exact_for_one_sample_and_one_step(kind):
+    """KFC's factors of a gate weight, G = Σ_k s_k s_kᵀ and A = a aᵀ, give its exact Fisher
+    block for one sample at one step (the factorisation's only approximation is over samples
+    and steps): the factors are those of the map's input and output gradient."""
+    torch.manual_seed(0)
+    model = SequenceClassifier(kind, True, True, 1).double().eval()
+    tokens, targets = torch.tensor([[3]]), torch.tensor([1])
+    report = measure(model, [(tokens, targets)], lam=LAM, num_train_samples=100, structure="kfac")
+    fisher = reference.dense_fisher(model, tokens)
+    start = 0
+    for name, param in model.named_parameters():
+        block = fisher[start : start + param.numel(), start : start + param.numel()]
+        start += param.numel()
+        if name.startswith("rnn.weight_ih"):
+            assert report.coverage[name] == "kronecker"
+            expected = spectral.soft_rank(spectral.psd_eigenvalues(block), LAM)
+            assert report.blocks[name].soft_rank == pytest.approx(expected, rel=1e-9), name
+
+
+def test_an_lstm_projection_keeps_exact_per_sample_gradients():
+    """With ``proj_size`` the LSTM's output map is no gate map: its parameters stay exact
+    diagonal blocks under kfac, still batched and exact in the default."""
+    torch.manual_seed(0)
+    model = SequenceClassifier("lstm", True, False, 1).double().eval()
+    model.rnn = nn.LSTM(4, 3, batch_first=True, proj_size=2).double()
+    model.head = nn.Linear(2, 3).double()
+    inputs, targets = _data(6)
+    data = [(inputs[:3], targets[:3]), (inputs[3:], targets[3:])]
+    coverage = measure(model, data, lam=LAM, num_train_samples=100, structure="kfac").coverage
+    assert {coverage[name] for name in coverage if name.startswith("rnn.")} == {"diagonal"}
+    fisher = reference.dense_fisher(model, inputs)
+    default = measure(model, data, lam=LAM, num_train_samples=100)
+    exact = spectral.soft_rank(spectral.psd_eigenvalues(fisher), LAM)
+    assert default.soft_rank == pytest.approx(exact, rel=1e-8)
 
 
 def test_a_float32_lstm_is_measured_by_the_matrix_free_path():
@@ -185,6 +224,8 @@ def test_packed_sequences_are_measured_exactly(kind, reads_state):
     assert default.soft_rank == pytest.approx(exact.soft_rank, rel=1e-8)
     assert default.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-8)
     coverage = measure(model, data, lam=LAM, num_train_samples=100, structure="kfac").coverage
-    assert {coverage[name] for name in coverage if name.startswith("rnn.")} == {"diagonal"}
+    for name, kind in coverage.items():  # gate weights are linear maps at every step
+        if name.startswith("rnn."):
+            assert kind == ("kronecker" if ".weight_" in name else "exact block"), name
     with pytest.raises(UnsupportedModelError, match=r"PackedSequence.*probe_kernel"):
         measure(model, data, lam=LAM, num_train_samples=100, structure="cg")

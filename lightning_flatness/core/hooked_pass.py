@@ -226,6 +226,9 @@ class HookedPass:
             for attr, name in rule.names.items():
                 if isinstance(rule, KroneckerRule) and not self.diagonal_only:
                     kinds[name] = "kronecker" if attr == "weight" else "exact block"
+                elif isinstance(rule, RecurrentRule) and rule.factored and not self.diagonal_only:
+                    weight = rule.factored[attr][1] == "weight"
+                    kinds[name] = "kronecker" if weight else "exact block"
                 else:
                     kinds[name] = "diagonal"
         kinds.update({name: "diagonal" for name in self.tapped})
@@ -422,39 +425,64 @@ class HookedPass:
     def _add_rule(
         self, terms: BatchTerms, rule: Rule, grads: list[Tensor], rows: _Rows, curvature: bool
     ) -> None:
+        block = not self.diagonal_only  # a bias: per-sample gradients Σ_t s_t, an exact block
+        if isinstance(rule, RecurrentRule) and rule.factored:
+            maps = rule.gate_maps(grads)
+            if maps is not None:
+                for attr, name in rule.names.items():
+                    weight, kind = rule.factored[attr]
+                    a, s = maps[weight]
+                    if kind == "bias":
+                        self._add_explicit(terms, {name: s.sum(2)}, rows, curvature, block=block)
+                    else:
+                        self._add_weight(terms, name, a, s, rows, curvature)
+                return
         if not isinstance(rule, KroneckerRule):
             self._add_explicit(terms, rule.per_sample_gradients(grads), rows, curvature)
             return
         a = rule.patches()
         s = rule.output_gradients(grads)
-        embedding = rule.is_embedding
         for attr, name in rule.names.items():
-            if attr != "weight":  # the bias: per-sample gradients Σ_t s_t, an exact block
-                block = not self.diagonal_only
+            if attr != "weight":
                 self._add_explicit(terms, {name: s.sum(2)}, rows, curvature, block=block)
-                continue
-            norms = weight_squared_norms(a, s[rows.norms], embedding)
-            terms.grad_norm_sq += float(norms[0])
-            terms.fisher_trace += float(norms[1:].sum())
-            if not curvature:
-                continue
-            num_rows = rule.parameters()["weight"].shape[0]
-            if self.rows_only:
-                shape = rule.weight_shape
-                found = weight_rows(a, s[rows.curvature], embedding, shape).detach()
-                if rule.transposed:
-                    found = rule.to_weight_layout(found.unflatten(-1, shape)).flatten(2)
-                terms.rows[name] = found
-            elif self.diagonal_only:
-                chosen = [0, *range(rows.curvature.start, rows.curvature.stop)]
-                squares = rule.to_weight_layout(
-                    weight_square_sums(a, s[chosen], embedding, num_rows)
-                )
-                terms.cov_diagonal[name] = _f64(squares[0])
-                terms.diagonal[name] = _f64(squares[1:].sum(0))
             else:
-                g, factor = kronecker_factors(a, s[rows.curvature], embedding, num_rows)
-                terms.kronecker[name] = (_f64(g), _f64(factor))
+                self._add_weight(terms, name, a, s, rows, curvature, rule)
+
+    def _add_weight(
+        self,
+        terms: BatchTerms,
+        name: str,
+        a: Tensor,
+        s: Tensor,
+        rows: _Rows,
+        curvature: bool,
+        rule: KroneckerRule | None = None,
+    ) -> None:
+        """Add a linear map's weight from its patches ``a`` (N, T, d) and output gradients
+        ``s`` (K, N, T, o): norms, traces, and its rows, diagonal or Kronecker factors. A
+        :class:`KroneckerRule` gives the layout (an embedding, a weight stored (in, out));
+        without one the weight is (o, d)."""
+        embedding = rule is not None and rule.is_embedding
+        norms = weight_squared_norms(a, s[rows.norms], embedding)
+        terms.grad_norm_sq += float(norms[0])
+        terms.fisher_trace += float(norms[1:].sum())
+        if not curvature:
+            return
+        shape = rule.weight_shape if rule is not None else torch.Size((s.shape[-1], a.shape[-1]))
+        layout = rule.to_weight_layout if rule is not None else (lambda values: values)
+        if self.rows_only:
+            found = weight_rows(a, s[rows.curvature], embedding, shape).detach()
+            if rule is not None and rule.transposed:
+                found = layout(found.unflatten(-1, shape)).flatten(2)
+            terms.rows[name] = found
+        elif self.diagonal_only:
+            chosen = [0, *range(rows.curvature.start, rows.curvature.stop)]
+            squares = layout(weight_square_sums(a, s[chosen], embedding, shape[0]))
+            terms.cov_diagonal[name] = _f64(squares[0])
+            terms.diagonal[name] = _f64(squares[1:].sum(0))
+        else:
+            g, factor = kronecker_factors(a, s[rows.curvature], embedding, shape[0])
+            terms.kronecker[name] = (_f64(g), _f64(factor))
 
     def _add_explicit(
         self,

@@ -15,9 +15,11 @@ any per-sample backward pass (docs/math.md, "Kronecker factors from layer hooks"
   ``γ ∘ x̂ + β`` of the normalised input ``x̂``; per-sample gradients ``Σ s ∘ x̂`` and ``Σ s``;
 - :class:`LocalRule` (any other leaf module with parameters, and ``nn.MultiheadAttention``):
   per-sample gradients of the module's own forward, ``torch.func.vmap`` of a vector-Jacobian
-  product over the samples of the recorded inputs — a backward pass through that module only
-  (recurrent layers through their step-by-step recursion, :mod:`lightning_flatness.core.recurrent`,
-  which ``vmap`` batches where the fused kernel cannot be).
+  product over the samples of the recorded inputs — a backward pass through that module only;
+- :class:`RecurrentRule` (``nn.RNN``/``LSTM``/``GRU``): the same through the step-by-step
+  recursion (:mod:`lightning_flatness.core.recurrent`, which ``vmap`` batches where the fused
+  kernel cannot), and for the gate weights, linear maps at every step, the patches and output
+  gradients of a Kronecker layer.
 
 Every rule works on tensors shaped ``(K, N, ...)``: K cotangents, N samples.
 """
@@ -33,9 +35,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils.rnn import PackedSequence
+from torch.utils._pytree import tree_map
 
 from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.core.recurrent import (
+    factored_parameters,
     joint_output,
     packed_joint,
     recurrent_forward,
@@ -451,13 +455,99 @@ class RecurrentRule(LocalRule):
     :func:`~lightning_flatness.core.recurrent.joint_output` (each sample's output sequence and
     final states in one row, so a model reading either is followed), and the per-sample
     gradients come from one ``vmap`` of the step-by-step recursion
-    (:func:`~lightning_flatness.core.recurrent.recurrent_forward`)."""
+    (:func:`~lightning_flatness.core.recurrent.recurrent_forward`).
+
+    The gate weights ``W_ih``, ``W_hh`` are linear maps applied at every step: their per-sample
+    gradients are ``Σ_t s_t a_tᵀ`` with ``a_t`` what the map was applied to (``x_t``,
+    ``h_{t−1}``) and ``s_t`` the gradient of its output, which :meth:`gate_maps` takes from one
+    ``vmap`` of the recursion differentiated with respect to zero taps on those outputs. They
+    give the exact per-sample gradients and KFC's factors of each gate weight over its steps,
+    like a linear layer's over positions (docs/math.md, "Kronecker factors from layer hooks").
+    """
+
+    @property
+    def factored(self) -> dict[str, tuple[str, str]]:
+        """``{attribute: (gate weight, "weight" or "bias")}`` for the covered parameters that
+        :meth:`gate_maps` measures (all of them, unless the LSTM has a projection)."""
+        table = factored_parameters(self.module)
+        return table if all(attr in table for attr in self.names) else {}
+
+    def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
+        maps = None if self.keep_graph or not self.factored else self.gate_maps(grads)
+        if maps is None:
+            return super().per_sample_gradients(grads)
+        result = {}
+        for attr, name in self.names.items():
+            weight, kind = self.factored[attr]
+            a, s = maps[weight]
+            result[name] = s.sum(2) if kind == "bias" else torch.einsum("knto,ntd->knod", s, a)
+        return result
+
+    def gate_maps(self, grads: list[Tensor]) -> dict[str, tuple[Tensor, Tensor]] | None:
+        """``{gate weight: (a (N, T, d), s (K, N, T, o))}`` over all recorded calls (several
+        calls: more steps), or None when a call does not unroll (one unbatched sequence)."""
+        if not all(unrolls(self.module, call.args) for call in self.calls):
+            return None
+        pieces = [self._call_maps(call, grad) for call, grad in zip(self.calls, grads, strict=True)]
+        if len(pieces) == 1:
+            return pieces[0]
+        return {
+            weight: (
+                torch.cat([piece[weight][0] for piece in pieces], dim=1),
+                torch.cat([piece[weight][1] for piece in pieces], dim=2),
+            )
+            for weight in pieces[0]
+        }
+
+    def _call_maps(self, call: LayerCall, grad: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        module = self.module
+        weights = sorted({weight for weight, _ in factored_parameters(module).values()})
+        params = {attr: p.detach() for attr, p in module.named_parameters(recurse=False)}
+        gates = {weight: params[weight].shape[0] for weight in weights}
+
+        def one_sample(x: Tensor, hx: object, length: Tensor | None, first: bool, cotangents):
+            steps = x.shape[1 if first else 0]
+            taps = {w: x.new_zeros(steps, 1, size) for w, size in gates.items()}
+
+            def output(taps: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+                seen: dict[str, Tensor] = {}
+                sequence, final = recurrent_forward(
+                    module, params, x, hx, length, first, taps=taps, inputs=seen
+                )
+                applied = {w: v.transpose(0, 1) for w, v in seen.items()}  # (1, T, d)
+                return joint_output(module, sequence, final, first).squeeze(0), applied
+
+            _, pullback, applied = vjp(output, taps, has_aux=True)
+            s = vmap(pullback)(cotangents)[0]
+            return {w: (applied[w], s[w].squeeze(2)) for w in weights}
+
+        width = grad.shape[0] * sum(gates.values()) + sum(params[w].shape[1] for w in weights)
+        steps = max(call.args[0].shape[:2])
+        maps = self._unrolled(call, grad, one_sample, width * steps)
+        return {w: (a[0], s) for w, (a, s) in maps.items()}
 
     def _call_gradients(
         self, call: LayerCall, grad: Tensor, params: dict[str, Tensor]
     ) -> dict[str, Tensor]:
         if not unrolls(self.module, call.args):
             return super()._call_gradients(call, grad, params)
+        module = self.module
+
+        def one_sample(x: Tensor, hx: object, length: Tensor | None, first: bool, cotangents):
+            def output(theta: dict[str, Tensor]) -> Tensor:
+                sequence, final = recurrent_forward(module, theta, x, hx, length, first)
+                return joint_output(module, sequence, final, first).squeeze(0)
+
+            _, pullback = vjp(output, params)
+            return vmap(pullback)(cotangents)[0]
+
+        numel = sum(p.numel() for p in params.values()) * grad.shape[0]
+        return self._unrolled(call, grad, one_sample, numel)
+
+    def _unrolled(self, call: LayerCall, grad: Tensor, function, numel: int) -> dict:
+        """``function(x, hx, length, batch_first, cotangents)`` of each sample (given a batch
+        dimension of one) mapped over the samples of ``call`` a chunk at a time, its outputs
+        stacked along dimension 1; ``numel`` is its output size per sample."""
         module = self.module
         inputs = call.args[0]
         state = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
@@ -467,25 +557,16 @@ class RecurrentRule(LocalRule):
         state_dim = None if state is None else ((1, 1) if isinstance(state, tuple) else 1)
         length_dim = None if lengths is None else 0
 
-        def one_sample(
-            x: Tensor, hx: object, length: Tensor | None, cotangents: Tensor
-        ) -> dict[str, Tensor]:
+        def one_sample(x: Tensor, hx: object, length: Tensor | None, cotangents: Tensor):
             x = x.unsqueeze(input_dim)
             if isinstance(hx, tuple):
                 hx = tuple(h.unsqueeze(1) for h in hx)
             elif hx is not None:
                 hx = hx.unsqueeze(1)
             length = None if length is None else length.unsqueeze(0)
-
-            def output(theta: dict[str, Tensor]) -> Tensor:
-                sequence, final = recurrent_forward(module, theta, x, hx, length, first)
-                return joint_output(module, sequence, final, first).squeeze(0)
-
-            _, pullback = vjp(output, params)
-            return vmap(pullback)(cotangents)[0]
+            return function(x, hx, length, first, cotangents)
 
         batch = grad.shape[1]
-        numel = sum(p.numel() for p in params.values()) * grad.shape[0]
         per_chunk = max(1, CHUNK_ELEMENTS // max(1, numel))
         dims = (input_dim, state_dim, length_dim, 1)
         batched = map_samples(one_sample, dims, module, out_dims=1)
@@ -500,7 +581,7 @@ class RecurrentRule(LocalRule):
                 hx = state.narrow(1, rows.start, size)
             length = None if lengths is None else lengths[rows].to(inputs.device)
             pieces.append(batched(x, hx, length, grad[:, rows]))
-        return {attr: torch.cat([piece[attr] for piece in pieces], dim=1) for attr in params}
+        return tree_map(lambda *parts: torch.cat(parts, dim=1), pieces[0], *pieces[1:])
 
 
 def _chunks(size: int, per_chunk: int) -> Iterator[slice]:

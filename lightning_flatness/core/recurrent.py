@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 __all__ = [
+    "factored_parameters",
     "joint_output",
     "packed_joint",
     "recurrent_forward",
@@ -38,11 +39,22 @@ def unrolls(module: nn.Module, args: tuple) -> bool:
     )
 
 
-def _cell(mode: str, x: Tensor, h: Tensor, c: Tensor | None, weights: list[Tensor | None]):
-    """One time step: the next hidden (and LSTM cell) state."""
+def _cell(
+    mode: str,
+    x: Tensor,
+    h: Tensor,
+    c: Tensor | None,
+    weights: list[Tensor | None],
+    taps: tuple[Tensor, Tensor] | None = None,
+):
+    """One time step: the next hidden (and LSTM cell) state. ``taps`` (two zeros shaped like
+    the gate pre-activations) are added to ``W_ih x + b_ih`` and ``W_hh h + b_hh``: their
+    gradients are those of the two linear maps' outputs at this step."""
     w_ih, w_hh, b_ih, b_hh, w_hr = weights
     gates_x = x @ w_ih.T + (b_ih if b_ih is not None else 0)
     gates_h = h @ w_hh.T + (b_hh if b_hh is not None else 0)
+    if taps is not None:
+        gates_x, gates_h = gates_x + taps[0], gates_h + taps[1]
     if mode == "LSTM":
         i, f, g, o = (gates_x + gates_h).chunk(4, dim=-1)
         c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
@@ -66,9 +78,17 @@ def recurrent_forward(
     hx: Tensor | tuple[Tensor, Tensor] | None = None,
     lengths: Tensor | None = None,
     batch_first: bool | None = None,
+    taps: dict[str, Tensor] | None = None,
+    inputs: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | tuple[Tensor, Tensor]]:
     """``module(input, hx)`` with the weights ``params`` (by attribute name; the module's own
     for those not given), step by step.
+
+    ``taps`` (by weight name, e.g. ``weight_ih_l0``; each (steps, N, gates), zeros) are added
+    to the outputs of the linear maps of those weights at every step, so their gradients are
+    the maps' output gradients; ``inputs`` (a dict to fill) receives, by the same names, what
+    each map was applied to, (steps, N, d): the layer's input ``x_t`` for ``weight_ih`` and the
+    previous hidden state ``h_{t−1}`` for ``weight_hh``, zero beyond each sample's length.
 
     ``lengths`` (N,) makes it the module on the packed sequences of those lengths, padded: a
     sample's state stops changing after its last step (a reverse direction starts there) and its
@@ -109,17 +129,26 @@ def recurrent_forward(
                 c = c0[index] if c0 is not None else x.new_zeros(batch, module.hidden_size)
             order = range(steps) if direction == 0 else range(steps - 1, -1, -1)
             found: list[Tensor | None] = [None] * steps
+            tap_ih = (taps or {}).get(f"weight_ih{suffix}")
+            tap_hh = (taps or {}).get(f"weight_hh{suffix}")
+            previous: list[Tensor | None] = [None] * steps
             for t in order:
+                step_taps = None if tap_ih is None else (tap_ih[t], tap_hh[t])
+                previous[t] = h
                 if lengths is None:
-                    h, c = _cell(mode, x[t], h, c, weights)
+                    h, c = _cell(mode, x[t], h, c, weights, step_taps)
                     found[t] = h
                     continue
                 valid = (lengths > t).unsqueeze(-1)  # (N, 1): step t is inside the sequence
-                new_h, new_c = _cell(mode, x[t], h, c, weights)
+                previous[t] = torch.where(valid, h, torch.zeros_like(h))
+                new_h, new_c = _cell(mode, x[t], h, c, weights, step_taps)
                 h = torch.where(valid, new_h, h)
                 c = torch.where(valid, new_c, c) if new_c is not None else None
                 found[t] = torch.where(valid, new_h, torch.zeros_like(new_h))
             outputs.append(torch.stack(found))  # type: ignore[arg-type]
+            if inputs is not None:
+                inputs[f"weight_ih{suffix}"] = _within(x, lengths)
+                inputs[f"weight_hh{suffix}"] = torch.stack(previous)  # type: ignore[arg-type]
             finals_h.append(h)
             if c is not None:
                 finals_c.append(c)
@@ -131,6 +160,28 @@ def recurrent_forward(
         return output, h_n
     c_n = torch.stack(finals_c)
     return output, (h_n, c_n.squeeze(1) if unbatched else c_n)
+
+
+def _within(x: Tensor, lengths: Tensor | None) -> Tensor:
+    """``x`` (steps, N, d) with the steps beyond each sample's length zeroed."""
+    if lengths is None:
+        return x
+    steps = torch.arange(x.shape[0], device=x.device).unsqueeze(1)
+    return x * (steps < lengths.to(x.device)).unsqueeze(-1).to(x.dtype)
+
+
+def factored_parameters(module: nn.RNNBase) -> dict[str, tuple[str, str]]:
+    """For each parameter of a recurrent layer that is a linear map applied at every step, or
+    its bias: ``{attribute: (weight it belongs to, "weight" or "bias")}``. Empty for an LSTM with
+    a projection (``proj_size``), whose projection is no gate map: its parameters keep exact
+    per-sample gradients."""
+    if getattr(module, "proj_size", 0) > 0:
+        return {}
+    found = {}
+    for attr, _ in module.named_parameters(recurse=False):
+        kind, rest = attr.split("_", 1)  # weight_ih_l0 -> ("weight", "ih_l0")
+        found[attr] = ("weight_" + rest, kind)
+    return found
 
 
 def _states(state: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
