@@ -146,6 +146,30 @@ def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path):
         assert torch.equal(value, watched.state_dict()[name]), name
 
 
+def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path, monkeypatch):
+    """The fill-in's cost stops growing with n: it measures FILL_IN_SAMPLES training samples
+    (16 here, of 64), the same ones at every epoch, and its calibration is taken on them."""
+    monkeypatch.setattr("lightning_flatness.lightning.monitor.FILL_IN_SAMPLES", 16)
+    monitor = FlatnessMonitor(kfac_mode="exact", print_summary=False)
+    script = [EXACT, CHEAP, CHEAP]
+    monitor.budget.decide = lambda *args: script.pop(0)
+    measured = []
+    original = monitor._call_measure
+
+    def recording(pl_module, train_batches, *args, **kwargs):
+        batches = list(train_batches)
+        measured.append(torch.cat([x for x, _ in batches]))
+        return original(pl_module, batches, *args, **kwargs)
+
+    monitor._call_measure = recording
+    _fit(tmp_path, [monitor])
+    assert [r["num_samples"] for r in monitor.history] == [64.0, 16.0, 16.0]
+    # the trial's runs, then epoch 1: exact and the calibrating fill-in, then two fill-ins
+    subsets = [x for x in measured if len(x) == 16]
+    assert len(subsets) == 3 and all(torch.equal(x, subsets[0]) for x in subsets)
+    assert any(len(x) == 64 for x in measured)
+
+
 def test_an_early_stopping_on_a_flatness_value_gets_one_every_epoch(tmp_path, caplog):
     """No exact measurement fits (it is said to cost 1e9 s): the fill-in runs every epoch,
     unscaled, and the monitor says at fit end that the last values are not exact."""

@@ -29,7 +29,8 @@ import math
 import re
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ from lightning_flatness.lightning.budget import (
     CHEAP,
     EXACT,
     FILL_IN,
+    FILL_IN_SAMPLES,
     TRIAL_SAMPLES,
     OverheadBudget,
     cost_message,
@@ -150,6 +152,16 @@ _REGULARIZER_ARGUMENTS = {
     "reg_estimator": "estimator",
     "reg_decay": "decay",
 }
+
+
+@contextmanager
+def _quiet_fill_in() -> Iterator[None]:
+    """The fill-in on its sample cap often exceeds the rank bound of that subset; it is a
+    tracker, scaled by the last exact ratio and never trusted, so that warning is not said."""
+    with warnings.catch_warnings():
+        pattern = re.escape(f"structure={FILL_IN!r} reports a soft rank")
+        warnings.filterwarnings("ignore", message=pattern)
+        yield
 
 
 class FlatnessMonitor(Callback):
@@ -712,7 +724,8 @@ class FlatnessMonitor(Callback):
         and the fill-in is off for the fit)."""
         started = time.perf_counter()
         try:
-            report = self._run_measure(trainer, pl_module, FILL_IN)
+            with _quiet_fill_in():
+                report = self._run_measure(trainer, pl_module, FILL_IN)
         except Exception as error:
             self._fill_in_failed = True
             rank_zero_warn(
@@ -778,14 +791,19 @@ class FlatnessMonitor(Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ measurement
-    def _batches(self, trainer: Trainer, loaders: object, split: str) -> Iterable:
-        """A fixed subset of a sized dataset, or this epoch's batches of a stream."""
+    def _batches(
+        self, trainer: Trainer, loaders: object, split: str, limit: int | None = None
+    ) -> Iterable:
+        """A fixed subset of a sized dataset (at most ``limit`` samples, if given), or this
+        epoch's batches of a stream."""
         if split == "validation":
             loader = select_dataloader(loaders, self.val_dataloader_idx)
             max_samples = self.max_val_samples
         else:
             loader = first_dataloader(loaders)
             max_samples = self.max_samples
+        if limit is not None:
+            max_samples = min(max_samples or limit, limit)
         if loader is None:
             return []
         if not is_sized(loader):
@@ -824,9 +842,12 @@ class FlatnessMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, structure: str | None = None
     ) -> FlatnessReport:
         val_loaders = trainer.val_dataloaders if self.use_val else None
-        train_batches = self._batches(trainer, trainer.train_dataloader, "training")
+        limit = FILL_IN_SAMPLES if structure == FILL_IN else None
+        train_batches = self._batches(trainer, trainer.train_dataloader, "training", limit)
         val_batches = (
-            None if val_loaders is None else self._batches(trainer, val_loaders, "validation")
+            None
+            if val_loaders is None
+            else self._batches(trainer, val_loaders, "validation", limit)
         )
         return self._call_measure(
             pl_module,
@@ -881,7 +902,10 @@ class FlatnessMonitor(Callback):
         self.budget.predict_exact(seconds * work, trial_samples, int(samples))
         if self.budget.share is not None and self._has_fill_in() and self.disabled_reason is None:
             started = time.perf_counter()
-            self._predict_fill_in(pl_module, batch, int(samples) + (self.max_val_samples or 0))
+            fill_in_samples = min(int(samples), FILL_IN_SAMPLES)
+            val_samples = min(self.max_val_samples or FILL_IN_SAMPLES, FILL_IN_SAMPLES)
+            val_samples = val_samples if self.use_val else 0
+            self._predict_fill_in(pl_module, batch, fill_in_samples + val_samples)
             self.budget.charge(time.perf_counter() - started)
 
     def _predict_fill_in(self, pl_module: LightningModule, batch: Any, samples: int) -> None:
@@ -895,7 +919,8 @@ class FlatnessMonitor(Callback):
             options = {**self.measure_kwargs, "max_samples": size}
             started = time.perf_counter()
             try:
-                self._call_measure(pl_module, [batch], None, structure=FILL_IN, options=options)
+                with _quiet_fill_in():
+                    self._call_measure(pl_module, [batch], None, structure=FILL_IN, options=options)
             except Exception:  # the fill-in cannot measure this model: found out when it runs
                 return
             times.append(time.perf_counter() - started)
