@@ -161,7 +161,9 @@ def test_coverage_names_how_each_parameter_is_measured():
     assert coverage["embed.weight"] == "kronecker"
     assert coverage["encoder.linear1.weight"] == "kronecker"
     assert coverage["encoder.linear1.bias"] == "exact block"
-    assert coverage["encoder.self_attn.in_proj_weight"] == "diagonal"
+    assert coverage["encoder.self_attn.in_proj_weight"] == "kronecker"
+    assert coverage["encoder.self_attn.in_proj_bias"] == "exact block"
+    assert coverage["encoder.self_attn.out_proj.weight"] == "kronecker"
     assert coverage["encoder.norm1.weight"] == "diagonal"
     assert coverage["pos"] == "diagonal"
     tied = measure(
@@ -475,10 +477,6 @@ def test_regularized_fit_trains_on_batchnorm_and_token_models(name, params, esti
 NOT_KRONECKER = {
     ("tied_mlp", "head.weight"): "also used outside its layer (F.linear)",
     ("compiled", "head.weight"): "also used outside its layer (F.linear)",
-    # nn.MultiheadAttention applies its output projection inside its fused forward, not through
-    # the nn.Linear's forward: exact per-sample gradients, a diagonal block under kfac
-    ("transformer", "encoder.self_attn.out_proj.weight"): "inside nn.MultiheadAttention",
-    ("vit", "encoder.layers.0.self_attn.out_proj.weight"): "inside nn.MultiheadAttention",
 }
 
 
@@ -494,12 +492,16 @@ def test_no_ordinary_weight_matrix_falls_back_to_a_diagonal(name):
     linear_maps = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Embedding)
     checked = 0
     for module_name, module in original_module(model).named_modules():
-        if not (isinstance(module, linear_maps) or is_transposed_linear(module)):
+        if isinstance(module, torch.nn.MultiheadAttention):  # its two projections
+            keys = [f"{module_name}.in_proj_weight", f"{module_name}.out_proj.weight"]
+        elif isinstance(module, linear_maps) or is_transposed_linear(module):
+            keys = [f"{module_name}.weight"]
+        else:
             continue
-        key = f"{module_name}.weight"
-        if key not in report.coverage:  # a tied weight, reported under its first name
-            continue
-        expected = "diagonal" if (name, key) in NOT_KRONECKER else "kronecker"
-        assert report.coverage[key].startswith(expected), (key, report.coverage[key])
-        checked += 1
+        for key in keys:
+            if key not in report.coverage:  # a tied weight, reported under its first name
+                continue
+            expected = "diagonal" if (name, key) in NOT_KRONECKER else "kronecker"
+            assert report.coverage[key].startswith(expected), (key, report.coverage[key])
+            checked += 1
     assert checked >= 2

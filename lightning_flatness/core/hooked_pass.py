@@ -58,6 +58,7 @@ from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.layer_rules import (
     CHUNK_ELEMENTS,
     KroneckerRule,
+    LocalRule,
     RecurrentRule,
     Rule,
     assign_rules,
@@ -226,7 +227,7 @@ class HookedPass:
             for attr, name in rule.names.items():
                 if isinstance(rule, KroneckerRule) and not self.diagonal_only:
                     kinds[name] = "kronecker" if attr == "weight" else "exact block"
-                elif isinstance(rule, RecurrentRule) and rule.factored and not self.diagonal_only:
+                elif isinstance(rule, LocalRule) and rule.factored and not self.diagonal_only:
                     weight = rule.factored[attr][1] == "weight"
                     kinds[name] = "kronecker" if weight else "exact block"
                 else:
@@ -426,8 +427,8 @@ class HookedPass:
         self, terms: BatchTerms, rule: Rule, grads: list[Tensor], rows: _Rows, curvature: bool
     ) -> None:
         block = not self.diagonal_only  # a bias: per-sample gradients Σ_t s_t, an exact block
-        if isinstance(rule, RecurrentRule) and rule.factored:
-            maps = rule.gate_maps(grads)
+        if isinstance(rule, LocalRule) and rule.factored:
+            maps = rule.linear_maps(grads)
             if maps is not None:
                 for attr, name in rule.names.items():
                     weight, kind = rule.factored[attr]

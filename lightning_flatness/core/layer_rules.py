@@ -37,6 +37,11 @@ from torch.func import functional_call, vjp, vmap
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_map
 
+from lightning_flatness.core.attention import (
+    is_self_attention,
+    projection_maps,
+    projection_parameters,
+)
 from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.core.recurrent import (
     factored_parameters,
@@ -49,6 +54,7 @@ from lightning_flatness.core.recurrent import (
 )
 
 __all__ = [
+    "AttentionRule",
     "KroneckerRule",
     "LayerCall",
     "LocalRule",
@@ -395,7 +401,52 @@ class LocalRule(Rule):
     #: the gradients keep their graph to the parameters (the regularizer differentiates them)
     keep_graph = False
 
+    @property
+    def factored(self) -> dict[str, tuple[str, str]]:
+        """``{attribute: (linear map, "weight" or "bias")}`` for the covered parameters that
+        are linear maps inside the module (or their biases), measured from patches and output
+        gradients by :meth:`linear_maps`; empty when the module has none it can follow."""
+        return {}
+
+    #: a call that :meth:`linear_maps` could not follow was seen: from then on, none is
+    #: (a Kronecker block and a diagonal are not summed across batches)
+    unfollowed = False
+
+    def linear_maps(self, grads: list[Tensor]) -> dict[str, tuple[Tensor, Tensor]] | None:
+        """``{linear map: (a (N, T, d), s (K, N, T, o))}`` over all recorded calls (several
+        calls: more positions), or None when a call cannot be followed that way."""
+        if not self.factored:
+            return None
+        if not all(self._follows(call) for call in self.calls):
+            self.unfollowed = True
+            return None
+        pieces = [self._call_maps(call, grad) for call, grad in zip(self.calls, grads, strict=True)]
+        if len(pieces) == 1:
+            return pieces[0]
+        return {
+            weight: (
+                torch.cat([piece[weight][0] for piece in pieces], dim=1),
+                torch.cat([piece[weight][1] for piece in pieces], dim=2),
+            )
+            for weight in pieces[0]
+        }
+
+    def _follows(self, call: LayerCall) -> bool:
+        """:meth:`_call_maps` can measure ``call``."""
+        return False
+
+    def _call_maps(self, call: LayerCall, grad: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        raise NotImplementedError
+
     def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
+        maps = None if self.keep_graph else self.linear_maps(grads)
+        if maps is not None:  # Σ_t s_t a_tᵀ and Σ_t s_t, exactly
+            result = {}
+            for attr, name in self.names.items():
+                weight, kind = self.factored[attr]
+                a, s = maps[weight]
+                result[name] = s.sum(2) if kind == "bias" else torch.einsum("knto,ntd->knod", s, a)
+            return result
         result: dict[str, Tensor] = {}
         params = {
             attr: p if self.keep_graph else p.detach() for attr, p in self.parameters().items()
@@ -411,18 +462,8 @@ class LocalRule(Rule):
     ) -> dict[str, Tensor]:
         """Per-sample gradients ``{attribute: (K, N, *shape)}`` of one recorded call."""
         out_dim = 1 if self._sequence_first else 0
-        batch = grad.shape[out_dim + 1]
-        arg_dims, kwarg_dims = self._batch_dims(call, batch)
 
         def one_sample(args: tuple, kwargs: dict, cotangents: Tensor) -> dict[str, Tensor]:
-            args = tuple(
-                v.unsqueeze(d) if d is not None else v for v, d in zip(args, arg_dims, strict=True)
-            )
-            kwargs = {
-                key: v.unsqueeze(kwarg_dims[key]) if kwarg_dims[key] is not None else v
-                for key, v in kwargs.items()
-            }
-
             def output(theta: dict[str, Tensor]) -> Tensor:
                 if unrolls(self.module, args):  # the fused kernel has no batching rule
                     value = recurrent_forward(self.module, theta, *args, **kwargs)
@@ -434,11 +475,31 @@ class LocalRule(Rule):
             _, pullback = vjp(output, params)
             return vmap(pullback)(cotangents)[0]
 
+        numel = sum(p.numel() for p in params.values()) * grad.shape[0]
+        return self._map_samples(call, grad, one_sample, numel)
+
+    def _map_samples(self, call: LayerCall, grad: Tensor, function, numel: int) -> object:
+        """``function(args, kwargs, cotangents)`` of each sample of ``call`` (its arguments
+        with a batch dimension of one, its cotangents (K, ...)) mapped over the samples a chunk
+        at a time, the outputs stacked along dimension 1; ``numel``: output size per sample."""
+        out_dim = 1 if self._sequence_first else 0
+        batch = grad.shape[out_dim + 1]
+        arg_dims, kwarg_dims = self._batch_dims(call, batch)
+
+        def one_sample(args: tuple, kwargs: dict, cotangents: Tensor) -> object:
+            args = tuple(
+                v.unsqueeze(d) if d is not None else v for v, d in zip(args, arg_dims, strict=True)
+            )
+            kwargs = {
+                key: v.unsqueeze(kwarg_dims[key]) if kwarg_dims[key] is not None else v
+                for key, v in kwargs.items()
+            }
+            return function(args, kwargs, cotangents)
+
         def rows_of(value: object, dim: int | None, rows: slice) -> object:
             return value if dim is None else value.narrow(dim, rows.start, rows.stop - rows.start)
 
         sample_grad = grad.movedim(out_dim + 1, 1)
-        numel = sum(p.numel() for p in params.values()) * grad.shape[0]
         per_chunk = max(1, CHUNK_ELEMENTS // max(1, numel))
         batched = map_samples(one_sample, (arg_dims, kwarg_dims, 1), self.module, out_dims=1)
         pieces = []
@@ -446,7 +507,35 @@ class LocalRule(Rule):
             args = tuple(rows_of(v, d, rows) for v, d in zip(call.args, arg_dims, strict=True))
             kwargs = {key: rows_of(v, kwarg_dims[key], rows) for key, v in call.kwargs.items()}
             pieces.append(batched(args, kwargs, sample_grad[:, rows]))
-        return {attr: torch.cat([piece[attr] for piece in pieces], dim=1) for attr in params}
+        return tree_map(lambda *parts: torch.cat(parts, dim=1), pieces[0], *pieces[1:])
+
+
+class AttentionRule(LocalRule):
+    """``nn.MultiheadAttention`` with packed projections and biases: per-sample gradients of
+    its own forward (:class:`LocalRule`), and, for self-attention (query, key and value the
+    same tensor), its input projection ``W_in x_t + b_in`` and output projection
+    ``W_out o_t + b_out`` measured as the linear maps they are
+    (:func:`~lightning_flatness.core.attention.projection_maps`)."""
+
+    @property
+    def factored(self) -> dict[str, tuple[str, str]]:
+        table = {} if self.unfollowed else projection_parameters(self.module)
+        return table if table and all(attr in table for attr in self.names) else {}
+
+    def _follows(self, call: LayerCall) -> bool:
+        return is_self_attention(call.args, call.kwargs)
+
+    def _call_maps(self, call: LayerCall, grad: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        module = self.module
+        params = {attr: p.detach() for attr, p in module.named_parameters()}
+        seq_first = self._sequence_first
+
+        def one_sample(args: tuple, kwargs: dict, cotangents: Tensor):
+            return projection_maps(module, params, args, kwargs, cotangents, seq_first)
+
+        width = module.embed_dim * (4 * grad.shape[0] + 2)
+        maps = self._map_samples(call, grad, one_sample, width * max(grad.shape[1:3]))
+        return {w: (a[0], s) for w, (a, s) in maps.items()}
 
 
 class RecurrentRule(LocalRule):
@@ -459,7 +548,7 @@ class RecurrentRule(LocalRule):
 
     The gate weights ``W_ih``, ``W_hh`` are linear maps applied at every step: their per-sample
     gradients are ``Σ_t s_t a_tᵀ`` with ``a_t`` what the map was applied to (``x_t``,
-    ``h_{t−1}``) and ``s_t`` the gradient of its output, which :meth:`gate_maps` takes from one
+    ``h_{t−1}``) and ``s_t`` the gradient of its output, which :meth:`linear_maps` takes from one
     ``vmap`` of the recursion differentiated with respect to zero taps on those outputs. They
     give the exact per-sample gradients and KFC's factors of each gate weight over its steps,
     like a linear layer's over positions (docs/math.md, "Kronecker factors from layer hooks").
@@ -467,37 +556,11 @@ class RecurrentRule(LocalRule):
 
     @property
     def factored(self) -> dict[str, tuple[str, str]]:
-        """``{attribute: (gate weight, "weight" or "bias")}`` for the covered parameters that
-        :meth:`gate_maps` measures (all of them, unless the LSTM has a projection)."""
-        table = factored_parameters(self.module)
-        return table if all(attr in table for attr in self.names) else {}
+        table = {} if self.unfollowed else factored_parameters(self.module)
+        return table if table and all(attr in table for attr in self.names) else {}
 
-    def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
-        maps = None if self.keep_graph or not self.factored else self.gate_maps(grads)
-        if maps is None:
-            return super().per_sample_gradients(grads)
-        result = {}
-        for attr, name in self.names.items():
-            weight, kind = self.factored[attr]
-            a, s = maps[weight]
-            result[name] = s.sum(2) if kind == "bias" else torch.einsum("knto,ntd->knod", s, a)
-        return result
-
-    def gate_maps(self, grads: list[Tensor]) -> dict[str, tuple[Tensor, Tensor]] | None:
-        """``{gate weight: (a (N, T, d), s (K, N, T, o))}`` over all recorded calls (several
-        calls: more steps), or None when a call does not unroll (one unbatched sequence)."""
-        if not all(unrolls(self.module, call.args) for call in self.calls):
-            return None
-        pieces = [self._call_maps(call, grad) for call, grad in zip(self.calls, grads, strict=True)]
-        if len(pieces) == 1:
-            return pieces[0]
-        return {
-            weight: (
-                torch.cat([piece[weight][0] for piece in pieces], dim=1),
-                torch.cat([piece[weight][1] for piece in pieces], dim=2),
-            )
-            for weight in pieces[0]
-        }
+    def _follows(self, call: LayerCall) -> bool:
+        return unrolls(self.module, call.args)
 
     def _call_maps(self, call: LayerCall, grad: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
         module = self.module
@@ -634,7 +697,9 @@ def make_rule(modules: list[nn.Module], names: dict[str, str]) -> Rule | None:
         return NormRule(modules, names)
     if isinstance(module, (nn.RNN, nn.LSTM, nn.GRU)):
         return RecurrentRule(modules, names)
-    if isinstance(module, nn.MultiheadAttention) or not any(True for _ in module.children()):
+    if isinstance(module, nn.MultiheadAttention):
+        return AttentionRule(modules, names)
+    if not any(True for _ in module.children()):
         return LocalRule(modules, names)
     return None
 
