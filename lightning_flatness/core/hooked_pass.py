@@ -562,6 +562,30 @@ class HookedPass:
                     facts[name] = (per_sample[0].sum(0), float(per_sample[0].square().sum()))
         return facts
 
+    def _disagreeing(
+        self,
+        row_grads: dict[int, list[Tensor]],
+        expected: dict[str, Tensor | None],
+        names: list[str],
+        rows: int,
+        tolerance: float,
+    ) -> set[str]:
+        """The ``names`` whose rule's one-sample gradient facts disagree with autograd's."""
+        wrong = set()
+        for row in range(rows):
+            one_row = {key: [g[row : row + 1] for g in value] for key, value in row_grads.items()}
+            try:
+                found = self._rule_gradient_facts(one_row)
+            except Exception:  # a rule that cannot run on this model: its parameters fall back
+                found = {}
+            wants = {name: expected[name][row] for name in expected if expected[name] is not None}
+            # errors of a parameter with a tiny gradient are judged on the sample's whole one
+            floor = 1e-3 * math.sqrt(sum(float(w.square().sum()) for w in wants.values()))
+            for name in names:
+                if not _agrees(wants.get(name), found.get(name), tolerance, floor):
+                    wrong.add(name)
+        return wrong
+
     def _check_coverage(self, logits: Tensor, residual: Tensor, inputs: Leaves) -> None:
         """Decide once which parameters the rules cover (module docstring).
 
@@ -603,18 +627,20 @@ class HookedPass:
                 wrong.update(rule.names.values())
             rule.batch_dim = dim or 0
         tolerance = 1e-4 if logits.dtype != torch.float64 else 1e-8
-        for row in range(len(samples)):
-            one_row = {key: [g[row : row + 1] for g in value] for key, value in row_grads.items()}
-            try:
-                found = self._rule_gradient_facts(one_row)
-            except Exception:  # a rule that cannot run on this model: its parameters fall back
-                found = {}
-            wants = {name: expected[name][row] for name in covered if expected[name] is not None}
-            # errors of a parameter with a tiny gradient are judged on the sample's whole one
-            floor = 1e-3 * math.sqrt(sum(float(w.square().sum()) for w in wants.values()))
-            for name in covered:
-                if not _agrees(wants.get(name), found.get(name), tolerance, floor):
-                    wrong.add(name)
+        wrong |= self._disagreeing(row_grads, expected, covered, len(samples), tolerance)
+        # a module followed through its linear maps that disagrees (a weight also used outside
+        # them) keeps the per-sample gradients of its own forward instead, if those agree
+        retry = [
+            rule
+            for rule in self.rules
+            if isinstance(rule, LocalRule) and rule.factored and wrong & set(rule.names.values())
+        ]
+        if retry:
+            for rule in retry:
+                rule.unfollowed = True
+            names = [name for rule in retry for name in rule.names.values()]
+            wrong -= set(names)
+            wrong |= self._disagreeing(row_grads, expected, names, len(samples), tolerance)
         for rule in self.rules:
             for attr in [a for a, n in rule.names.items() if n in wrong]:
                 del rule.names[attr]
@@ -633,6 +659,8 @@ class _Plan:
     covered: dict[str, int]  # parameter → its rule's samples' dimension
     tapped: tuple[str, ...]
     fallback: tuple[str, ...]
+    #: parameters of modules not followed through their linear maps (the check refused them)
+    unfollowed: frozenset[str] = frozenset()
 
 
 #: the plan of each measured model, by the user's module (dropped with it)
@@ -647,7 +675,19 @@ def _plan_key(model: LogitsModule) -> tuple:
 
 def _remember_plan(hooked: HookedPass) -> None:
     covered = {name: rule.batch_dim for rule in hooked.rules for name in rule.names.values()}
-    plan = _Plan(_plan_key(hooked.model), covered, tuple(hooked.tapped), tuple(hooked.fallback))
+    unfollowed = frozenset(
+        name
+        for rule in hooked.rules
+        if isinstance(rule, LocalRule) and rule.unfollowed
+        for name in rule.names.values()
+    )
+    plan = _Plan(
+        _plan_key(hooked.model),
+        covered,
+        tuple(hooked.tapped),
+        tuple(hooked.fallback),
+        unfollowed,
+    )
     # a module that cannot be weakly referenced is simply checked again next time
     with suppress(TypeError):
         _PLANS[hooked.model.model] = plan
@@ -666,6 +706,8 @@ def _apply_plan(hooked: HookedPass) -> bool:
             del rule.names[attr]
         for name in rule.names.values():
             rule.batch_dim = plan.covered[name]
+            if name in plan.unfollowed and isinstance(rule, LocalRule):
+                rule.unfollowed = True
     hooked.rules = [rule for rule in hooked.rules if rule.names]
     hooked.tapped, hooked.fallback = list(plan.tapped), list(plan.fallback)
     return True

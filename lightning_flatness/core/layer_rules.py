@@ -42,6 +42,7 @@ from lightning_flatness.core.attention import (
     projection_maps,
     projection_parameters,
 )
+from lightning_flatness.core.functional_linear import linear_maps_of_sample, linear_plan
 from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.core.recurrent import (
     factored_parameters,
@@ -405,12 +406,42 @@ class LocalRule(Rule):
     def factored(self) -> dict[str, tuple[str, str]]:
         """``{attribute: (linear map, "weight" or "bias")}`` for the covered parameters that
         are linear maps inside the module (or their biases), measured from patches and output
-        gradients by :meth:`linear_maps`; empty when the module has none it can follow."""
-        return {}
+        gradients by :meth:`linear_maps`; empty when the module has none it can follow.
+
+        Here: a module whose every parameter is the weight or bias of one ``F.linear`` call in
+        its own forward (:func:`~lightning_flatness.core.functional_linear.linear_plan`,
+        decided once on one sample of the first recorded call)."""
+        if self.unfollowed:
+            return {}
+        if self._plan is None and self.calls:
+            self._plan = self._linear_plan(self.calls[0])
+        plan = self._plan or {}
+        return plan if plan and all(attr in plan for attr in self.names) else {}
 
     #: a call that :meth:`linear_maps` could not follow was seen: from then on, none is
     #: (a Kronecker block and a diagonal are not summed across batches)
     unfollowed = False
+    #: :meth:`factored` of a plain module, once decided
+    _plan: dict[str, tuple[str, str]] | None = None
+
+    def _linear_plan(self, call: LayerCall) -> dict[str, tuple[str, str]]:
+        if any(True for _ in self.module.children()):
+            return {}
+        out_dim = 1 if self._sequence_first else 0
+        batch = call.output.shape[out_dim]
+        arg_dims, kwarg_dims = self._batch_dims(call, batch)
+
+        def first(value: object, dim: int | None) -> object:
+            return value if dim is None else value.narrow(dim, 0, 1)
+
+        args = tuple(first(v, d) for v, d in zip(call.args, arg_dims, strict=True))
+        kwargs = {key: first(v, kwarg_dims[key]) for key, v in call.kwargs.items()}
+        params = {attr: p.detach() for attr, p in self.module.named_parameters()}
+        try:
+            with torch.no_grad():
+                return linear_plan(self.module, params, args, kwargs)
+        except Exception:  # whatever the module does, it keeps its own per-sample gradients
+            return {}
 
     def linear_maps(self, grads: list[Tensor]) -> dict[str, tuple[Tensor, Tensor]] | None:
         """``{linear map: (a (N, T, d), s (K, N, T, o))}`` over all recorded calls (several
@@ -433,10 +464,22 @@ class LocalRule(Rule):
 
     def _follows(self, call: LayerCall) -> bool:
         """:meth:`_call_maps` can measure ``call``."""
-        return False
+        return True
 
     def _call_maps(self, call: LayerCall, grad: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
-        raise NotImplementedError
+        """A plain module's ``F.linear`` calls
+        (:mod:`~lightning_flatness.core.functional_linear`)."""
+        module = self.module
+        params = {attr: p.detach() for attr, p in module.named_parameters()}
+        weights = sorted({weight for weight, _ in self.factored.values()})
+        out_dim = 1 if self._sequence_first else 0
+
+        def one_sample(args: tuple, kwargs: dict, cotangents: Tensor):
+            return linear_maps_of_sample(module, params, args, kwargs, cotangents, weights, out_dim)
+
+        numel = grad.shape[0] * sum(params[w].shape[0] + params[w].shape[1] for w in weights)
+        maps = self._map_samples(call, grad, one_sample, numel * max(grad.shape[2:3] or (1,)))
+        return {w: (a[0], s) for w, (a, s) in maps.items()}
 
     def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
         maps = None if self.keep_graph else self.linear_maps(grads)
