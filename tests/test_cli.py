@@ -16,6 +16,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_flatness
+from lightning_flatness.core.measure import measure
 from lightning_flatness.lightning import cli
 from lightning_flatness.lightning.cli import FlatnessCLI, main
 from lightning_flatness.lightning.data import MNIST7DataModule
@@ -351,3 +352,76 @@ def test_cli_seeds_deterministically(tmp_path):
         return torch.cat([p.detach().flatten() for p in run.model.parameters()])
 
     assert torch.equal(weights(), weights())
+
+
+def test_top_level_help_lists_every_subcommand(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for subcommand in ("fit", "validate", "test", "predict", "measure", "sweep"):
+        assert f"\n  {subcommand} " in out, subcommand
+    assert main([]) == 2  # no subcommand: the same overview, and a usage error
+
+
+def test_callbacks_go_by_their_short_names(tmp_path, capsys):
+    config = _write_config(
+        tmp_path,
+        """
+        trainer:
+          logger: false
+          callbacks:
+            - class_path: FlatnessMonitor
+              init_args: {every_n_epochs: 2}
+            - class_path: SoftRankRegularizer
+              init_args: {strength: 0.5}
+        """,
+    )
+    run = FlatnessCLI(args=["--config", str(config)], run=False)
+    kinds = {type(c).__name__: c for c in run.trainer.callbacks}
+    assert kinds["FlatnessMonitor"].every_n_epochs == 2
+    assert kinds["SoftRankRegularizer"].strength == 0.5
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--trainer.callbacks.help", "FlatnessMonitor"])
+    assert exit_info.value.code == 0
+    assert "overhead_budget" in capsys.readouterr().out
+
+
+def test_measure_prints_the_report_of_a_checkpoint(tmp_path, capsys):
+    """The fit's own config (here overwritten by the copy the fit saved, which also holds
+    fit's ckpt_path) and checkpoint: the report is measure() of those weights on the samples
+    the monitor measures, with λ from the module's optimizer and the monitor's settings."""
+    config = _write_config(
+        tmp_path,
+        f"""
+        seed_everything: 0
+        trainer:
+          enable_progress_bar: false
+          enable_model_summary: false
+          default_root_dir: {tmp_path}
+          logger: false
+          callbacks:
+            - class_path: FlatnessMonitor
+              init_args: {{structure: kfac, print_summary: false}}
+        model:
+          hidden: 8
+          weight_decay_c: 1.0
+        data:
+          train_size: 64
+          val_size: 32
+          batch_size: 32
+        """,
+    )
+    main(["fit", "--config", str(config), *FAST])
+    checkpoint = next(tmp_path.glob("**/*.ckpt"))
+    capsys.readouterr()
+    assert main(["measure", "--config", str(config), "--ckpt_path", str(checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert "Flatness summary" in out and "structure=kfac" in out
+    printed = float(next(line for line in out.splitlines() if "soft rank" in line).split()[-1])
+    model = FlatnessClassifier.load_from_checkpoint(checkpoint).eval()
+    data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
+    data.setup("fit")
+    x, y = data.train_set.tensors
+    expected = measure(  # the monitor's defaults: kfac from probe rows, seed 0
+        model, [(x, y)], lam=1.0 / 64, num_train_samples=64, structure="kfac", kfac_mode="probe"
+    )
+    assert printed == pytest.approx(expected.soft_rank, rel=1e-5)

@@ -1,4 +1,4 @@
-"""Command line: ``lightning-flatness {fit,validate,test,sweep} --config CONFIG.yaml``.
+"""Command line: ``lightning-flatness {fit,validate,test,predict,sweep,measure} --config CONFIG``.
 
 Built on :class:`lightning.pytorch.cli.LightningCLI`. The model and the data default to
 :class:`~lightning_flatness.lightning.module.FlatnessClassifier` and
@@ -16,7 +16,10 @@ directly (``--model.architecture=cnn``, ``--data.train_size=1000``), but *any*
 defaults to 0 rather than a random one, for reproducible runs.
 
 ``lightning-flatness sweep ...`` is handed to ``lightning_flatness.sweep.main`` when that module
-exists.
+exists; ``lightning-flatness measure --config CONFIG --ckpt_path CKPT`` prints the report of a
+trained checkpoint (:mod:`~lightning_flatness.lightning.measure_command`). The callbacks are
+known by their short names (``class_path: FlatnessMonitor``,
+``--trainer.callbacks.help FlatnessMonitor``).
 """
 
 from __future__ import annotations
@@ -30,14 +33,40 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_flatness.lightning.class_paths import DEFAULT_DATA, DEFAULT_MODEL
+from lightning_flatness.lightning.measure_command import run_measure
+
+# imported so that LightningCLI resolves the callbacks by their short names (it looks among the
+# imported subclasses of Callback)
+from lightning_flatness.lightning.monitor import FlatnessMonitor  # noqa: F401
+from lightning_flatness.lightning.regularizer import SoftRankRegularizer  # noqa: F401
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_MODEL", "FlatnessCLI", "main"]
 
 _SWEEP_MODULE = "lightning_flatness.sweep"
 _DESCRIPTION = (
     "Train, validate or test a classifier with PyTorch Lightning (subcommands fit, validate, "
-    "test, predict); 'lightning-flatness sweep --help' describes sweeps where available."
+    "test, predict), run a sweep (sweep) or measure a trained checkpoint (measure); "
+    "'lightning-flatness SUBCOMMAND --help' describes each."
 )
+#: the top-level help: every subcommand, this package's two first
+_OVERVIEW = """usage: lightning-flatness SUBCOMMAND [options]
+
+Train a classifier with FlatnessMonitor, measure a trained one, or run a sweep.
+
+subcommands:
+  fit        train (and validate) a model; the config's callbacks, e.g. FlatnessMonitor,
+             log the soft rank and the predicted gap
+  validate   one evaluation epoch over the validation set
+  test       one evaluation epoch over the test set
+  predict    run inference on the prediction data
+  measure    the flatness report of a trained checkpoint, without training:
+             lightning-flatness measure --config CONFIG.yaml --ckpt_path PATH.ckpt
+  sweep      train and measure a grid of runs (tables, rank correlations):
+             lightning-flatness sweep --config configs/sweep_quick.yaml --output DIR
+
+'lightning-flatness SUBCOMMAND --help' shows a subcommand's options; callbacks go by their
+short names, e.g. 'lightning-flatness fit --trainer.callbacks.help FlatnessMonitor'.
+"""
 
 
 class FlatnessCLI(LightningCLI):
@@ -96,8 +125,14 @@ def main(args: ArgsType = None) -> int | None:
         The exit status of ``sweep`` if it returns one, else ``None`` (success).
     """
     argv = sys.argv[1:] if args is None else args
-    if isinstance(argv, list | tuple) and argv and argv[0] == "sweep":
-        return _run_sweep(list(argv[1:]))
+    if isinstance(argv, list | tuple):
+        if not argv or argv[0] in ("-h", "--help"):
+            print(_OVERVIEW)
+            return 0 if argv else 2
+        if argv[0] == "sweep":
+            return _run_sweep(list(argv[1:]))
+        if argv[0] == "measure":
+            return run_measure(list(argv[1:]), FlatnessCLI)
     FlatnessCLI(args=args)
     return None
 
