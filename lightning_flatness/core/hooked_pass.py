@@ -379,7 +379,7 @@ class HookedPass:
         for name, got, want in zip(self.tapped, tap_grads, truth, strict=True):
             good = same
             for row, sample in enumerate(samples):
-                others = torch.ones(got.shape[1], dtype=torch.bool)
+                others = torch.ones(got.shape[1], dtype=torch.bool, device=got.device)
                 others[sample] = False
                 good = good and float(got[row][others].abs().sum()) == 0.0
                 facts = (got[row].sum(0).reshape(want[row].shape), float(got[row].square().sum()))
@@ -602,7 +602,9 @@ class HookedPass:
         batch = logits.shape[0]
         strongest = residual.norm(dim=1).argsort(descending=True)[:2]
         samples = sorted(int(i) for i in strongest)
-        single = torch.zeros(len(samples), *residual.shape, dtype=logits.dtype)
+        single = torch.zeros(
+            len(samples), *residual.shape, dtype=logits.dtype, device=residual.device
+        )
         for row, sample in enumerate(samples):
             value = residual[sample]
             single[row, sample] = value if float(value.abs().sum()) > 0 else 1.0
@@ -733,7 +735,7 @@ def _samples_dimension(
             continue
         vanishes = True
         for row, sample in enumerate(samples):
-            others = torch.ones(batch, dtype=torch.bool)
+            others = torch.ones(batch, dtype=torch.bool, device=grad.device)
             others[sample] = False
             if bool(grad[row].index_select(dim, others.nonzero().squeeze(1)).abs().sum() > 0):
                 vanishes = False
