@@ -531,16 +531,16 @@ class LocalRule(Rule):
 
         def one_sample(args: tuple, kwargs: dict, cotangents: Tensor) -> object:
             args = tuple(
-                v.unsqueeze(d) if d is not None else v for v, d in zip(args, arg_dims, strict=True)
+                _along(v, d, Tensor.unsqueeze) for v, d in zip(args, arg_dims, strict=True)
             )
             kwargs = {
-                key: v.unsqueeze(kwarg_dims[key]) if kwarg_dims[key] is not None else v
-                for key, v in kwargs.items()
+                key: _along(v, kwarg_dims[key], Tensor.unsqueeze) for key, v in kwargs.items()
             }
             return function(args, kwargs, cotangents)
 
-        def rows_of(value: object, dim: int | None, rows: slice) -> object:
-            return value if dim is None else value.narrow(dim, rows.start, rows.stop - rows.start)
+        def rows_of(value: object, dim: object, rows: slice) -> object:
+            size = rows.stop - rows.start
+            return _along(value, dim, lambda t, d: t.narrow(d, rows.start, size))
 
         sample_grad = grad.movedim(out_dim + 1, 1)
         per_chunk = max(1, CHUNK_ELEMENTS // max(1, numel))
@@ -611,7 +611,10 @@ class RecurrentRule(LocalRule):
         params = {attr: p.detach() for attr, p in module.named_parameters(recurse=False)}
         gates = {weight: params[weight].shape[0] for weight in weights}
 
-        def one_sample(x: Tensor, hx: object, length: Tensor | None, first: bool, cotangents):
+        first = _batch_first(module, call)
+
+        def one_sample(args: tuple, kwargs: dict, cotangents: Tensor):
+            x, hx, length = _recurrent_arguments(args, kwargs)
             steps = x.shape[1 if first else 0]
             taps = {w: x.new_zeros(steps, 1, size) for w, size in gates.items()}
 
@@ -629,7 +632,7 @@ class RecurrentRule(LocalRule):
 
         width = grad.shape[0] * sum(gates.values()) + sum(params[w].shape[1] for w in weights)
         steps = max(call.args[0].shape[:2])
-        maps = self._unrolled(call, grad, one_sample, width * steps)
+        maps = self._map_samples(call, grad, one_sample, width * steps)
         return {w: (a[0], s) for w, (a, s) in maps.items()}
 
     def _call_gradients(
@@ -638,8 +641,11 @@ class RecurrentRule(LocalRule):
         if not unrolls(self.module, call.args):
             return super()._call_gradients(call, grad, params)
         module = self.module
+        first = _batch_first(module, call)
 
-        def one_sample(x: Tensor, hx: object, length: Tensor | None, first: bool, cotangents):
+        def one_sample(args: tuple, kwargs: dict, cotangents: Tensor):
+            x, hx, length = _recurrent_arguments(args, kwargs)
+
             def output(theta: dict[str, Tensor]) -> Tensor:
                 sequence, final = recurrent_forward(module, theta, x, hx, length, first)
                 return joint_output(module, sequence, final, first).squeeze(0)
@@ -648,46 +654,47 @@ class RecurrentRule(LocalRule):
             return vmap(pullback)(cotangents)[0]
 
         numel = sum(p.numel() for p in params.values()) * grad.shape[0]
-        return self._unrolled(call, grad, one_sample, numel)
+        return self._map_samples(call, grad, one_sample, numel)
 
-    def _unrolled(self, call: LayerCall, grad: Tensor, function, numel: int) -> dict:
-        """``function(x, hx, length, batch_first, cotangents)`` of each sample (given a batch
-        dimension of one) mapped over the samples of ``call`` a chunk at a time, its outputs
-        stacked along dimension 1; ``numel`` is its output size per sample."""
-        module = self.module
-        inputs = call.args[0]
-        state = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
-        lengths = call.kwargs.get("lengths")  # a packed batch, recorded padded, batch first
-        first = True if lengths is not None else module.batch_first
-        input_dim = 0 if first else 1
-        state_dim = None if state is None else ((1, 1) if isinstance(state, tuple) else 1)
-        length_dim = None if lengths is None else 0
+    def _batch_dims(self, call: LayerCall, batch: int) -> tuple[tuple, dict]:
+        """The input's samples on dimension 0 (batch first, or a packed batch recorded padded)
+        or 1, the states' on 1, the lengths' on 0."""
+        if not unrolls(self.module, call.args):
+            return super()._batch_dims(call, batch)
+        first = _batch_first(self.module, call)
 
-        def one_sample(x: Tensor, hx: object, length: Tensor | None, cotangents: Tensor):
-            x = x.unsqueeze(input_dim)
-            if isinstance(hx, tuple):
-                hx = tuple(h.unsqueeze(1) for h in hx)
-            elif hx is not None:
-                hx = hx.unsqueeze(1)
-            length = None if length is None else length.unsqueeze(0)
-            return function(x, hx, length, first, cotangents)
+        def state_dim(value: object) -> object:
+            return None if value is None else ((1, 1) if isinstance(value, tuple) else 1)
 
-        batch = grad.shape[1]
-        per_chunk = max(1, CHUNK_ELEMENTS // max(1, numel))
-        dims = (input_dim, state_dim, length_dim, 1)
-        batched = map_samples(one_sample, dims, module, out_dims=1)
-        pieces = []
-        for rows in _chunks(batch, per_chunk):
-            size = rows.stop - rows.start
-            x = inputs.narrow(input_dim, rows.start, size)
-            hx = state
-            if isinstance(state, tuple):
-                hx = tuple(h.narrow(1, rows.start, size) for h in state)
-            elif state is not None:
-                hx = state.narrow(1, rows.start, size)
-            length = None if lengths is None else lengths[rows].to(inputs.device)
-            pieces.append(batched(x, hx, length, grad[:, rows]))
-        return tree_map(lambda *parts: torch.cat(parts, dim=1), pieces[0], *pieces[1:])
+        arg_dims = (0 if first else 1, *(state_dim(v) for v in call.args[1:]))
+        kwarg_dims = {
+            key: 0 if key == "lengths" else state_dim(v) if key == "hx" else None
+            for key, v in call.kwargs.items()
+        }
+        return arg_dims, kwarg_dims
+
+
+def _batch_first(module: nn.Module, call: LayerCall) -> bool:
+    """A recurrent call's layout: batch first for a packed batch (recorded padded that way)."""
+    return True if call.kwargs.get("lengths") is not None else module.batch_first
+
+
+def _recurrent_arguments(args: tuple, kwargs: dict) -> tuple[Tensor, object, Tensor | None]:
+    """A recurrent call's input, state and (packed) lengths, the lengths on the input's
+    device."""
+    state = args[1] if len(args) > 1 else kwargs.get("hx")
+    lengths = kwargs.get("lengths")
+    return args[0], state, None if lengths is None else lengths.to(args[0].device)
+
+
+def _along(value: object, dim: object, apply) -> object:
+    """``apply(tensor, dim)`` to ``value`` (a tensor, or a tuple of them with a tuple of
+    dimensions, such as an LSTM's state); unchanged where ``dim`` is None."""
+    if dim is None:
+        return value
+    if isinstance(dim, tuple):
+        return tuple(_along(v, d, apply) for v, d in zip(value, dim, strict=True))
+    return apply(value, dim)
 
 
 def _chunks(size: int, per_chunk: int) -> Iterator[slice]:
