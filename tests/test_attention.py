@@ -11,7 +11,8 @@ from torch import Tensor, nn
 
 from lightning_flatness import measure
 from lightning_flatness.core import reference, spectral
-from lightning_flatness.core.layer_rules import AttentionRule, LocalRule, record_call
+from lightning_flatness.core.module_rules import AttentionRule, LocalRule
+from lightning_flatness.core.rule_assignment import record_call
 
 LAM = 1e-3
 

@@ -17,14 +17,15 @@ The K rows are (docs/math.md, "The three matrices", "Kronecker factors from laye
   predicted one and the rare other draws carry nearly all of the Fisher (docs/math.md,
   "Kronecker factors from layer hooks").
 
-:mod:`lightning_flatness.core.layer_rules` turns inputs and output gradients into per-sample
-gradients; a weight tied across layers of one type is one Kronecker block whose calls are its
-positions. A parameter of shape ``(1, ...)`` that a module with children uses (a class token, a
-positional embedding) is *tapped*: the forward pass uses N stacked copies of it, and the gradient
-of copy i is sample i's. Whatever is left (a parameter also used outside its module's
-``forward``, shared by layers of different types) gets per-sample gradients from ``torch.func``
-(``vmap`` of a vector-Jacobian product of the whole model, restricted to those parameters: the
-costly fallback, reported as "diagonal (whole model)").
+:mod:`lightning_flatness.core.layer_rules` and :mod:`lightning_flatness.core.module_rules` turn
+inputs and output gradients into per-sample gradients (which rule covers what:
+:mod:`lightning_flatness.core.rule_assignment`); a weight tied across layers of one type is one
+Kronecker block whose calls are its positions. A parameter of shape ``(1, ...)`` that a module
+with children uses (a class token, a positional embedding) is *tapped*: the forward pass uses N
+stacked copies of it, and the gradient of copy i is sample i's. Whatever is left (a parameter
+also used outside its module's ``forward``, shared by layers of different types) gets per-sample
+gradients from ``torch.func`` (``vmap`` of a vector-Jacobian product of the whole model,
+restricted to those parameters: the costly fallback, reported as "diagonal (whole model)").
 
 Which parameters the rules and taps cover is decided once, on the first batch: with cotangents
 on single samples, each rule's per-sample gradients must sum to autograd's gradient and their
@@ -58,20 +59,18 @@ from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.layer_rules import (
     CHUNK_ELEMENTS,
     KroneckerRule,
-    LocalRule,
-    RecurrentRule,
     Rule,
-    assign_rules,
     kronecker_factors,
-    record_call,
     weight_batch_gradient,
     weight_rows,
     weight_square_sums,
     weight_squared_norms,
 )
 from lightning_flatness.core.likelihoods import Likelihood
+from lightning_flatness.core.module_rules import LocalRule, RecurrentRule
 from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.core.positional import position_draws, position_signs
+from lightning_flatness.core.rule_assignment import assign_rules, record_call
 
 __all__ = ["COVERAGE", "BatchTerms", "HookedPass"]
 

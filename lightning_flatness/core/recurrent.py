@@ -4,7 +4,7 @@ PyTorch runs recurrent layers as one fused kernel, which :func:`torch.func.vmap`
 rule for: per-sample gradients through it take one pass per sample. The same recursions written
 with matrix products and elementwise gates batch like any other layer, so a layer rule can take
 the per-sample gradients of a recurrent layer's weights with one ``vmap`` over the samples
-(:class:`~lightning_flatness.core.layer_rules.LocalRule`). The equations are PyTorch's own (its
+(:class:`~lightning_flatness.core.module_rules.LocalRule`). The equations are PyTorch's own (its
 documentation of each module), for any number of layers, either direction, with or without
 biases, batch first or not, and an LSTM's projection ``proj_size``; dropout between layers is
 that of evaluation mode (none), as in a measurement. A packed batch (``PackedSequence``) is

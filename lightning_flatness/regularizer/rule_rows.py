@@ -1,6 +1,7 @@
 """The rows of ``V_b`` from the measurement's layer rules, with their graph (``backend="rules"``).
 
-The layer rules of :mod:`lightning_flatness.core.layer_rules` turn what a forward hook recorded
+The layer rules (:mod:`lightning_flatness.core.layer_rules`, ``module_rules``) turn what a
+forward hook recorded
 (a layer's input) and one backward pass to the layer outputs into per-sample gradients:
 ``Σ_t s_t a_tᵀ`` and ``Σ_t s_t`` for linear maps, convolutions, embeddings and Hugging Face's
 ``Conv1D``; ``Σ s ∘ x̂`` and ``Σ s`` for normalisation layers. Here the inputs are recorded
@@ -29,16 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
-from lightning_flatness.core.layer_rules import (
-    KroneckerRule,
-    LocalRule,
-    RecurrentRule,
-    Rule,
-    assign_rules,
-    record_call,
-    weight_rows,
-)
+from lightning_flatness.core.layer_rules import KroneckerRule, Rule, weight_rows
 from lightning_flatness.core.likelihoods import Likelihood
+from lightning_flatness.core.module_rules import LocalRule, RecurrentRule
+from lightning_flatness.core.rule_assignment import assign_rules, record_call
 from lightning_flatness.regularizer.labels import fixed_targets, score
 from lightning_flatness.regularizer.layerwise import LayerwiseIncomplete
 
