@@ -81,15 +81,18 @@ class LocalRule(Rule):
         are linear maps inside the module (or their biases), measured from patches and output
         gradients by :meth:`linear_maps`; empty when the module has none it can follow.
 
-        Here: a module whose every parameter is the weight or bias of one ``F.linear`` call in
-        its own forward (:func:`~lightning_flatness.core.functional_linear.linear_plan`,
-        decided once on one sample of the first recorded call)."""
-        if self.unfollowed:
-            return {}
+        Every covered parameter must be in :meth:`_linear_table`."""
+        table = {} if self.unfollowed else self._linear_table()
+        return table if table and all(attr in table for attr in self.names) else {}
+
+    def _linear_table(self) -> dict[str, tuple[str, str]]:
+        """The module's parameters that are linear maps or their biases. Here: a module whose
+        every parameter is the weight or bias of one ``F.linear`` call in its own forward
+        (:func:`~lightning_flatness.core.functional_linear.linear_plan`, decided once on one
+        sample of the first recorded call)."""
         if self._plan is None and self.calls:
             self._plan = self._linear_plan(self.calls[0])
-        plan = self._plan or {}
-        return plan if plan and all(attr in plan for attr in self.names) else {}
+        return self._plan or {}
 
     #: a call that :meth:`linear_maps` could not follow was seen: from then on, none is
     #: (a Kronecker block and a diagonal are not summed across batches)
@@ -233,10 +236,8 @@ class AttentionRule(LocalRule):
     ``W_out o_t + b_out`` measured as the linear maps they are
     (:func:`~lightning_flatness.core.attention.projection_maps`)."""
 
-    @property
-    def factored(self) -> dict[str, tuple[str, str]]:
-        table = {} if self.unfollowed else projection_parameters(self.module)
-        return table if table and all(attr in table for attr in self.names) else {}
+    def _linear_table(self) -> dict[str, tuple[str, str]]:
+        return projection_parameters(self.module)
 
     def _follows(self, call: LayerCall) -> bool:
         return is_self_attention(call.args, call.kwargs)
@@ -270,10 +271,8 @@ class RecurrentRule(LocalRule):
     like a linear layer's over positions (docs/math.md, "Kronecker factors from layer hooks").
     """
 
-    @property
-    def factored(self) -> dict[str, tuple[str, str]]:
-        table = {} if self.unfollowed else factored_parameters(self.module)
-        return table if table and all(attr in table for attr in self.names) else {}
+    def _linear_table(self) -> dict[str, tuple[str, str]]:
+        return factored_parameters(self.module)
 
     def _follows(self, call: LayerCall) -> bool:
         return unrolls(self.module, call.args)
