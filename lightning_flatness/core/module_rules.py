@@ -184,10 +184,7 @@ class LocalRule(Rule):
 
         def one_sample(args: tuple, kwargs: dict, cotangents: Tensor) -> dict[str, Tensor]:
             def output(theta: dict[str, Tensor]) -> Tensor:
-                if unrolls(self.module, args):  # the fused kernel has no batching rule
-                    value = recurrent_forward(self.module, theta, *args, **kwargs)
-                else:
-                    value = functional_call(self.module, theta, args, kwargs)
+                value = functional_call(self.module, theta, args, kwargs)
                 value = value[0] if isinstance(value, tuple) else value
                 return value.squeeze(out_dim)
 
