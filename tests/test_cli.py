@@ -425,3 +425,24 @@ def test_measure_prints_the_report_of_a_checkpoint(tmp_path, capsys):
         model, [(x, y)], lam=1.0 / 64, num_train_samples=64, structure="kfac", kfac_mode="probe"
     )
     assert printed == pytest.approx(expected.soft_rank, rel=1e-5)
+
+
+def test_measure_asks_for_n_when_the_training_data_has_no_length():
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from lightning_flatness import FlatnessMonitor
+    from lightning_flatness.lightning.measure_command import _batches
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter([(torch.zeros(1, 7, 7), 0)] * 4)
+
+    class Module:
+        def train_dataloader(self):
+            return DataLoader(Stream(), batch_size=2)
+
+    trainer = types.SimpleNamespace(datamodule=None)
+    with pytest.raises(SystemExit, match="num_train_samples"):
+        _batches(trainer, Module(), FlatnessMonitor(use_val=False))
+    train, val, n = _batches(trainer, Module(), FlatnessMonitor(num_train_samples=4, use_val=False))
+    assert n == 4 and val is None and sum(len(y) for _, y in train) == 4

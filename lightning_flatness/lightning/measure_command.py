@@ -78,13 +78,22 @@ def _batches(
     trainer: Trainer, module: LightningModule, monitor: FlatnessMonitor
 ) -> tuple[list, list | None, int]:
     """The samples the monitor measures at fit end, in the same fixed order (so the same probe
-    draws): the training and held-out batches, and the training set's size."""
+    draws): the training and held-out batches, and n (the training set's size, or the
+    monitor's ``num_train_samples``)."""
     datamodule = trainer.datamodule
     source = datamodule if datamodule is not None else module
     if datamodule is not None:
         datamodule.setup("fit")
     train = first_dataloader(source.train_dataloader())
-    size = len(train.dataset)
+    size = monitor.num_train_samples
+    if size is None:
+        try:
+            size = len(train.dataset)
+        except TypeError:
+            raise SystemExit(
+                "lightning-flatness measure: the training data has no length, so n is unknown; "
+                "set num_train_samples in the config's FlatnessMonitor."
+            ) from None
     seed, batch_size = monitor.seed, monitor.batch_size
     train_batches = fixed_subset_batches(train, monitor.max_samples, batch_size, seed)
     if not monitor.use_val:
@@ -125,7 +134,7 @@ def run_measure(args: list[str], cli_class: Callable[..., LightningCLI]) -> int:
         module,
         train,
         lam=lam.decays if isinstance(lam, ParameterDecay) else lam,
-        num_train_samples=monitor.num_train_samples or size,
+        num_train_samples=size,
         structure=options.structure or monitor.structure,
         val_batches=val,
         trace_estimator=monitor.trace_estimator,
