@@ -63,6 +63,23 @@ def assert_records_equal(first: dict, second: dict) -> None:
         assert same, f"{key}: {value} != {second[key]}"
 
 
+def assert_kronecker_blocks_exact(model, inputs, targets, names, lam: float) -> None:
+    """``kfac`` on one sample at one position: the Kronecker block G ⊗ A of each of ``names``
+    is its exact Fisher block (the factorisation approximates only over samples and
+    positions), against the dense reference in float64."""
+    from lightning_flatness import measure
+    from lightning_flatness.core import reference, spectral
+
+    report = measure(model, [(inputs, targets)], lam=lam, num_train_samples=100, structure="kfac")
+    fisher = reference.dense_fisher(model, inputs)
+    blocks = dict(reference.parameter_blocks(model))
+    for name in names:
+        assert report.coverage[name] == "kronecker", name
+        block = fisher[blocks[name], blocks[name]]
+        expected = spectral.soft_rank(spectral.psd_eigenvalues(block), lam)
+        assert report.blocks[name].soft_rank == pytest.approx(expected, rel=1e-9), name
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: one thread avoids OpenMP contention on a shared machine."""

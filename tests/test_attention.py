@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_kronecker_blocks_exact
 from torch import Tensor, nn
 
 from lightning_flatness import measure
@@ -78,17 +79,8 @@ def test_self_attention_is_kronecker_and_exact_for_one_sample_at_one_position(ba
     factorisation's only approximation is over samples and positions)."""
     torch.manual_seed(0)
     model = AttentionClassifier(batch_first).double().eval()
-    tokens, targets = torch.tensor([[4]]), torch.tensor([2])
-    report = measure(model, [(tokens, targets)], lam=LAM, num_train_samples=100, structure="kfac")
-    fisher = reference.dense_fisher(model, tokens)
-    start = 0
-    for name, param in model.named_parameters():
-        block = fisher[start : start + param.numel(), start : start + param.numel()]
-        start += param.numel()
-        if name in ("attention.in_proj_weight", "attention.out_proj.weight"):
-            assert report.coverage[name] == "kronecker"
-            expected = spectral.soft_rank(spectral.psd_eigenvalues(block), LAM)
-            assert report.blocks[name].soft_rank == pytest.approx(expected, rel=1e-9), name
+    names = ["attention.in_proj_weight", "attention.out_proj.weight"]
+    assert_kronecker_blocks_exact(model, torch.tensor([[4]]), torch.tensor([2]), names, LAM)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_kronecker_blocks_exact
 from torch import Tensor, nn
 
 from lightning_flatness import measure
@@ -62,10 +63,8 @@ def test_its_kronecker_block_is_exact_for_one_sample_at_one_position():
         "second.weight": "kronecker",
         "second.bias": "exact block",
     }
-    fisher = reference.dense_fisher(model, inputs)
-    block = fisher[:35, :35]  # first.weight
-    expected = spectral.soft_rank(spectral.psd_eigenvalues(block), LAM)
-    assert report.blocks["first.weight"].soft_rank == pytest.approx(expected, rel=1e-9)
+    names = ["first.weight", "second.weight"]
+    assert_kronecker_blocks_exact(model, inputs, targets, names, LAM)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import assert_kronecker_blocks_exact
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
@@ -55,6 +56,24 @@ def _data(n: int):
     return ids, torch.randint(0, 3, (n,), generator=generator)
 
 
+def _assert_batched_exact_and_kronecker(model: nn.Module, data: list, fisher: Tensor) -> None:
+    """The default (3 classes: exact rows) equals the dense soft rank and Tr(F), with the
+    recurrent layer's rows batched through its step-by-step recursion (no loop over samples);
+    under kfac its gate weights are Kronecker layers (linear maps at every step), its biases
+    exact blocks."""
+    exact = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        default = measure(model, data, lam=LAM, num_train_samples=100)
+    assert not [w for w in caught if "one sample at a time" in str(w.message)]
+    assert default.soft_rank == pytest.approx(exact.soft_rank, rel=1e-8)
+    assert default.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-8)
+    coverage = measure(model, data, lam=LAM, num_train_samples=100, structure="kfac").coverage
+    for name, kind in coverage.items():
+        if name.startswith("rnn."):
+            assert kind == ("kronecker" if ".weight_" in name else "exact block"), name
+
+
 CASES = [
     ("rnn", True, False, 1),
     ("gru", False, True, 1),
@@ -72,19 +91,8 @@ def test_recurrent_models_are_measured_exactly(kind, batch_first, bidirectional,
     model = SequenceClassifier(kind, batch_first, bidirectional, layers, state).double().eval()
     inputs, targets = _data(10)
     fisher = reference.dense_fisher(model, inputs)
-    exact = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
     data = [(inputs[i : i + 4], targets[i : i + 4]) for i in range(0, 10, 4)]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        default = measure(model, data, lam=LAM, num_train_samples=100)  # 3 classes: exact rows
-    # the recurrent layer's rows come batched, through its step-by-step recursion
-    assert not [w for w in caught if "one sample at a time" in str(w.message)]
-    assert default.soft_rank == pytest.approx(exact.soft_rank, rel=1e-8)
-    assert default.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-8)
-    coverage = measure(model, data, lam=LAM, num_train_samples=100, structure="kfac").coverage
-    for name, kind in coverage.items():  # gate weights are linear maps at every step
-        if name.startswith("rnn."):
-            assert kind == ("kronecker" if ".weight_" in name else "exact block"), name
+    _assert_batched_exact_and_kronecker(model, data, fisher)
     diag = measure(model, data, lam=LAM, num_train_samples=100, structure="diag")
     assert diag.soft_rank == pytest.approx(spectral.soft_rank(fisher.diagonal(), LAM), rel=1e-8)
 
@@ -96,17 +104,8 @@ def test_gate_weight_kronecker_blocks_are_exact_for_one_sample_and_one_step(kind
     and steps): the factors are those of the map's input and output gradient."""
     torch.manual_seed(0)
     model = SequenceClassifier(kind, True, True, 1).double().eval()
-    tokens, targets = torch.tensor([[3]]), torch.tensor([1])
-    report = measure(model, [(tokens, targets)], lam=LAM, num_train_samples=100, structure="kfac")
-    fisher = reference.dense_fisher(model, tokens)
-    start = 0
-    for name, param in model.named_parameters():
-        block = fisher[start : start + param.numel(), start : start + param.numel()]
-        start += param.numel()
-        if name.startswith("rnn.weight_ih"):
-            assert report.coverage[name] == "kronecker"
-            expected = spectral.soft_rank(spectral.psd_eigenvalues(block), LAM)
-            assert report.blocks[name].soft_rank == pytest.approx(expected, rel=1e-9), name
+    names = [name for name, _ in model.named_parameters() if name.startswith("rnn.weight_ih")]
+    assert_kronecker_blocks_exact(model, torch.tensor([[3]]), torch.tensor([1]), names, LAM)
 
 
 def test_an_lstm_projection_keeps_exact_per_sample_gradients():
@@ -215,17 +214,7 @@ def test_packed_sequences_are_measured_exactly(kind, reads_state):
     tokens, targets = _data(10)
     lengths = (tokens != 0).sum(1)
     fisher = _autograd_fisher(model, tokens, lengths)  # torch.func cannot run a packed LSTM
-    exact = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
     data = [((tokens[i : i + 4], lengths[i : i + 4]), targets[i : i + 4]) for i in (0, 4, 8)]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        default = measure(model, data, lam=LAM, num_train_samples=100)
-    assert not [w for w in caught if "one sample at a time" in str(w.message)]
-    assert default.soft_rank == pytest.approx(exact.soft_rank, rel=1e-8)
-    assert default.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-8)
-    coverage = measure(model, data, lam=LAM, num_train_samples=100, structure="kfac").coverage
-    for name, kind in coverage.items():  # gate weights are linear maps at every step
-        if name.startswith("rnn."):
-            assert kind == ("kronecker" if ".weight_" in name else "exact block"), name
+    _assert_batched_exact_and_kronecker(model, data, fisher)
     with pytest.raises(UnsupportedModelError, match=r"PackedSequence.*probe_kernel"):
         measure(model, data, lam=LAM, num_train_samples=100, structure="cg")
