@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LinearCalls", "linear_maps_of_sample", "linear_plan"]
+__all__ = ["LinearCalls", "linear_maps_of_sample", "linear_output_shapes", "linear_plan"]
 
 
 class LinearCalls(TorchFunctionMode):
@@ -57,10 +57,8 @@ def linear_plan(
     """``{attribute: (weight attribute, "weight" or "bias")}`` covering every parameter of
     ``module`` (run once on ``args``, one sample), or empty when some parameter is not the
     weight of exactly one 2-D ``F.linear`` call nor the bias of one."""
-    weights = {id(p): attr for attr, p in params.items() if p.dim() == 2}
-    mode = LinearCalls(weights)
-    with mode:
-        functional_call(module, params, args, kwargs)
+    weights = [attr for attr, p in params.items() if p.dim() == 2]
+    mode = _seen_calls(module, params, args, kwargs, weights)
     ids = {id(p): attr for attr, p in params.items()}
     plan: dict[str, tuple[str, str]] = {}
     for attr, calls in mode.calls.items():
@@ -75,22 +73,40 @@ def linear_plan(
     return plan if set(plan) == set(params) else {}
 
 
+def _seen_calls(
+    module: nn.Module, params: dict[str, Tensor], args: tuple, kwargs: dict, weights: list[str]
+) -> LinearCalls:
+    """The ``F.linear`` calls of ``weights`` in one run of the module on ``args``."""
+    mode = LinearCalls({id(params[attr]): attr for attr in weights})
+    with mode:
+        functional_call(module, params, args, kwargs)
+    return mode
+
+
+def linear_output_shapes(
+    module: nn.Module, params: dict[str, Tensor], args: tuple, kwargs: dict, weights: list[str]
+) -> dict[str, tuple]:
+    """The output shape of each weight's ``F.linear`` call on one sample ``args`` (the same for
+    every sample of a recorded call: the taps :func:`linear_maps_of_sample` adds)."""
+    mode = _seen_calls(module, params, args, kwargs, weights)
+    return {attr: mode.calls[attr][0][1] for attr in weights}
+
+
 def linear_maps_of_sample(
     module: nn.Module,
     params: dict[str, Tensor],
     args: tuple,
     kwargs: dict,
     cotangents: Tensor,
-    weights: list[str],
+    shapes: dict[str, tuple],
     sample_dim: int,
 ) -> dict[str, tuple[Tensor, Tensor]]:
     """For one sample (batch dimension one at ``sample_dim`` of the output) and its cotangents
-    ``(K, *output)``: ``{weight: (a (1, T, d), s (K, T, o))}``, the rows of each call."""
+    ``(K, *output)``: ``{weight: (a (1, T, d), s (K, T, o))}``, the rows of each call, given
+    each call's output shape (:func:`linear_output_shapes`)."""
+    weights = list(shapes)
     ids = {id(params[attr]): attr for attr in weights}
-    probe = LinearCalls(ids)
-    with probe:
-        functional_call(module, params, args, kwargs)
-    taps = {attr: probe.calls[attr][0][0].new_zeros(probe.calls[attr][0][1]) for attr in weights}
+    taps = {attr: params[attr].new_zeros(shape) for attr, shape in shapes.items()}
 
     def output(taps: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         mode = LinearCalls(ids, taps)

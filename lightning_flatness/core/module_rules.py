@@ -27,7 +27,11 @@ from lightning_flatness.core.attention import (
     projection_maps,
     projection_parameters,
 )
-from lightning_flatness.core.functional_linear import linear_maps_of_sample, linear_plan
+from lightning_flatness.core.functional_linear import (
+    linear_maps_of_sample,
+    linear_output_shapes,
+    linear_plan,
+)
 from lightning_flatness.core.layer_rules import CHUNK_ELEMENTS, LayerCall, Rule, sample_chunks
 from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.core.recurrent import (
@@ -100,18 +104,21 @@ class LocalRule(Rule):
     #: :meth:`factored` of a plain module, once decided
     _plan: dict[str, tuple[str, str]] | None = None
 
+    def _first_sample(self, call: LayerCall) -> tuple[tuple, dict]:
+        """The arguments of ``call``'s first sample, with a batch dimension of one."""
+        out_dim = 1 if self._sequence_first else 0
+        arg_dims, kwarg_dims = self._batch_dims(call, call.output.shape[out_dim])
+
+        def first(value: object, dim: object) -> object:
+            return _along(value, dim, lambda t, d: t.narrow(d, 0, 1))
+
+        args = tuple(first(v, d) for v, d in zip(call.args, arg_dims, strict=True))
+        return args, {key: first(v, kwarg_dims[key]) for key, v in call.kwargs.items()}
+
     def _linear_plan(self, call: LayerCall) -> dict[str, tuple[str, str]]:
         if any(True for _ in self.module.children()):
             return {}
-        out_dim = 1 if self._sequence_first else 0
-        batch = call.output.shape[out_dim]
-        arg_dims, kwarg_dims = self._batch_dims(call, batch)
-
-        def first(value: object, dim: int | None) -> object:
-            return value if dim is None else value.narrow(dim, 0, 1)
-
-        args = tuple(first(v, d) for v, d in zip(call.args, arg_dims, strict=True))
-        kwargs = {key: first(v, kwarg_dims[key]) for key, v in call.kwargs.items()}
+        args, kwargs = self._first_sample(call)
         params = {attr: p.detach() for attr, p in self.module.named_parameters()}
         try:
             with torch.no_grad():
@@ -149,9 +156,11 @@ class LocalRule(Rule):
         params = {attr: p.detach() for attr, p in module.named_parameters()}
         weights = sorted({weight for weight, _ in self.factored.values()})
         out_dim = 1 if self._sequence_first else 0
+        with torch.no_grad():  # the taps' shapes, once for the call's samples
+            shapes = linear_output_shapes(module, params, *self._first_sample(call), weights)
 
         def one_sample(args: tuple, kwargs: dict, cotangents: Tensor):
-            return linear_maps_of_sample(module, params, args, kwargs, cotangents, weights, out_dim)
+            return linear_maps_of_sample(module, params, args, kwargs, cotangents, shapes, out_dim)
 
         numel = grad.shape[0] * sum(params[w].shape[0] + params[w].shape[1] for w in weights)
         maps = self._map_samples(call, grad, one_sample, numel * max(grad.shape[2:3] or (1,)))
