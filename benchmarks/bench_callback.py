@@ -37,7 +37,7 @@ from _common import load_config, markdown_table, median, print_header, set_threa
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
+from lightning_flatness import FlatnessClassifier, FlatnessMonitor, LogOptions, MNIST7DataModule
 
 
 class StepTimer(Callback):
@@ -140,7 +140,7 @@ def fit(architecture: str, epochs: int, with_monitor: bool, root: str) -> FitRes
     model = FlatnessClassifier(**config["model"]["init_args"])
     data = MNIST7DataModule(**config["data"]["init_args"])
     timer = StepTimer()
-    monitor = TimedMonitor(print_summary=False) if with_monitor else None
+    monitor = TimedMonitor(log_options=LogOptions(summary=False)) if with_monitor else None
     trainer_args = config["trainer"]
     trainer = Trainer(
         max_epochs=epochs,

@@ -31,7 +31,7 @@ from _common import markdown_table, median, print_header, set_threads
 from torch import Tensor, nn
 
 from lightning_flatness import measure
-from lightning_flatness.regularizer import SoftRankPenalty
+from lightning_flatness.regularizer import PenaltyOptions, SoftRankPenalty
 
 LAM = 1e-3
 CLASSES = 4
@@ -195,7 +195,9 @@ def main() -> None:
             plain = step_seconds(model, batch, None, 5)
             for estimator in ("batched", "compositional"):
                 penalty = SoftRankPenalty(
-                    lam=LAM, num_train_samples=args.samples, estimator=estimator
+                    lam=LAM,
+                    num_train_samples=args.samples,
+                    options=PenaltyOptions(estimator=estimator),
                 )
                 step_seconds(model, batch, penalty, 1)  # first call: checks and set-up
                 ratio = step_seconds(model, batch, penalty, 5) / plain

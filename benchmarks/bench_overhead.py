@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_flatness import FlatnessMonitor
 from lightning_flatness.core.models import build_model
+from lightning_flatness.lightning.log_options import LogOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import zoo  # the test zoo: its models and synthetic data
@@ -166,7 +167,7 @@ def main() -> None:
         plains, watcheds = [], []
         for _ in range(args.repeats):  # alternating: drifts of a busy machine hit both alike
             plains.append(_fit(setup, None)[0])
-            monitor = FlatnessMonitor(print_summary=False, log_spectrum=False)
+            monitor = FlatnessMonitor(log_options=LogOptions(summary=False, spectrum=False))
             seconds, trainer = _fit(setup, monitor)
             watcheds.append(seconds)
         plain, watched = median(plains), median(watcheds)

@@ -34,6 +34,7 @@ from lightning_flatness.regularizer import (
     ESTIMATORS,
     FUNCTIONS,
     LABELS,
+    PenaltyOptions,
     SoftRankPenalty,
 )
 
@@ -182,12 +183,14 @@ def main(argv: list[str] | None = None) -> None:
             penalty = SoftRankPenalty(
                 lam=lam,
                 num_train_samples=num_train,
-                function=function,
-                labels=labels,
-                params=params,
-                backend=args.backend,
                 seed=args.seed,
-                estimator=estimator,
+                options=PenaltyOptions(
+                    function=function,
+                    labels=labels,
+                    params=params,
+                    backend=args.backend,
+                    estimator=estimator,
+                ),
             )
             regularized = _step_fn(
                 model, inputs, targets, penalty, beta=1.0, every_n_steps=args.every_n_steps

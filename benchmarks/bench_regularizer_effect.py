@@ -75,7 +75,7 @@ from torch import Tensor, nn
 from lightning_flatness.core.models import build_model
 from lightning_flatness.core.reference import dense_fisher, per_sample_sqrt_fisher
 from lightning_flatness.lightning.data import MNIST7DataModule
-from lightning_flatness.regularizer import SoftRankPenalty
+from lightning_flatness.regularizer import PenaltyOptions, SoftRankPenalty
 
 TRAIN_SIZE = 1000
 VAL_SIZE = 1000
@@ -219,10 +219,8 @@ def make_penalty(method: str, lam: float, n: int, seed: int) -> SoftRankPenalty:
     return SoftRankPenalty(
         lam=lam,
         num_train_samples=n,
-        function="soft_rank",
-        labels="sampled",
         seed=seed,
-        estimator=method,
+        options=PenaltyOptions(function="soft_rank", labels="sampled", estimator=method),
     )
 
 

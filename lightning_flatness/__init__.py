@@ -26,7 +26,16 @@ from lightning_flatness.core import (
     spectral_summary,
     trace,
 )
-from lightning_flatness.regularizer import SoftRankPenalty, soft_rank_penalty
+from lightning_flatness.core.options import (
+    DenseOptions,
+    DiagOptions,
+    GramOptions,
+    KernelOptions,
+    KFACOptions,
+    MatrixFreeOptions,
+)
+from lightning_flatness.core.reading import BatchReading
+from lightning_flatness.regularizer import PenaltyOptions, SoftRankPenalty, soft_rank_penalty
 
 __version__ = "0.1.0"
 
@@ -35,6 +44,7 @@ _LAZY = {
     "SoftRankRegularizer": "lightning_flatness.lightning.regularizer",
     "FlatnessClassifier": "lightning_flatness.lightning.module",
     "MNIST7DataModule": "lightning_flatness.lightning.data",
+    "LogOptions": "lightning_flatness.lightning.log_options",
 }
 
 __all__ = [
@@ -43,6 +53,16 @@ __all__ = [
     "FlatnessReport",
     "STRUCTURES",
     "MATRIX_FREE_STRUCTURES",
+    # settings objects: a structure's options, how batches are read, the penalty's options
+    "KernelOptions",
+    "KFACOptions",
+    "DiagOptions",
+    "DenseOptions",
+    "GramOptions",
+    "MatrixFreeOptions",
+    "BatchReading",
+    "PenaltyOptions",
+    "LogOptions",
     # errors
     "MeasurementError",
     "StructureTooLargeError",

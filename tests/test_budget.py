@@ -22,6 +22,8 @@ from lightning_flatness.lightning.budget import (
     OverheadBudget,
     fill_in_record,
 )
+from lightning_flatness.lightning.log_options import LogOptions
+from lightning_flatness.lightning.monitor import MONITOR_DEFAULTS
 
 
 class FakeClock:
@@ -128,9 +130,10 @@ def _kfac_soft_rank(model, data) -> float:
     ).soft_rank
 
 
-def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path):
+def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path, monkeypatch):
     _, plain, _ = _fit(tmp_path / "plain", [])
-    monitor = FlatnessMonitor(kfac_mode="exact", print_summary=False)
+    monkeypatch.setitem(MONITOR_DEFAULTS, "kfac_mode", "exact")  # a fill-in without probes
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [EXACT, CHEAP, EXACT]
     monitor.budget.decide = lambda *args: script.pop(0)
     weights = WeightsAtEpochEnd()
@@ -150,7 +153,8 @@ def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path,
     """The fill-in's cost stops growing with n: it measures FILL_IN_SAMPLES training samples
     (16 here, of 64), the same ones at every epoch, and its calibration is taken on them."""
     monkeypatch.setattr("lightning_flatness.lightning.monitor.FILL_IN_SAMPLES", 16)
-    monitor = FlatnessMonitor(kfac_mode="exact", print_summary=False)
+    monkeypatch.setitem(MONITOR_DEFAULTS, "kfac_mode", "exact")
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [EXACT, CHEAP, CHEAP]
     monitor.budget.decide = lambda *args: script.pop(0)
     measured = []
@@ -173,7 +177,7 @@ def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path,
 def test_an_early_stopping_on_a_flatness_value_gets_one_every_epoch(tmp_path, caplog):
     """No exact measurement fits (it is said to cost 1e9 s): the fill-in runs every epoch,
     unscaled, and the monitor says at fit end that the last values are not exact."""
-    monitor = FlatnessMonitor(print_summary=False)
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     monitor.budget.exact_seconds = 1e9
     stopping = EarlyStopping(monitor="flatness/predicted_gap", patience=10)
     with caplog.at_level("INFO"):
@@ -187,7 +191,9 @@ def test_an_early_stopping_on_a_flatness_value_gets_one_every_epoch(tmp_path, ca
 
 
 def test_what_does_not_fit_is_skipped_and_said(tmp_path, caplog):
-    monitor = FlatnessMonitor(structure="kfac", print_summary=False)  # no cheaper fill-in
+    monitor = FlatnessMonitor(
+        structure="kfac", log_options=LogOptions(summary=False)
+    )  # no cheaper fill-in
     monitor.budget.exact_seconds = 1e9
     with caplog.at_level("INFO"):
         trainer, _, _ = _fit(tmp_path, [monitor])
@@ -199,7 +205,7 @@ def test_what_does_not_fit_is_skipped_and_said(tmp_path, caplog):
 def test_a_fit_end_measurement_follows_the_budget_too(tmp_path):
     """every_n_epochs=2 over 3 epochs: the last epoch is measured at fit end, as a fill-in when
     the exact measurement does not fit."""
-    monitor = FlatnessMonitor(every_n_epochs=2, print_summary=False)
+    monitor = FlatnessMonitor(every_n_epochs=2, log_options=LogOptions(summary=False))
     monitor.budget.exact_seconds = 1e9
     monitor.budget.clock = lambda: time.perf_counter() * 1e6  # a long fit: the fill-in fits
     monitor.budget.cheap_seconds = 1e-3

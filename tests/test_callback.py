@@ -12,6 +12,9 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness.core.options import DenseOptions, KFACOptions, structure_options
+from lightning_flatness.core.reading import BatchReading
+from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.trainer_facts import LambdaResolutionError, resolve_lam
 
 
@@ -38,14 +41,26 @@ def fit(tmp_path, callbacks=(), architecture="mlp", max_epochs=2, optimizer="ada
         ({"every_n_epochs": 0}, "every_n_epochs"),
         ({"max_samples": -5}, "max_samples"),
         ({"lam": 0.0}, "lam"),
-        ({"trace_estimator": "cheap"}, "cheap"),
-        ({"fallback_structure": "kfac"}, "fallback_structure"),
+        ({"structure": KFACOptions}, "KFACOptions"),
+        ({"val_dataloader": -1}, "val_dataloader"),
         ({"batch_size": 1.5}, "batch_size"),
+        ({"reading": {"loss": "bce"}}, "BatchReading"),
+        ({"log_options": "flatness/"}, "LogOptions"),
+        ({"regularize": "yes"}, "SoftRankRegularizer"),
     ],
 )
 def test_arguments_are_validated_with_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FlatnessMonitor(**kwargs)
+
+
+def test_settings_objects_are_validated_when_built():
+    with pytest.raises(ValueError, match="'cheap'"):
+        KFACOptions(trace_estimator="cheap")
+    with pytest.raises(ValueError, match="loss"):
+        BatchReading(loss="hinge")
+    with pytest.raises(ValueError, match="figure_every_n_measurements"):
+        LogOptions(figure_every_n_measurements=0)
 
 
 def _optimizer(name, **kwargs):
@@ -122,7 +137,8 @@ def test_logged_values_equal_a_direct_measurement(tmp_path):
 def test_monitor_does_not_change_training(tmp_path, architecture):
     _, plain, _ = fit(tmp_path / "plain", [], architecture=architecture, max_epochs=2)
     monitor = FlatnessMonitor(
-        structure="kfac", kfac_mode="sampled", trace_estimator="sampled", overhead_budget=None
+        structure=structure_options("kfac", trace_estimator="sampled", kfac_mode="sampled"),
+        overhead_budget=None,
     )
     _, monitored, _ = fit(tmp_path / "monitored", [monitor], architecture=architecture)
     assert len(monitor.history) == 2
@@ -135,7 +151,7 @@ def test_monitor_does_not_change_training(tmp_path, architecture):
 def test_a_structure_that_cannot_measure_the_model_fails_once_at_fit_start(tmp_path):
     """The structure is tried on one real training batch at fit start: strict, the fit stops
     there naming the fix; strict=False, one warning and the monitor is off (no NaN epochs)."""
-    kwargs = {"structure": "dense", "measure_kwargs": {"dense_max_parameters": 10}}
+    kwargs = {"structure": DenseOptions(trace_estimator="exact", max_parameters=10)}
     with pytest.raises(ValueError, match=r"structure='dense' failed.*dense_max_parameters"):
         fit(tmp_path, [FlatnessMonitor(**kwargs)])
     monitor = FlatnessMonitor(strict=False, **kwargs)
@@ -216,9 +232,13 @@ class ScaledClassifier(FlatnessClassifier):
 
 def test_unsupported_model_switches_to_matrix_free_with_one_message(tmp_path, caplog):
     monitor = FlatnessMonitor(
-        structure="dense",  # BackPACK's; kfac and diag run on any graph
+        structure=structure_options(
+            "dense",
+            trace_estimator="probe",
+            kfac_mode="probe",
+            **{"matrix_free_options": {"probes": 2, "lanczos_steps": 8}},
+        ),
         max_samples=64,
-        measure_kwargs={"matrix_free_options": {"probes": 2, "lanczos_steps": 8}},
     )
     seed_everything(0)
     trainer = Trainer(
@@ -245,14 +265,20 @@ def test_progress_shows_the_gaps_on_the_bar_or_in_a_line_per_measurement(tmp_pat
     """The main job is not silent: the predicted and observed gap are on the progress bar,
     and without a bar each measurement prints one line."""
     monitor = FlatnessMonitor(
-        max_samples=64, max_val_samples=64, print_summary=False, overhead_budget=None
+        max_samples=64,
+        max_val_samples=64,
+        overhead_budget=None,
+        log_options=LogOptions(summary=False),
     )
     trainer, _, _ = fit(tmp_path / "bar", [monitor], max_epochs=1, enable_progress_bar=True)
     shown = trainer.progress_bar_callback.get_metrics(trainer, trainer.lightning_module)
     assert {"flatness/predicted_gap", "flatness/observed_gap"} <= set(shown)
     assert "flatness/soft_rank" not in shown
     quiet = FlatnessMonitor(
-        max_samples=64, max_val_samples=64, print_summary=False, overhead_budget=None
+        max_samples=64,
+        max_val_samples=64,
+        overhead_budget=None,
+        log_options=LogOptions(summary=False),
     )
     with caplog.at_level("INFO"):
         fit(tmp_path / "line", [quiet], max_epochs=2)

@@ -6,9 +6,10 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
+from lightning_flatness import BatchReading, FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
+from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
-from lightning_flatness.regularizer import SoftRankPenalty
+from lightning_flatness.regularizer import PenaltyOptions, SoftRankPenalty
 
 BETA = 50.0
 LAM = 1e-3
@@ -29,10 +30,8 @@ class HandWritten(FlatnessClassifier):
         self.penalty = SoftRankPenalty(
             lam=LAM,
             num_train_samples=N,
-            function=function,
-            labels=labels,
             seed=0,
-            estimator=estimator,
+            options=PenaltyOptions(function=function, labels=labels, estimator=estimator),
         )
 
     def training_step(self, batch, batch_idx):
@@ -56,15 +55,14 @@ def fit(tmp_path, model, callbacks=(), max_steps=3, **trainer_kwargs):
     return trainer
 
 
-def monitor(**kwargs) -> FlatnessMonitor:
+def monitor(penalty: PenaltyOptions | None = None, **schedule) -> FlatnessMonitor:
+    """A monitor that regularizes (β = BETA) and, within these few steps, never measures."""
     return FlatnessMonitor(
-        regularize=True,
-        reg_strength=BETA,
         lam=LAM,
         every_n_epochs=1000,
         measure_on_fit_end=False,
-        print_summary=False,
-        **kwargs,
+        log_options=LogOptions(summary=False),
+        regularize=SoftRankRegularizer(strength=BETA, penalty=penalty, **schedule),
     )
 
 
@@ -99,7 +97,7 @@ def test_regularized_fit_equals_hand_written_penalty(
 
     seed_everything(0)
     plain = FlatnessClassifier(weight_decay=LAM, lr=1e-2)
-    callback = monitor(reg_function=function, reg_labels=labels, reg_estimator=estimator)
+    callback = monitor(PenaltyOptions(function=function, labels=labels, estimator=estimator))
     fit(tmp_path / "callback", plain, [callback], **trainer_kwargs)
 
     seed_everything(0)
@@ -115,7 +113,7 @@ def test_regularized_fit_equals_hand_written_penalty(
 
 def test_penalty_is_logged_and_warmup_and_schedule_are_respected(tmp_path):
     seed_everything(0)
-    callback = monitor(reg_warmup_steps=2, reg_every_n_steps=2)
+    callback = monitor(warmup_steps=2, every_n_steps=2)
     calls = []
     original = SoftRankPenalty.__call__
 
@@ -130,21 +128,6 @@ def test_penalty_is_logged_and_warmup_and_schedule_are_respected(tmp_path):
         SoftRankPenalty.__call__ = original
     assert len(calls) == 3  # steps 2, 4, 6 of 0..6
     assert "flatness/penalty_step" in trainer.callback_metrics
-
-
-def test_regularizer_arguments_are_validated():
-    for kwargs, match in (
-        ({"reg_strength": -1.0}, "reg_strength"),
-        ({"reg_function": "trace"}, "'trace'"),
-        ({"reg_labels": "some"}, "'some'"),
-        ({"reg_every_n_steps": 0}, "reg_every_n_steps"),
-        ({"reg_warmup_steps": -2}, "reg_warmup_steps"),
-        ({"reg_estimator": "scgd"}, "reg_estimator"),
-        ({"reg_decay": 1.5}, "reg_decay"),
-        ({"reg_estimator": "compositional", "reg_labels": "exact"}, "reg_estimator"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            FlatnessMonitor(regularize=True, **kwargs)
 
 
 class ManualStep(FlatnessClassifier):
@@ -189,7 +172,10 @@ def test_the_regularizer_callback_alone_equals_the_monitor_flag(tmp_path):
     seed_everything(0)
     separate = FlatnessClassifier(weight_decay=LAM, lr=1e-2)
     watcher = FlatnessMonitor(
-        lam=LAM, every_n_epochs=1000, measure_on_fit_end=False, print_summary=False
+        lam=LAM,
+        every_n_epochs=1000,
+        measure_on_fit_end=False,
+        log_options=LogOptions(summary=False),
     )
     fit(tmp_path / "separate", separate, [watcher, SoftRankRegularizer(strength=BETA, lam=LAM)])
     for got, expected in zip(weights(separate), weights(flagged), strict=True):
@@ -223,30 +209,62 @@ def test_regularizer_state_restores_its_label_generator_and_step_count(tmp_path)
 def test_regularizer_callback_arguments_are_validated():
     for kwargs, match in (
         ({"strength": -1.0}, "strength"),
-        ({"function": "trace"}, "'trace'"),
-        ({"labels": "some"}, "'some'"),
         ({"every_n_steps": 0}, "every_n_steps"),
         ({"warmup_steps": -2}, "warmup_steps"),
-        ({"params": []}, "params"),
         ({"lam": 0.0}, "lam"),
-        ({"loss": "hinge"}, "hinge"),
+        ({"penalty": {"function": "trace"}}, "PenaltyOptions"),
+        ({"reading": "bce"}, "BatchReading"),
     ):
         with pytest.raises(ValueError, match=match):
             SoftRankRegularizer(**kwargs)
+    for kwargs, match in (
+        ({"function": "trace"}, "'trace'"),
+        ({"labels": "some"}, "'some'"),
+        ({"params": []}, "params"),
+        ({"estimator": "compositional", "labels": "exact"}, "labels='exact'"),
+        ({"estimator": "scgd"}, "estimator"),
+        ({"decay": 1.5}, "decay"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            PenaltyOptions(**kwargs)
+
+
+def test_the_monitor_shares_what_the_regularizer_leaves_unset():
+    """regularize=SoftRankRegularizer(...) takes the monitor's λ, n, reading, seed and prefix
+    wherever the regularizer was given none, and keeps what it was given."""
+    reading = BatchReading(loss="bce")
+    given = SoftRankRegularizer(strength=0.5, lam=2e-3, seed=7)
+    monitor = FlatnessMonitor(
+        lam=LAM,
+        num_train_samples=N,
+        reading=reading,
+        seed=3,
+        log_options=LogOptions(prefix="watch/"),
+        regularize=given,
+    )
+    assert monitor.regularizer is given
+    assert (given.lam, given.seed, given.num_train_samples) == (2e-3, 7, N)
+    assert given.reading is reading and given.log_prefix == "watch/"
+    assert FlatnessMonitor(regularize=True).regularizer.strength == 1.0
+    assert FlatnessMonitor().regularizer is None
 
 
 def test_compositional_state_checkpoints_the_running_fisher(tmp_path):
     """The running Fisher goes into the Trainer checkpoint (loadable with weights_only) and a
     restored callback's penalty continues from it."""
     seed_everything(0)
-    regularizer = SoftRankRegularizer(strength=BETA, lam=LAM, estimator="compositional")
+    regularizer = SoftRankRegularizer(
+        strength=BETA, lam=LAM, penalty=PenaltyOptions(estimator="compositional")
+    )
     trainer = fit(tmp_path, FlatnessClassifier(weight_decay=LAM), [regularizer], max_steps=3)
     trainer.save_checkpoint(tmp_path / "last.ckpt")
     checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
     (state,) = [v for k, v in checkpoint["callbacks"].items() if "SoftRankRegularizer" in k]
     running = regularizer._penalty.running_fisher
     assert int(state["running_fisher"]["updates"]) == 3 == running.updates
-    resumed = SoftRankRegularizer(strength=BETA, lam=LAM, estimator="compositional")
+    resumed = SoftRankRegularizer(
+        strength=BETA, lam=LAM, penalty=PenaltyOptions(estimator="compositional")
+    )
     resumed.load_state_dict(state)
     resumed.resolved_lam, resumed.resolved_num_train_samples = LAM, N
     model = trainer.lightning_module

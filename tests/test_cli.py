@@ -400,7 +400,7 @@ def test_measure_prints_the_report_of_a_checkpoint(tmp_path, capsys):
           logger: false
           callbacks:
             - class_path: FlatnessMonitor
-              init_args: {{structure: kfac, print_summary: false}}
+              init_args: {{structure: kfac, log_options: {{summary: false}}}}
         model:
           hidden: 8
           weight_decay_c: 1.0
@@ -443,6 +443,8 @@ def test_measure_asks_for_n_when_the_training_data_has_no_length():
 
     trainer = types.SimpleNamespace(datamodule=None)
     with pytest.raises(SystemExit, match="num_train_samples"):
-        _batches(trainer, Module(), FlatnessMonitor(use_val=False))
-    train, val, n = _batches(trainer, Module(), FlatnessMonitor(num_train_samples=4, use_val=False))
+        _batches(trainer, Module(), FlatnessMonitor(val_dataloader=None))
+    train, val, n = _batches(
+        trainer, Module(), FlatnessMonitor(num_train_samples=4, val_dataloader=None)
+    )
     assert n == 4 and val is None and sum(len(y) for _, y in train) == 4

@@ -7,6 +7,7 @@ matrices, and central finite differences for a fixed running estimate and fixed 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from contextlib import nullcontext
@@ -21,7 +22,7 @@ from lightning_flatness.core.model_state import original_module
 from lightning_flatness.core.models import build_model
 from lightning_flatness.core.reference import dense_fisher
 from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
-from lightning_flatness.regularizer import SoftRankPenalty
+from lightning_flatness.regularizer import PenaltyOptions, SoftRankPenalty
 from lightning_flatness.regularizer.running_fisher import RunningFisher
 
 DTYPE = torch.float64
@@ -38,8 +39,10 @@ def mlp(seed: int = 0) -> nn.Module:
 
 def warmed_penalty(model: nn.Module, inputs, steps: int = 3, **kwargs) -> SoftRankPenalty:
     """A compositional penalty whose running Fisher has ``steps`` updates."""
-    kwargs = {"lam": LAM, "num_train_samples": N, "estimator": "compositional", **kwargs}
-    penalty = SoftRankPenalty(**kwargs)
+    fields = {f.name for f in dataclasses.fields(PenaltyOptions)}
+    options = {key: kwargs.pop(key) for key in list(kwargs) if key in fields}
+    options = PenaltyOptions(**{"estimator": "compositional", **options})
+    penalty = SoftRankPenalty(lam=LAM, num_train_samples=N, options=options, **kwargs)
     for _ in range(steps):
         penalty(model, inputs)
     return penalty
@@ -242,7 +245,7 @@ def test_running_statistics_can_be_chosen_and_the_batched_estimator_refuses_batc
     value, _ = fixed_probe_surrogate(penalty, model, inputs)
     directional_check(model, value)
     with pytest.raises(ValueError, match=r"needs estimator=.compositional"):
-        SoftRankPenalty(lam=LAM, num_train_samples=N, batch_norm="batch")
+        SoftRankPenalty(lam=LAM, num_train_samples=N, options=PenaltyOptions(batch_norm="batch"))
 
 
 def differentiable_batch_fisher(model: nn.Module, inputs: Tensor) -> Tensor:
@@ -287,7 +290,9 @@ def test_penalty_state_restores_the_running_fisher_and_the_probes():
     model, inputs = mlp(), torch.randn(5, 6, dtype=DTYPE)
     penalty = warmed_penalty(model, inputs, steps=4, seed=3)
     state = penalty.state_dict()
-    resumed = SoftRankPenalty(lam=LAM, num_train_samples=N, estimator="compositional")
+    resumed = SoftRankPenalty(
+        lam=LAM, num_train_samples=N, options=PenaltyOptions(estimator="compositional")
+    )
     resumed.load_state_dict(state)  # before the first call: kept until the parameters are known
     assert torch.equal(resumed(model, inputs), penalty(model, inputs))
     assert torch.equal(resumed.running_fisher.dense(), penalty.running_fisher.dense())
@@ -298,7 +303,9 @@ def test_penalty_state_restores_the_running_fisher_and_the_probes():
 
 def test_penalty_under_no_grad_reads_the_running_value_without_updating():
     model, inputs = mlp(), torch.randn(5, 6, dtype=DTYPE)
-    fresh = SoftRankPenalty(lam=LAM, num_train_samples=N, estimator="compositional")
+    fresh = SoftRankPenalty(
+        lam=LAM, num_train_samples=N, options=PenaltyOptions(estimator="compositional")
+    )
     with torch.no_grad(), pytest.raises(RuntimeError, match="no running Fisher yet"):
         fresh(model, inputs)
     penalty = warmed_penalty(model, inputs)
@@ -310,23 +317,27 @@ def test_penalty_under_no_grad_reads_the_running_value_without_updating():
 
 def test_max_samples_uses_the_first_samples_of_the_batch():
     model, inputs = mlp(), torch.randn(12, 6, dtype=DTYPE)
-    options = {"lam": LAM, "num_train_samples": N, "estimator": "compositional", "seed": 4}
-    subset = SoftRankPenalty(**options, max_samples=5)
-    reference = SoftRankPenalty(**options, max_samples=None)
+    common = {"lam": LAM, "num_train_samples": N, "seed": 4}
+    subset = SoftRankPenalty(
+        **common, options=PenaltyOptions(estimator="compositional", max_samples=5)
+    )
+    reference = SoftRankPenalty(
+        **common, options=PenaltyOptions(estimator="compositional", max_samples=None)
+    )
     for _ in range(3):
         assert torch.equal(subset(model, inputs), reference(model, inputs[:5]))
     assert torch.equal(subset.running_fisher.dense(), reference.running_fisher.dense())
 
 
 def test_compositional_options_are_checked():
-    base = {"lam": LAM, "num_train_samples": N, "estimator": "compositional"}
+    base = {"estimator": "compositional"}
     with pytest.raises(ValueError, match="labels='exact'"):
-        SoftRankPenalty(**base, labels="exact")
+        PenaltyOptions(**base, labels="exact")
     with pytest.raises(ValueError, match="probes"):
-        SoftRankPenalty(**base, probes=0)
+        PenaltyOptions(**base, probes=0)
     with pytest.raises(ValueError, match="decay"):
-        SoftRankPenalty(**base, decay=-0.1)
+        PenaltyOptions(**base, decay=-0.1)
     with pytest.raises(ValueError, match="max_samples"):
-        SoftRankPenalty(**base, max_samples=0)
+        PenaltyOptions(**base, max_samples=0)
     with pytest.raises(ValueError, match="estimator"):
-        SoftRankPenalty(lam=LAM, num_train_samples=N, estimator="scgd")
+        PenaltyOptions(estimator="scgd")

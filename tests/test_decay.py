@@ -9,7 +9,9 @@ from conftest import batches, quiet_trainer, random_data, tiny_model
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.decay import ParameterDecay
+from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.trainer_facts import resolve_lam
+from lightning_flatness.regularizer import PenaltyOptions
 
 LAM = 1e-2
 
@@ -227,7 +229,9 @@ class GroupedClassifier(FlatnessClassifier):
 
 
 def test_a_fit_with_no_decay_groups_is_measured(tmp_path):
-    monitor = FlatnessMonitor(print_summary=False, max_samples=64, overhead_budget=None)
+    monitor = FlatnessMonitor(
+        max_samples=64, overhead_budget=None, log_options=LogOptions(summary=False)
+    )
     trainer = quiet_trainer(tmp_path, [monitor])
     data = MNIST7DataModule(train_size=128, val_size=64, batch_size=32)
     trainer.fit(GroupedClassifier(architecture="mlp"), data)
@@ -236,12 +240,13 @@ def test_a_fit_with_no_decay_groups_is_measured(tmp_path):
     assert record["soft_rank"] > 0 and record["predicted_gap"] > 0
 
 
-def test_auto_falling_back_to_cg_measures_the_per_group_decay(tmp_path):
-    """Guards that leave only cg for 'auto': cg solves with D, so the fit is measured."""
+def test_cg_measures_the_per_group_decay_in_a_fit(tmp_path):
+    """cg (what 'auto' measures where the probe kernel does not fit) solves with D, so the
+    fit is measured."""
     monitor = FlatnessMonitor(
-        print_summary=False,
+        structure="cg",
         overhead_budget=None,
-        measure_kwargs={"kernel_options": {"max_parameters": 10, "max_kernel_size": 10}},
+        log_options=LogOptions(summary=False),
     )
     trainer = quiet_trainer(tmp_path, [monitor])
     data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
@@ -297,8 +302,9 @@ def test_penalty_gradient_under_per_group_decay_matches_finite_differences(estim
     model = tiny_model("cnn")
     inputs, _ = random_data(5)
     decays = _decays(model, 1e-4)
-    options = {"labels": "exact"} if estimator == "batched" else {}
-    penalty = SoftRankPenalty(lam=decays, num_train_samples=40, estimator=estimator, **options)
+    labels = "exact" if estimator == "batched" else "sampled"
+    options = PenaltyOptions(estimator=estimator, labels=labels)
+    penalty = SoftRankPenalty(lam=decays, num_train_samples=40, options=options)
     if estimator == "batched":
         directional_check(model, lambda: penalty(model, inputs))
         return
@@ -317,7 +323,9 @@ def test_compositional_value_is_the_generalised_soft_rank_of_the_running_fisher(
     model = tiny_model("mlp")
     inputs, _ = random_data(8)
     decays = _decays(model, 0.0)
-    penalty = SoftRankPenalty(lam=decays, num_train_samples=40, estimator="compositional")
+    penalty = SoftRankPenalty(
+        lam=decays, num_train_samples=40, options=PenaltyOptions(estimator="compositional")
+    )
     for _ in range(3):
         penalty(model, inputs)
     with torch.no_grad():
@@ -337,7 +345,7 @@ def test_a_regularized_fit_with_no_decay_groups_penalises_the_same_decays(tmp_pa
     with the per-parameter decays the monitor measures with."""
     from lightning_flatness import SoftRankRegularizer
 
-    regularizer = SoftRankRegularizer(strength=0.1, estimator=estimator)
+    regularizer = SoftRankRegularizer(strength=0.1, penalty=PenaltyOptions(estimator=estimator))
     trainer = quiet_trainer(tmp_path, [regularizer])
     data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
     model = GroupedClassifier(architecture="mlp")

@@ -20,6 +20,7 @@ from lightning_flatness.core.options import (
     DenseOptions,
     DiagOptions,
     GramOptions,
+    KernelOptions,
     KFACOptions,
     MatrixFreeOptions,
     structure_options,
@@ -195,13 +196,24 @@ def test_each_structure_gets_its_own_options(structure, kind, field, value):
     assert getattr(options, field) == value
 
 
-def test_the_monitor_validates_options_with_the_core_when_it_is_built():
+def test_the_monitor_measures_with_the_options_object_it_is_given():
+    """An options object names its structure; the monitor hands it to measure() as it is, and
+    a name gets the monitor's defaults (Tr(F) and kfac's rows from probes)."""
     from lightning_flatness import FlatnessMonitor
 
+    options = MatrixFreeOptions(structure="lanczos", probes=3)
+    monitor = FlatnessMonitor(structure=options)
+    assert monitor.structure == "lanczos"
+    assert monitor.measure_arguments("lanczos") == {"structure": options}
+    assert monitor.measure_arguments("kfac") == {
+        "structure": "kfac",
+        "trace_estimator": "probe",
+        "kfac_mode": "probe",
+    }
     with pytest.raises(ValueError, match="kfac_mode must be one of"):
-        FlatnessMonitor(kfac_mode="fast")
-    with pytest.raises(ValueError, match="Unknown matrix_free_options"):  # of the fallback
-        FlatnessMonitor(structure="dense", measure_kwargs={"matrix_free_options": {"prob": 1}})
+        KFACOptions(kfac_mode="fast")
+    with pytest.raises(ValueError, match="structure must be one of"):
+        MatrixFreeOptions(structure="kfac")
 
 
 def test_empty_loader_is_refused():
@@ -297,3 +309,26 @@ def test_random_structures_report_their_error_bars():
     for bound in ("lower", "estimate", "upper"):
         assert hutchinson[f"hutchinson_trace_{bound}_stderr"] >= 0
     assert hutchinson["hutchinson_trace_lower"] <= hutchinson["hutchinson_trace_upper"]
+
+
+@pytest.mark.parametrize(
+    ("name", "keywords", "options"),
+    [
+        ("kfac", {"kfac_mode": "probe"}, KFACOptions(kfac_mode="probe")),
+        ("probe_kernel", {"kernel_options": {"probes": 2}}, KernelOptions(probes=2)),
+        (
+            "cg",
+            {"matrix_free_options": {"probes": 2, "cg_steps": 5}},
+            MatrixFreeOptions(probes=2, cg_steps=5),
+        ),
+    ],
+)
+def test_an_options_object_measures_as_its_name_and_keywords_do(name, keywords, options):
+    model = tiny_model("mlp")
+    inputs, targets = random_data(24)
+    common = {"lam": 1e-2, "num_train_samples": 24, "seed": 3}
+    by_name = measure(model, batches(inputs, targets, 8), structure=name, **keywords, **common)
+    by_object = measure(model, batches(inputs, targets, 8), structure=options, **common)
+    assert by_object.structure == name
+    assert by_object.soft_rank == by_name.soft_rank
+    assert by_object.trace_fisher == by_name.trace_fisher

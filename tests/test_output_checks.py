@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_flatness import FlatnessMonitor
 from lightning_flatness.core.likelihoods import TargetError
 from lightning_flatness.core.measure import check_batch
+from lightning_flatness.lightning.log_options import LogOptions
 
 
 class Classifier(LightningModule):
@@ -55,7 +56,7 @@ def test_probabilities_are_refused_and_log_probabilities_pass():
 
 
 def test_a_fit_on_probabilities_stops_at_its_start(tmp_path):
-    trainer = quiet_trainer(tmp_path, [FlatnessMonitor(print_summary=False)])
+    trainer = quiet_trainer(tmp_path, [FlatnessMonitor(log_options=LogOptions(summary=False))])
     model = Classifier("probabilities")
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match=r"probabilities.*logits_fn="):

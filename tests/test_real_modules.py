@@ -2,7 +2,7 @@
 
 Dict batches, tuple inputs, outputs that are tuples, dicts or objects with ``.logits``, a
 module without ``forward``, BCE (multi-label and single-logit binary), MSE regression, label
-smoothing, two validation loaders, and a colliding ``measure_kwargs`` key. Each fit's numbers
+smoothing and two validation loaders. Each fit's numbers
 must equal those of the same model measured with plain ``(x, y)`` batches, or the fit must stop
 at its start with one message naming the fix.
 """
@@ -21,7 +21,14 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_flatness import FlatnessMonitor, measure
+from lightning_flatness import (
+    BatchReading,
+    FlatnessMonitor,
+    PenaltyOptions,
+    SoftRankRegularizer,
+    measure,
+)
+from lightning_flatness.lightning.log_options import LogOptions
 
 N_TRAIN, N_VAL, BATCH = 48, 24, 16
 LAM = 1e-3
@@ -181,7 +188,7 @@ def _plain_measurement(module, kind, **kwargs):
 def _monitor(**kwargs) -> FlatnessMonitor:
     """Measured exactly at each epoch (compared with measure()), whatever the timing."""
     kwargs.setdefault("overhead_budget", None)
-    return FlatnessMonitor(print_summary=False, log_spectrum=False, **kwargs)
+    return FlatnessMonitor(**kwargs, log_options=LogOptions(summary=False, spectrum=False))
 
 
 def _assert_matches(record, report):
@@ -241,7 +248,7 @@ class NoForward(LightningModule):
 def test_module_without_forward_fails_at_fit_start_naming_logits_fn():
     with pytest.raises(ValueError, match=r"NoForward defines no forward\(\).*logits_fn="):
         fit(NoForward(), _monitor())
-    monitor = _monitor(logits_fn=lambda module, x: module.model(x))
+    monitor = _monitor(reading=BatchReading(logits_fn=lambda module, x: module.model(x)))
     fit(NoForward(), monitor)
     assert math.isfinite(monitor.history[-1]["soft_rank"])
 
@@ -249,7 +256,7 @@ def test_module_without_forward_fails_at_fit_start_naming_logits_fn():
 @pytest.mark.parametrize("kind", ["multilabel", "binary"])
 def test_bce_multilabel_and_binary(kind):
     module = UserClassifier(kind=kind)
-    monitor = _monitor(loss="bce")
+    monitor = _monitor(reading=BatchReading(loss="bce"))
     fit(module, monitor, kind=kind)
     record = monitor.history[-1]
     _assert_matches(record, _plain_measurement(module, kind, loss="bce"))
@@ -263,7 +270,7 @@ def test_multi_hot_targets_with_the_default_loss_fail_at_fit_start_suggesting_bc
 
 def test_mse_regression_logs_nan_accuracy():
     module = UserClassifier(kind="regression")
-    monitor = _monitor(loss="mse")
+    monitor = _monitor(reading=BatchReading(loss="mse"))
     fit(module, monitor, kind="regression")
     record = monitor.history[-1]
     _assert_matches(record, _plain_measurement(module, "regression", loss="mse"))
@@ -290,7 +297,7 @@ def test_label_smoothing_logs_the_plain_nll_under_its_own_name():
 
 def test_second_validation_loader_is_used_when_asked(caplog):
     module = UserClassifier()
-    monitor = _monitor(val_dataloader_idx=1)
+    monitor = _monitor(val_dataloader=1)
     with caplog.at_level("INFO"):
         fit(module, monitor, val_sets=2)
     assert sum("2 validation dataloaders" in r.getMessage() for r in caplog.records) == 1
@@ -300,22 +307,9 @@ def test_second_validation_loader_is_used_when_asked(caplog):
     assert monitor.history[-1]["val_nll"] == pytest.approx(report.val_nll, rel=1e-6)
 
 
-def test_val_dataloader_idx_beyond_the_loaders_fails_at_fit_start():
-    with pytest.raises(ValueError, match="val_dataloader_idx=3"):
-        fit(UserClassifier(), _monitor(val_dataloader_idx=3), val_sets=2)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [
-        ({"seed": 1}, r"FlatnessMonitor\(seed=...\)"),
-        ({"loss": "mse"}, r"FlatnessMonitor\(loss=...\)"),
-        ({"probes": 4}, "does not take"),
-    ],
-)
-def test_measure_kwargs_collisions_and_unknown_keys_fail_at_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        FlatnessMonitor(measure_kwargs=kwargs)
+def test_val_dataloader_beyond_the_loaders_fails_at_fit_start():
+    with pytest.raises(ValueError, match="val_dataloader=3"):
+        fit(UserClassifier(), _monitor(val_dataloader=3), val_sets=2)
 
 
 def test_unreadable_batch_fails_once_at_fit_start_or_switches_off_with_strict_false(
@@ -336,7 +330,7 @@ def test_unreadable_batch_fails_once_at_fit_start_or_switches_off_with_strict_fa
     with pytest.warns(UserWarning, match="switched off"):
         fit(Batchless(batches="custom"), monitor)
     assert monitor.history == [] and monitor.disabled_reason
-    unpacked = _monitor(unpack_batch=lambda b: (b["image"], b["answer"]))
+    unpacked = _monitor(reading=BatchReading(unpack_batch=lambda b: (b["image"], b["answer"])))
     fit(Batchless(batches="custom"), unpacked)
     assert math.isfinite(unpacked.history[-1]["soft_rank"])
 
@@ -350,7 +344,7 @@ def test_unreadable_batch_fails_once_at_fit_start_or_switches_off_with_strict_fa
 )
 def test_metrics_only_monitor_leaves_training_bit_identical(cls, kind, batches, output, loss):
     watched = cls(kind=kind, batches=batches, output=output)
-    fit(watched, _monitor(loss=loss), kind=kind)
+    fit(watched, _monitor(reading=BatchReading(loss=loss)), kind=kind)
     alone = cls(kind=kind, batches=batches, output=output)
     fit(alone, None, kind=kind)
     for (name, a), (_, b) in zip(
@@ -373,12 +367,12 @@ def test_regularizer_on_dict_batches_trains_as_on_tuple_batches(kind, loss, esti
     weights = []
     for batches in ("dict", "tuple"):
         module = UserClassifier(kind=kind, batches=batches, output="tuple")
+        regularizer = SoftRankRegularizer(
+            strength=5.0 if estimator == "batched" else 0.5,
+            penalty=PenaltyOptions(estimator=estimator),
+        )
         monitor = _monitor(
-            loss=loss,
-            regularize=True,
-            reg_strength=5.0 if estimator == "batched" else 0.5,
-            reg_estimator=estimator,
-            every_n_epochs=2,
+            reading=BatchReading(loss=loss), regularize=regularizer, every_n_epochs=2
         )
         fit(module, monitor, kind=kind)
         weights.append(module.state_dict())

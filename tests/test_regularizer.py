@@ -22,6 +22,7 @@ from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.models import build_model
 from lightning_flatness.core.reference import dense_fisher, parameter_blocks, per_sample_sqrt_fisher
 from lightning_flatness.regularizer import (
+    PenaltyOptions,
     SoftRankPenalty,
     fisher_gram,
     fisher_rows,
@@ -337,7 +338,9 @@ def test_full_size_cnn_gradient_matches_finite_differences():
     torch.manual_seed(0)
     model = build_model("cnn").to(DTYPE)
     inputs = torch.randn(4, 1, 7, 7, dtype=DTYPE)
-    penalty = SoftRankPenalty(lam=1e-3, num_train_samples=100, labels="exact")
+    penalty = SoftRankPenalty(
+        lam=1e-3, num_train_samples=100, options=PenaltyOptions(labels="exact")
+    )
     directional_check(model, lambda: penalty(model, inputs))
 
 
@@ -473,7 +476,7 @@ def test_training_with_large_beta_decreases_the_penalty():
     inputs = torch.randn(16, 1, 7, 7, dtype=DTYPE)
     targets = torch.randint(0, NUM_CLASSES, (16,))
     penalty = SoftRankPenalty(lam=1e-3, num_train_samples=160, seed=0)
-    exact = SoftRankPenalty(lam=1e-3, num_train_samples=160, labels="exact")
+    exact = SoftRankPenalty(lam=1e-3, num_train_samples=160, options=PenaltyOptions(labels="exact"))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     before = float(exact(model, inputs))
     for _ in range(15):
@@ -489,7 +492,9 @@ def test_training_with_large_beta_decreases_the_penalty():
 def test_last_layer_penalty_leaves_earlier_gradients_untouched(backend):
     model, inputs = make("resmlp")
     targets = torch.arange(inputs.shape[0]) % NUM_CLASSES
-    penalty = SoftRankPenalty(lam=1e-2, num_train_samples=60, params="last_layer", backend=backend)
+    penalty = SoftRankPenalty(
+        lam=1e-2, num_train_samples=60, options=PenaltyOptions(params="last_layer", backend=backend)
+    )
     model.zero_grad()
     nn.functional.cross_entropy(model(inputs), targets).backward()
     plain = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -518,12 +523,16 @@ def test_module_names_select_parameters():
 @pytest.mark.parametrize("backend", ["auto", "func", "layerwise"])
 def test_sampled_call_leaves_global_rng_untouched(backend):
     model, inputs = make("cnn")
-    penalty = SoftRankPenalty(lam=1e-2, num_train_samples=60, backend=backend, seed=4)
+    penalty = SoftRankPenalty(
+        lam=1e-2, num_train_samples=60, seed=4, options=PenaltyOptions(backend=backend)
+    )
     state = torch.get_rng_state()
     value = penalty(model, inputs)
     value.backward()
     assert torch.equal(torch.get_rng_state(), state)
-    again = SoftRankPenalty(lam=1e-2, num_train_samples=60, backend=backend, seed=4)
+    again = SoftRankPenalty(
+        lam=1e-2, num_train_samples=60, seed=4, options=PenaltyOptions(backend=backend)
+    )
     assert float(again(model, inputs)) == float(value)  # reproducible from the seed
 
 
@@ -599,7 +608,9 @@ def test_layer_norm_models_get_the_finite_difference_gradient(labels):
     inputs = torch.randn(4, 6, dtype=DTYPE)
 
     def value() -> Tensor:
-        penalty = SoftRankPenalty(lam=1e-2, num_train_samples=40, labels=labels, backend="func")
+        penalty = SoftRankPenalty(
+            lam=1e-2, num_train_samples=40, options=PenaltyOptions(labels=labels, backend="func")
+        )
         return penalty(model, inputs)
 
     directional_check(model, value)
@@ -623,7 +634,7 @@ def test_batchnorm_and_dropout_are_evaluated_in_eval_mode_inside_the_penalty():
         model(torch.randn(16, 1, 7, 7, dtype=DTYPE))
     inputs = torch.randn(4, 1, 7, 7, dtype=DTYPE)
     stats = [b.clone() for b in model.buffers()]
-    kwargs = {"lam": 1e-2, "num_train_samples": 40, "labels": "exact"}
+    kwargs = {"lam": 1e-2, "num_train_samples": 40, "options": PenaltyOptions(labels="exact")}
     with pytest.warns(
         UserWarning, match=r"running statistics, Dropout and attention dropout off \(1, 4\)"
     ):
@@ -635,7 +646,8 @@ def test_batchnorm_and_dropout_are_evaluated_in_eval_mode_inside_the_penalty():
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers(), strict=True))
     model.eval()
     eval_mode = SoftRankPenalty(**kwargs)(model, inputs)
-    func = SoftRankPenalty(**kwargs, backend="func")(model, inputs)
+    func_options = PenaltyOptions(labels="exact", backend="func")
+    func = SoftRankPenalty(**{**kwargs, "options": func_options})(model, inputs)
     assert float(train_mode) == pytest.approx(float(eval_mode), rel=1e-12)
     assert float(eval_mode) == pytest.approx(float(func), rel=1e-10)
     unstable = nn.Sequential(
@@ -696,7 +708,9 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_penalty_repr_names_the_options():
-    text = repr(SoftRankPenalty(lam=0.5, num_train_samples=10, params=["a", "b"]))
+    text = repr(
+        SoftRankPenalty(lam=0.5, num_train_samples=10, options=PenaltyOptions(params=["a", "b"]))
+    )
     assert "lam=0.5" in text and "params=('a', 'b')" in text and "backend='auto'" in text
 
 
@@ -740,7 +754,9 @@ def test_dict_inputs_and_dict_outputs_give_the_plain_models_penalty(backend):
     structured = soft_rank_penalty(model, {"image": inputs, "scale": ones}, **kwargs)
     plain = soft_rank_penalty(model.body, inputs, **kwargs)
     assert float(structured) == pytest.approx(float(plain), rel=1e-10)
-    penalty = SoftRankPenalty(lam=1e-3, num_train_samples=40, labels="exact")
+    penalty = SoftRankPenalty(
+        lam=1e-3, num_train_samples=40, options=PenaltyOptions(labels="exact")
+    )
     assert float(penalty(model, {"image": inputs, "scale": ones})) == pytest.approx(
         float(plain), rel=1e-10
     )
@@ -792,7 +808,10 @@ def test_processes_draw_independently_and_share_the_generator_state(estimator):
 
     def penalty_of(process):
         penalty = SoftRankPenalty(
-            lam=1e-3, num_train_samples=80, seed=0, estimator=estimator, backend="func"
+            lam=1e-3,
+            num_train_samples=80,
+            seed=0,
+            options=PenaltyOptions(estimator=estimator, backend="func"),
         )
         penalty.process = process
         values = [float(penalty(model, inputs)) for _ in range(2)]

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDevice
 from torch import nn
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
+from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.trainer_facts import sharding_refusal
 
 
@@ -37,7 +38,7 @@ StandInFSDP.__name__ = "FSDPStrategy"
 
 @pytest.mark.parametrize("strict", [True, False])
 def test_a_sharded_fit_is_refused_at_its_start(tmp_path, strict):
-    monitor = FlatnessMonitor(strict=strict, print_summary=False)
+    monitor = FlatnessMonitor(strict=strict, log_options=LogOptions(summary=False))
     trainer = quiet_trainer(tmp_path, [monitor], strategy=StandInFSDP(device=torch.device("cpu")))
     data = MNIST7DataModule(train_size=64, val_size=32, batch_size=32)
     model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3)

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_flatness import FlatnessMonitor
+from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.stream_buffer import StreamBuffer
 
 
@@ -76,7 +77,7 @@ def _fit(tmp_path, stream_type, callbacks=()):
 def test_a_stream_is_left_alone_and_its_drawn_batches_are_measured(tmp_path, stream_type):
     plain, plain_train, plain_val = _fit(tmp_path / "plain", stream_type)
     kwargs = {} if stream_type is SizedStream else {"num_train_samples": 96}
-    monitor = FlatnessMonitor(print_summary=False, overhead_budget=None, **kwargs)
+    monitor = FlatnessMonitor(overhead_budget=None, **kwargs, log_options=LogOptions(summary=False))
     watched, train, val = _fit(tmp_path / "watched", stream_type, [monitor])
     for name, value in plain.state_dict().items():
         assert torch.equal(value, watched.state_dict()[name]), name
@@ -91,12 +92,16 @@ def test_a_stream_is_left_alone_and_its_drawn_batches_are_measured(tmp_path, str
 
 def test_a_stream_without_a_length_names_num_train_samples(tmp_path):
     with pytest.raises(ValueError, match="num_train_samples"):
-        _fit(tmp_path, EpochShuffledStream, [FlatnessMonitor(print_summary=False)])
+        _fit(
+            tmp_path, EpochShuffledStream, [FlatnessMonitor(log_options=LogOptions(summary=False))]
+        )
 
 
 def test_the_stream_budget_keeps_whole_batches_up_to_max_samples(tmp_path):
     seed_everything(0)
-    monitor = FlatnessMonitor(max_samples=40, print_summary=False, overhead_budget=None)
+    monitor = FlatnessMonitor(
+        max_samples=40, overhead_budget=None, log_options=LogOptions(summary=False)
+    )
     _fit(tmp_path, SizedStream, [monitor])
     assert [record["num_samples"] for record in monitor.history] == [48.0] * 3
     buffer = StreamBuffer(None)

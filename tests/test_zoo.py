@@ -20,12 +20,14 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader
 from zoo import ZOO, build, zoo_data
 
-from lightning_flatness import FlatnessMonitor, measure
+from lightning_flatness import FlatnessMonitor, SoftRankRegularizer, measure
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.batches import wrap_for_batches
 from lightning_flatness.core.layer_rules import is_transposed_linear
 from lightning_flatness.core.model_state import left_as_found, original_module
 from lightning_flatness.lightning.budget import CHEAP, EXACT
+from lightning_flatness.lightning.log_options import LogOptions
+from lightning_flatness.regularizer import PenaltyOptions
 
 LAM = 1e-3
 N = 8
@@ -272,7 +274,9 @@ def test_penalty_gradient_matches_finite_differences_on_the_zoo(name, one_thread
 
     model = original_module(build(name)).train()
     inputs, _ = zoo_data(name, 4)
-    penalty = SoftRankPenalty(lam=1e-2, num_train_samples=40, labels="exact")
+    penalty = SoftRankPenalty(
+        lam=1e-2, num_train_samples=40, options=PenaltyOptions(labels="exact")
+    )
     with pytest.warns(UserWarning) if name in ("resnet", "transformer") else nullcontext():
         directional_check(model, lambda: penalty(model, inputs))
     assert model.training and all(m.training for m in model.modules() if m is not model)
@@ -422,7 +426,9 @@ def _zoo_fit(name: str, monitor: FlatnessMonitor | None) -> ZooClassifier:
 
 
 def _quiet_monitor(**kwargs) -> FlatnessMonitor:
-    return FlatnessMonitor(print_summary=False, log_spectrum=False, max_samples=32, **kwargs)
+    return FlatnessMonitor(
+        max_samples=32, **kwargs, log_options=LogOptions(summary=False, spectrum=False)
+    )
 
 
 @pytest.mark.parametrize("name", ["resnet", "transformer", "vit", "gpt2", "lstm"])
@@ -460,9 +466,8 @@ def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
 )
 def test_regularized_fit_trains_on_batchnorm_and_token_models(name, params, estimator):
     plain = _zoo_fit(name, None)
-    monitor = _quiet_monitor(
-        regularize=True, reg_strength=1.0, reg_params=params, reg_estimator=estimator
-    )
+    penalty = PenaltyOptions(params=params, estimator=estimator)
+    monitor = _quiet_monitor(regularize=SoftRankRegularizer(strength=1.0, penalty=penalty))
     regularized = _zoo_fit(name, monitor)
     changed = any(
         not torch.equal(value, regularized.state_dict()[key])

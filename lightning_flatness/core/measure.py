@@ -49,7 +49,12 @@ from lightning_flatness.core.defaults import AUTO, choose_structure, default_pro
 from lightning_flatness.core.failures import MeasurementError, UnsupportedModelError
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import per_sample_modes, rng_devices, uncompiled
-from lightning_flatness.core.options import KernelOptions, structure_options
+from lightning_flatness.core.options import (
+    OPTION_CLASSES,
+    KernelOptions,
+    StructureOptions,
+    structure_options,
+)
 from lightning_flatness.core.pipeline import model_device_dtype, run_pipeline
 from lightning_flatness.core.report import FlatnessReport, build_report
 from lightning_flatness.core.spectral import check_lam
@@ -65,7 +70,7 @@ def measure(
     *,
     lam: float | Mapping[str, float],
     num_train_samples: int,
-    structure: str = "auto",
+    structure: str | StructureOptions = "auto",
     val_batches: Iterable | None = None,
     max_samples: int | None = None,
     max_val_samples: int | None = None,
@@ -108,6 +113,9 @@ def measure(
             quadrature of the exact F) and
             ``"hutchinson"`` (Hutchinson diagonal with its Eq. 8/9 bounds), matrix-free for any
             differentiable model (options: :mod:`lightning_flatness.core.backends.matrix_free`).
+            Or an options object (:mod:`lightning_flatness.core.options`, e.g.
+            ``KFACOptions(kfac_mode="probe")``), which names its structure and holds every
+            option of it: the keyword arguments below that set options are then not read.
         val_batches: held-out batches for the trace ratio, validation loss and observed gap.
         max_samples / max_val_samples: stop after this many training / validation samples.
         trace_estimator: ``"exact"`` Tr(F), or ``"sampled"`` (unbiased, cheaper); for
@@ -166,23 +174,27 @@ def measure(
         if value is not None and int(value) < 1:
             raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
     seen = min(int(num_train_samples), int(max_samples or num_train_samples))
-    if not {"probes", "groups"} & set(kernel_options or {}):
-        kernel_options = {**(kernel_options or {}), "probes": default_probes(seen)}
-    if structure == AUTO:
-        kernel = KernelOptions.from_dict(kernel_options, "exact")
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        summable = all_reduce is not None
-        structure = choose_structure(trainable, seen, kernel, summable=summable).structure
-    options = structure_options(
-        structure,
-        trace_estimator=trace_estimator,
-        kfac_mode=kfac_mode,
-        mc_samples=mc_samples,
-        dense_max_parameters=dense_max_parameters,
-        gram_max_kernel_size=gram_max_kernel_size,
-        matrix_free_options=matrix_free_options,
-        kernel_options=kernel_options,
-    )
+    if isinstance(structure, OPTION_CLASSES):
+        options = structure
+    else:
+        if not {"probes", "groups"} & set(kernel_options or {}):
+            kernel_options = {**(kernel_options or {}), "probes": default_probes(seen)}
+        if structure == AUTO:
+            kernel = KernelOptions.from_dict(kernel_options, "exact")
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            summable = all_reduce is not None
+            structure = choose_structure(trainable, seen, kernel, summable=summable).structure
+        options = structure_options(
+            structure,
+            trace_estimator=trace_estimator,
+            kfac_mode=kfac_mode,
+            mc_samples=mc_samples,
+            dense_max_parameters=dense_max_parameters,
+            gram_max_kernel_size=gram_max_kernel_size,
+            matrix_free_options=matrix_free_options,
+            kernel_options=kernel_options,
+        )
+    structure = options.structure
     get_likelihood(loss)
     start = time.perf_counter()
     wrapped, first_pass, found = wrap_for_batches(model, train_batches, unpack_batch, logits_fn)

@@ -1,8 +1,11 @@
 """The options of each structure, one frozen dataclass per structure, validated once.
 
-:func:`structure_options` turns ``measure()``'s keyword arguments into the options of the one
-structure being measured; the backends read only that object. ``FlatnessMonitor`` calls the
-same function when it is built, so a bad option fails there, with the same message.
+An options object names its structure (``options.structure``) and is what ``measure()``, the
+monitor, the sweep and the configs pass around: ``measure(structure=KFACOptions(kfac_mode=
+"probe"))`` and ``FlatnessMonitor(structure=KernelOptions(probes=8))`` measure with it, and a
+plain name (``"kfac"``) takes the defaults. :func:`structure_options` turns ``measure()``'s
+keyword arguments into the options of the one structure being measured; the backends read
+only that object, so a bad option fails when the object is built, with the same message.
 
 ===========================  =====================  ==========================================
 structure                    dataclass              options
@@ -39,6 +42,7 @@ __all__ = [
     "KFACOptions",
     "KernelOptions",
     "MatrixFreeOptions",
+    "OPTION_CLASSES",
     "StructureOptions",
     "structure_options",
 ]
@@ -69,6 +73,10 @@ class KFACOptions:
     mc_samples: int = 1
     trace_estimator: str = "exact"
 
+    @property
+    def structure(self) -> str:
+        return "kfac"
+
     def __post_init__(self) -> None:
         check_choice("kfac_mode", self.kfac_mode, HOOK_ROWS)
         check_count("mc_samples", self.mc_samples)
@@ -83,6 +91,10 @@ class DiagOptions:
     mc_samples: int = 1
     trace_estimator: str = "exact"
 
+    @property
+    def structure(self) -> str:
+        return "diag_mc" if self.sampled else "diag"
+
     def __post_init__(self) -> None:
         check_count("mc_samples", self.mc_samples)
         check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)
@@ -95,6 +107,10 @@ class DenseOptions:
     trace_estimator: str = "exact"
     max_parameters: int | None = None
 
+    @property
+    def structure(self) -> str:
+        return "dense"
+
     def __post_init__(self) -> None:
         check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
         check_count("dense_max_parameters", self.max_parameters, allow_none=True)
@@ -106,6 +122,10 @@ class GramOptions:
 
     trace_estimator: str = "exact"
     max_kernel_size: int | None = None
+
+    @property
+    def structure(self) -> str:
+        return "gram"
 
     def __post_init__(self) -> None:
         check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
@@ -128,6 +148,10 @@ class KernelOptions:
     max_kernel_size: int = 8192
     max_row_elements: int = 2**28
     trace_estimator: str = "exact"
+
+    @property
+    def structure(self) -> str:
+        return "probe_kernel"
 
     def __post_init__(self) -> None:
         for name in ("probes", "groups", "max_parameters", "max_kernel_size", "max_row_elements"):
@@ -166,9 +190,10 @@ _CHOICES = {
 
 @dataclass(frozen=True)
 class MatrixFreeOptions:
-    """``lanczos`` and ``hutchinson`` (table in
-    :mod:`lightning_flatness.core.backends.matrix_free`)."""
+    """``structure`` ∈ ``cg``, ``lanczos``, ``hutchinson``: the soft rank from Fisher-vector
+    products (fields: the table in :mod:`lightning_flatness.core.backends.matrix_free`)."""
 
+    structure: str = "cg"
     probes: int = 10
     lanczos_steps: int = 40
     space: str = "auto"
@@ -188,53 +213,66 @@ class MatrixFreeOptions:
     cg_tol: float = 0.02
     preconditioner: str = "kfac"
 
+    def __post_init__(self) -> None:
+        check_choice("structure", self.structure, MATRIX_FREE_STRUCTURES)
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise ValueError(
+                    f"matrix_free_options[{name!r}] must be one of {choices}, "
+                    f"got {getattr(self, name)!r}."
+                )
+        if not 0 < float(self.cg_tol) < 1:
+            raise ValueError(
+                f"matrix_free_options['cg_tol'] must be in (0, 1), got {self.cg_tol!r}."
+            )
+        for name in ("probes", "lanczos_steps", "chunk_elements", "max_histogram", "cg_steps"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(
+                    f"matrix_free_options[{name!r}] must be ≥ 1, got {getattr(self, name)!r}."
+                )
+        if self.chunk_size is not None and int(self.chunk_size) < 1:
+            raise ValueError(f"chunk_size must be ≥ 1 or None, got {self.chunk_size!r}.")
+        if self.start == "random" and self.space == "samples":
+            raise ValueError(
+                "start='random' draws probes in parameter space; use space='parameters' or "
+                "'auto' with it, or start='range'."
+            )
+
     @classmethod
-    def from_dict(cls, options: Mapping[str, object] | None) -> MatrixFreeOptions:
-        """Build from a mapping, naming any unknown key or bad value.
+    def from_dict(
+        cls, options: Mapping[str, object] | None, structure: str = "cg"
+    ) -> MatrixFreeOptions:
+        """Build ``structure``'s options from a mapping, naming any unknown key or bad value.
 
         Raises:
             ValueError: unknown key, bad choice, or a count below 1.
         """
         options = dict(options or {})
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - {"structure"}
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(
                 f"Unknown matrix_free_options {unknown}; valid keys are {sorted(known)}."
             )
-        result = cls(**options)
-        for name, choices in _CHOICES.items():
-            if getattr(result, name) not in choices:
-                raise ValueError(
-                    f"matrix_free_options[{name!r}] must be one of {choices}, "
-                    f"got {getattr(result, name)!r}."
-                )
-        if not 0 < float(result.cg_tol) < 1:
-            raise ValueError(
-                f"matrix_free_options['cg_tol'] must be in (0, 1), got {result.cg_tol!r}."
-            )
-        for name in ("probes", "lanczos_steps", "chunk_elements", "max_histogram", "cg_steps"):
-            if int(getattr(result, name)) < 1:
-                raise ValueError(
-                    f"matrix_free_options[{name!r}] must be ≥ 1, got {getattr(result, name)!r}."
-                )
-        if result.chunk_size is not None and int(result.chunk_size) < 1:
-            raise ValueError(f"chunk_size must be ≥ 1 or None, got {result.chunk_size!r}.")
-        if result.start == "random" and result.space == "samples":
-            raise ValueError(
-                "start='random' draws probes in parameter space; use space='parameters' or "
-                "'auto' with it, or start='range'."
-            )
-        return result
+        return cls(structure=structure, **options)
 
 
 StructureOptions = (
     KFACOptions | DiagOptions | DenseOptions | GramOptions | MatrixFreeOptions | KernelOptions
 )
+#: the option dataclasses, one per structure (``options.structure`` names it)
+OPTION_CLASSES = (
+    KFACOptions,
+    DiagOptions,
+    DenseOptions,
+    GramOptions,
+    MatrixFreeOptions,
+    KernelOptions,
+)
 
 
 def structure_options(
-    structure: str,
+    structure: str | StructureOptions,
     *,
     trace_estimator: str | None = None,
     kfac_mode: str = "exact",
@@ -250,11 +288,14 @@ def structure_options(
     ones). ``"probe"`` (Rademacher probes through the output Fisher's square root) is accepted
     by every structure: the matrix-free structures' ``"sampled"`` Tr(F) *is* that estimate,
     and ``dense`` and ``gram`` compute the exact rows anyway, so their exact Tr(F) costs
-    nothing more. Arguments that do not concern ``structure`` are ignored.
+    nothing more. Arguments that do not concern ``structure`` are ignored, and so are all of
+    them when ``structure`` already is an options object (returned as it is).
 
     Raises:
         ValueError: an unknown structure, or a bad option of this one (naming it).
     """
+    if isinstance(structure, OPTION_CLASSES):
+        return structure
     check_choice("structure", structure, ALL_STRUCTURES)
     if trace_estimator == "probe" and structure not in HOOK_STRUCTURES:
         trace_estimator = "exact" if structure in ("dense", "gram") else "sampled"
@@ -269,7 +310,7 @@ def structure_options(
         return DenseOptions(exact_default, dense_max_parameters)
     if structure == "gram":
         return GramOptions(exact_default, gram_max_kernel_size)
-    options = MatrixFreeOptions.from_dict(matrix_free_options)
+    options = MatrixFreeOptions.from_dict(matrix_free_options, structure)
     if trace_estimator is not None and "trace_estimator" not in (matrix_free_options or {}):
         check_choice("trace_estimator", trace_estimator, _CHOICES["trace_estimator"])
         options = replace(options, trace_estimator=trace_estimator)

@@ -38,10 +38,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
+from lightning_flatness.core.options import (
+    MATRIX_FREE_STRUCTURES,
+    MatrixFreeOptions,
+    structure_options,
+)
 
 __all__ = [
     "CHEAP",
@@ -225,20 +229,24 @@ def not_exact_message(budget: OverheadBudget, structure: str, calibrated_at: flo
     )
 
 
-def trial_settings(structure: str, measure_kwargs: Mapping[str, Any]) -> tuple[dict, float]:
-    """The fit-start trial's :func:`~lightning_flatness.core.measure` keyword arguments (at most
-    :data:`TRIAL_SAMPLES` samples; a matrix-free structure with :data:`TRIAL_MATRIX_FREE`'s
-    few probes and steps, since its full run on one batch can cost minutes), and how many times
-    more work a real measurement does per sample (the ratio of steps for the matrix-free ones,
-    whose probes run as one block; 1 for the others): the factor that predicts the first exact
-    measurement's cost."""
-    kwargs = {**measure_kwargs, "max_samples": TRIAL_SAMPLES}
-    if structure not in MATRIX_FREE_STRUCTURES:
+def trial_settings(arguments: Mapping[str, Any]) -> tuple[dict, float]:
+    """The fit-start trial's :func:`~lightning_flatness.core.measure` keyword arguments, from
+    the ``structure`` (a name or an options object) and option keywords a real measurement
+    passes: at most :data:`TRIAL_SAMPLES` samples, and a matrix-free structure with
+    :data:`TRIAL_MATRIX_FREE`'s few probes and steps, since its full run on one batch can
+    cost minutes. Also how many times more work a real measurement does per sample (the ratio
+    of steps for the matrix-free ones, whose probes run as one block; 1 for the others): the
+    factor that predicts the first exact measurement's cost."""
+    kwargs = {**arguments, "max_samples": TRIAL_SAMPLES}
+    structure = arguments["structure"]
+    if isinstance(structure, str) and structure not in MATRIX_FREE_STRUCTURES:
+        return kwargs, 1.0  # "auto" before it is resolved, or a structure without steps
+    options = {key: value for key, value in arguments.items() if key != "structure"}
+    full = structure_options(structure, **options)
+    if not isinstance(full, MatrixFreeOptions):
         return kwargs, 1.0
-    chosen = dict(measure_kwargs.get("matrix_free_options") or {})
-    full = MatrixFreeOptions.from_dict(chosen)
-    kwargs["matrix_free_options"] = {**chosen, **TRIAL_MATRIX_FREE}
-    key = {"cg": "cg_steps", "lanczos": "lanczos_steps"}.get(structure)
+    kwargs = {"structure": replace(full, **TRIAL_MATRIX_FREE), "max_samples": TRIAL_SAMPLES}
+    key = {"cg": "cg_steps", "lanczos": "lanczos_steps"}.get(full.structure)
     if key is None:  # hutchinson: no steps
         return kwargs, 1.0
     return kwargs, getattr(full, key) / TRIAL_MATRIX_FREE[key]  # probes run as one block

@@ -135,15 +135,10 @@ def run_measure(args: list[str], cli_class: Callable[..., LightningCLI]) -> int:
         train,
         lam=lam.decays if isinstance(lam, ParameterDecay) else lam,
         num_train_samples=size,
-        structure=options.structure or monitor.structure,
         val_batches=val,
-        trace_estimator=monitor.trace_estimator,
-        kfac_mode=monitor.kfac_mode,
         seed=monitor.seed,
-        loss=monitor.loss,
-        unpack_batch=monitor.unpack_batch,
-        logits_fn=monitor.logits_fn,
-        **monitor.measure_kwargs,
+        **monitor.reading.as_kwargs(),
+        **monitor.measure_arguments(options.structure or monitor.structure),
     )
     epoch = torch.load(options.ckpt_path, map_location="cpu", weights_only=False).get("epoch")
     record = {**report.as_dict(), "epoch": -1.0 if epoch is None else float(epoch)}

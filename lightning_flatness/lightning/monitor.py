@@ -24,7 +24,6 @@ that epoch; training goes on.
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 import time
@@ -40,7 +39,6 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_flatness.core.batches import LogitsFn, UnpackBatch
 from lightning_flatness.core.checks import check_choice, check_count
 from lightning_flatness.core.curvature import describe_coverage
 from lightning_flatness.core.decay import ParameterDecay
@@ -50,10 +48,16 @@ from lightning_flatness.core.failures import (
     TrainingSplitError,
     UnsupportedModelError,
 )
-from lightning_flatness.core.likelihoods import LOSSES
 from lightning_flatness.core.measure import check_batch, measure
-from lightning_flatness.core.options import HOOK_ROWS, MATRIX_FREE_STRUCTURES, structure_options
+from lightning_flatness.core.options import (
+    ALL_STRUCTURES,
+    MATRIX_FREE_STRUCTURES,
+    OPTION_CLASSES,
+    StructureOptions,
+    structure_options,
+)
 from lightning_flatness.core.progress import reporting_progress
+from lightning_flatness.core.reading import BatchReading
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.budget import (
     CHEAP,
@@ -68,6 +72,7 @@ from lightning_flatness.lightning.budget import (
     trial_settings,
 )
 from lightning_flatness.lightning.figures import gap_figure, log10_spectrum, summary_table
+from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
 from lightning_flatness.lightning.stream_buffer import StreamBuffer
 from lightning_flatness.lightning.trainer_facts import (
@@ -91,67 +96,52 @@ ANNOUNCE_SECONDS = 5.0
 PROGRESS_SECONDS = 10.0
 
 
-#: measure() arguments the monitor sets itself, and the constructor argument that sets each
-_SET_BY_MONITOR = {
-    "model": None,
-    "train_batches": None,
-    "val_batches": "use_val / val_dataloader_idx",
-    "lam": "lam",
-    "num_train_samples": "num_train_samples",
-    "structure": "structure",
-    "max_samples": "max_samples",
-    "max_val_samples": "max_val_samples",
-    "trace_estimator": "trace_estimator",
-    "kfac_mode": "kfac_mode",
-    "seed": "seed",
-    "all_reduce": None,
-    "loss": "loss",
-    "unpack_batch": "unpack_batch",
-    "logits_fn": "logits_fn",
-}
+#: what a structure named by a string is measured with: Tr(F) from probe rows (no extra
+#: backward pass), and ``kfac``'s output factors from one probe per input (docs/RESULTS.md)
+MONITOR_DEFAULTS = {"trace_estimator": "probe", "kfac_mode": "probe"}
+#: the structure measured when BackPACK cannot extend the model for ``dense`` or ``gram``
+FALLBACK = "lanczos"
 
 
-def _check_measure_kwargs(measure_kwargs: dict[str, Any]) -> None:
-    """Refuse keys measure() does not know and keys the monitor sets itself."""
-    known = set(inspect.signature(measure).parameters)
-    for key in measure_kwargs:
-        if key not in known:
-            valid = sorted(known - set(_SET_BY_MONITOR))
-            raise ValueError(
-                f"measure_kwargs has the key {key!r}, which measure() does not take; valid keys "
-                f"are {valid}."
-            )
-        if key in _SET_BY_MONITOR:
-            instead = _SET_BY_MONITOR[key]
-            fix = f"pass FlatnessMonitor({instead}=...) instead" if instead else "drop it"
-            raise ValueError(
-                f"measure_kwargs[{key!r}] collides with what FlatnessMonitor sets itself: {fix}."
-            )
+def _check_structure(structure: str | StructureOptions) -> StructureOptions | None:
+    """The options object passed as ``structure`` (None for a name), refusing anything else."""
+    if isinstance(structure, OPTION_CLASSES):
+        return structure
+    if structure != AUTO:
+        check_choice("structure", structure, ALL_STRUCTURES)
+    return None
+
+
+def _own_regularizer(
+    regularize: bool | SoftRankRegularizer,
+    lam: float | None,
+    num_train_samples: int | None,
+    reading: BatchReading,
+    seed: int,
+    log_prefix: str,
+) -> SoftRankRegularizer | None:
+    """The regularizer ``regularize`` asks for, given the monitor's λ, n, reading, seed and
+    log prefix wherever it leaves them unset."""
+    if regularize is False or regularize is None:
+        return None
+    if regularize is True:
+        regularize = SoftRankRegularizer()
+    if not isinstance(regularize, SoftRankRegularizer):
+        raise ValueError(
+            f"`regularize` must be True, False or a SoftRankRegularizer, got {regularize!r}."
+        )
+    regularize.adopt(
+        lam=lam,
+        num_train_samples=num_train_samples,
+        reading=reading,
+        seed=seed,
+        log_prefix=log_prefix,
+    )
+    return regularize
 
 
 #: metrics also shown on the progress bar (or, without one, in a line per measurement)
 _PROGRESS_BAR_KEYS = ("predicted_gap", "observed_gap")
-
-#: measure_kwargs keys that are options of a structure (core.options.structure_options)
-_OPTION_KEYS = (
-    "mc_samples",
-    "dense_max_parameters",
-    "gram_max_kernel_size",
-    "matrix_free_options",
-    "kernel_options",
-)
-
-#: the monitor's ``reg_*`` arguments and the SoftRankRegularizer argument each one sets
-_REGULARIZER_ARGUMENTS = {
-    "reg_strength": "strength",
-    "reg_function": "function",
-    "reg_labels": "labels",
-    "reg_params": "params",
-    "reg_every_n_steps": "every_n_steps",
-    "reg_warmup_steps": "warmup_steps",
-    "reg_estimator": "estimator",
-    "reg_decay": "decay",
-}
 
 
 @contextmanager
@@ -167,12 +157,24 @@ def _quiet_fill_in() -> Iterator[None]:
 class FlatnessMonitor(Callback):
     """Log the soft rank of the Fisher and the predicted generalization gap during training.
 
+    Example::
+
+        trainer = Trainer(callbacks=[FlatnessMonitor()])
+        trainer = Trainer(callbacks=[FlatnessMonitor(structure=KFACOptions(kfac_mode="exact"),
+                                                     reading=BatchReading(loss="bce"))])
+
     Args:
-        structure: curvature structure for :func:`~lightning_flatness.core.measure`:
-            ``"auto"`` (default: ``"probe_kernel"``, the whole Fisher's soft rank within a few
-            percent of exact, wherever it fits; else the matrix-free ``"cg"``, said once at fit
-            start), ``"probe_kernel"``, ``"kfac"``, ``"dense"``, ``"gram"``, ``"diag"``,
-            ``"diag_mc"``, or matrix-free ``"cg"``, ``"lanczos"``, ``"hutchinson"``.
+        structure: what to measure: ``"auto"`` (default: ``"probe_kernel"``, the whole
+            Fisher's soft rank within a few percent of exact, wherever it fits; else the
+            matrix-free ``"cg"``, said once at fit start), a structure's name
+            (``"probe_kernel"``, ``"kfac"``, ``"dense"``, ``"gram"``, ``"diag"``,
+            ``"diag_mc"``, matrix-free ``"cg"``, ``"lanczos"``, ``"hutchinson"``) measured with
+            the monitor's defaults (Tr(F) from probe rows, no extra backward pass; ``kfac``'s
+            output factors from one Rademacher probe per input), or a structure's options
+            object (:mod:`lightning_flatness.core.options`, e.g. ``KernelOptions(probes=8)``,
+            ``MatrixFreeOptions(structure="lanczos", lanczos_steps=80)``), measured as it
+            says. When BackPACK cannot extend the model for ``dense`` or ``gram``, the monitor
+            switches to ``lanczos`` and says so.
         lam: λ, the coupled L2 weight decay. ``None`` reads it from the optimizer (SGD, Adam,
             RMSprop ``weight_decay``); different decays across parameter groups are measured as
             per-group decay (``Tr(F(F+D)⁻¹)``, docs/math.md); AdamW's decoupled decay and
@@ -190,107 +192,49 @@ class FlatnessMonitor(Callback):
         max_samples: training samples the Fisher averages over (``None``, the default: the
             whole training set, the least biased soft rank; see docs/math.md, "Sample size").
         max_val_samples: held-out samples for the trace ratio and the observed gap.
-        use_val: use the validation dataloader (held-out trace ratio, observed gap).
-        log_prefix: prefix of every logged name.
-        measure_on_fit_end: also measure after the last epoch if it was not measured.
+        val_dataloader: which validation dataloader the held-out numbers (trace ratio,
+            observed gap) use; ``None``: none.
         num_train_samples: n for the predicted gap; default ``len(train dataset)``.
         batch_size: batch size of the measurement passes (does not change any number).
-        trace_estimator: ``"probe"`` (default: Tr(F) from the structure's probe rows, unbiased,
-            no extra backward pass), ``"sampled"`` (from drawn labels) or ``"exact"``.
-        kfac_mode: the rows of ``structure="kfac"``: ``"probe"`` (default: output-side factors
-            from one Rademacher probe through the output Fisher's square root per input, one
-            backward pass; on two sweeps within a few percent of ``"exact"`` rows at the cost
-            of ``"sampled"``, docs/RESULTS.md),
-            ``"sampled"`` (one label drawn from the model per input: as cheap, but starved on
-            over-confident models, where it falls to a fraction of the exact rows' soft rank)
-            or ``"exact"`` (the C rows of the output Fisher's square root: C backward passes).
-        log_spectrum: write the log10 eigenvalue histogram (every measurement) and the gap
-            figure (every ``figure_every_n_measurements``-th measurement and at fit end) to
-            TensorBoard.
-        figure_every_n_measurements: drawing the figure costs about as much as measuring a
-            small MLP, so it is redrawn only this often.
-        print_summary: print a summary table of the last measurement at fit end.
-        fallback_structure: used (with one info message) when BackPACK cannot extend the model
-            for ``structure="dense"`` or ``"gram"`` (the other structures run on any
-            differentiable model); ``None`` records NaN instead.
-        seed: seeds the sample subset and the Monte-Carlo structures.
-        measure_kwargs: further keyword arguments for :func:`~lightning_flatness.core.measure`
-            (e.g. ``{"matrix_free_options": {...}}``); keys the monitor sets itself are refused
-            with the constructor argument to use instead.
-        loss: the likelihood of the model's outputs: ``"cross_entropy"`` (softmax
-            classification, integer labels), ``"bce"`` (independent sigmoid outputs:
-            multi-label 0/1 targets, or binary with a single logit) or ``"mse"`` (regression).
-            F is the Fisher of that likelihood; label smoothing or loss weights in the user's
-            training loss are not part of it (``flatness/train_nll`` is the plain NLL).
-        unpack_batch: ``batch -> (inputs, targets)``; default: ``(x, y, *rest)`` sequences and
-            mappings with a ``labels``/``label``/``targets``/``target``/``y`` key (the rest of
-            the mapping are the inputs, passed to the model as keywords).
-        logits_fn: ``(pl_module, inputs) -> logits``; default: call the module and read a
-            tensor, ``.logits``, ``["logits"]`` or the first element of a tuple. Needed when the
-            module has no ``forward`` (e.g. ``lambda module, x: module.model(x)``).
+        reading: how batches and outputs are read: the likelihood ``loss``,
+            ``unpack_batch`` and ``logits_fn``
+            (:class:`~lightning_flatness.core.reading.BatchReading`; default: cross-entropy on
+            ``(x, y)`` batches and the module's own output).
+        log_options: the logged names' prefix, the TensorBoard spectrum and figure, the fit-end
+            summary (:class:`~lightning_flatness.lightning.log_options.LogOptions`).
+        regularize: also train against the soft rank: ``True`` adds a
+            :class:`~lightning_flatness.lightning.regularizer.SoftRankRegularizer` with its
+            defaults, or pass one (``SoftRankRegularizer(strength=0.1)``); the monitor gives it
+            its own λ, n, ``reading``, seed and log prefix wherever the regularizer leaves them
+            unset, and adds it to the trainer's callbacks when fit starts. It adds
+            ``strength ·`` the penalty to every training loss, exactly as writing
+            ``loss + penalty`` in ``training_step``. Passing the regularizer callback yourself
+            is the same.
+        measure_on_fit_end: also measure after the last epoch if it was not measured.
         strict: a configuration the monitor cannot measure raises at fit start (True, as
             ``EarlyStopping(strict=True)`` does for a missing metric), or warns once and
             switches the monitor off (False).
-        val_dataloader_idx: which validation dataloader the held-out numbers use.
-        regularize: also train against the soft rank: add a
-            :class:`~lightning_flatness.lightning.regularizer.SoftRankRegularizer` (built from
-            the ``reg_*`` arguments, this monitor's λ, n, loss, batch reading and seed) to the
-            trainer's callbacks when fit starts. It adds ``reg_strength ·`` the penalty to
-            every training loss — exactly as writing ``loss + penalty`` in
-            ``training_step``. Passing the regularizer callback yourself is the same.
-        reg_strength: β, the weight of the penalty (``SoftRankRegularizer(strength=...)``).
-        reg_function: ``"soft_rank"`` or ``"logdet"``.
-        reg_labels: ``"sampled"`` (one label drawn from the model per input; B × B kernel) or
-            ``"exact"`` (all classes; BC × BC kernel).
-        reg_params: ``"all"``, ``"last_layer"`` or a list of module names.
-        reg_every_n_steps: add the penalty on every n-th training batch only.
-        reg_warmup_steps: no penalty for the first k training batches.
-        reg_estimator: ``"batched"`` (``h(F_b)/B``, the Theorem 6.5 bound) or
-            ``"compositional"`` (gradient of ``h(F)/n`` at a running estimate ``F̂``).
-        reg_decay: ρ, the moving-average decay of the compositional estimator's ``F̂``.
+        seed: seeds the sample subset and the Monte-Carlo structures.
     """
 
     def __init__(
         self,
-        structure: str = AUTO,
+        structure: str | StructureOptions = AUTO,
         lam: float | None = None,
         every_n_epochs: int = 1,
         overhead_budget: float | None = 0.3,
         max_samples: int | None = None,
         max_val_samples: int | None = DEFAULT_MAX_VAL_SAMPLES,
-        use_val: bool = True,
-        log_prefix: str = "flatness/",
-        measure_on_fit_end: bool = True,
+        val_dataloader: int | None = 0,
         num_train_samples: int | None = None,
         batch_size: int = 256,
-        trace_estimator: str = "probe",
-        kfac_mode: str = "probe",
-        log_spectrum: bool = True,
-        figure_every_n_measurements: int = 5,
-        print_summary: bool = True,
-        fallback_structure: str | None = "lanczos",
-        seed: int = 0,
-        measure_kwargs: dict[str, Any] | None = None,
-        regularize: bool = False,
-        reg_strength: float = 1.0,
-        reg_function: str = "soft_rank",
-        reg_labels: str = "sampled",
-        reg_params: str | list[str] = "all",
-        reg_every_n_steps: int = 1,
-        reg_warmup_steps: int = 0,
-        reg_estimator: str = "batched",
-        reg_decay: float = 0.95,
-        loss: str = "cross_entropy",
-        unpack_batch: UnpackBatch | None = None,
-        logits_fn: LogitsFn | None = None,
+        reading: BatchReading | None = None,
+        log_options: LogOptions | None = None,
+        regularize: bool | SoftRankRegularizer = False,
+        measure_on_fit_end: bool = True,
         strict: bool = True,
-        val_dataloader_idx: int = 0,
+        seed: int = 0,
     ) -> None:
-        if fallback_structure is not None and fallback_structure not in MATRIX_FREE_STRUCTURES:
-            raise ValueError(
-                f"`fallback_structure` must be one of {MATRIX_FREE_STRUCTURES} or None, got "
-                f"{fallback_structure!r}."
-            )
         if lam is not None and (not math.isfinite(float(lam)) or float(lam) <= 0):
             raise ValueError(f"`lam` must be a finite positive number or None, got {lam!r}.")
         check_count("every_n_epochs", every_n_epochs)
@@ -298,50 +242,24 @@ class FlatnessMonitor(Callback):
         check_count("max_val_samples", max_val_samples, allow_none=True)
         check_count("num_train_samples", num_train_samples, allow_none=True)
         check_count("batch_size", batch_size)
-        check_count("figure_every_n_measurements", figure_every_n_measurements)
-        if not isinstance(log_prefix, str):
-            raise ValueError(f"`log_prefix` must be a string, got {log_prefix!r}.")
-        if loss not in LOSSES:
-            raise ValueError(f"`loss` must be one of {LOSSES}, got {loss!r}.")
-        for name, value in (("unpack_batch", unpack_batch), ("logits_fn", logits_fn)):
-            if value is not None and not callable(value):
-                raise ValueError(f"`{name}` must be a callable or None, got {value!r}.")
-        check_count("val_dataloader_idx", val_dataloader_idx, 0)
-        _check_measure_kwargs(dict(measure_kwargs or {}))
-        # The structure's options, validated by the code measure() validates them with.
-        chosen = dict(measure_kwargs or {})
-        check_choice("kfac_mode", kfac_mode, HOOK_ROWS)
-        chosen_structures = ["probe_kernel", "cg"] if structure == AUTO else [structure]
-        for name in chosen_structures + ([fallback_structure] if fallback_structure else []):
-            structure_options(
-                name,
-                trace_estimator=trace_estimator,
-                kfac_mode=kfac_mode,
-                **{key: chosen[key] for key in _OPTION_KEYS if key in chosen},
-            )
-        #: the callback that owns the penalty when ``regularize=True`` (added at fit start)
-        self.regularizer: SoftRankRegularizer | None = None
-        if regularize:
-            self.regularizer = _make_regularizer(
-                {
-                    "reg_strength": reg_strength,
-                    "reg_function": reg_function,
-                    "reg_labels": reg_labels,
-                    "reg_params": reg_params,
-                    "reg_every_n_steps": reg_every_n_steps,
-                    "reg_warmup_steps": reg_warmup_steps,
-                    "reg_estimator": reg_estimator,
-                    "reg_decay": reg_decay,
-                },
-                lam=lam,
-                num_train_samples=num_train_samples,
-                loss=loss,
-                unpack_batch=unpack_batch,
-                logits_fn=logits_fn,
-                seed=seed,
-                log_prefix=log_prefix,
-            )
-        self.structure = structure
+        check_count("val_dataloader", val_dataloader, 0, allow_none=True)
+        reading = reading if reading is not None else BatchReading()
+        log_options = log_options if log_options is not None else LogOptions()
+        for name, value, kind in (
+            ("reading", reading, BatchReading),
+            ("log_options", log_options, LogOptions),
+        ):
+            if not isinstance(value, kind):
+                raise ValueError(f"`{name}` must be a {kind.__name__} or None, got {value!r}.")
+        #: the options object the user passed as ``structure``, if any
+        self.structure_options = _check_structure(structure)
+        self.structure = (
+            structure if self.structure_options is None else self.structure_options.structure
+        )
+        #: the callback that owns the penalty when ``regularize`` is set (added at fit start)
+        self.regularizer = _own_regularizer(
+            regularize, lam, num_train_samples, reading, seed, log_options.prefix
+        )
         self.lam = None if lam is None else float(lam)
         self.every_n_epochs = every_n_epochs
         self.overhead_budget = overhead_budget
@@ -353,33 +271,25 @@ class FlatnessMonitor(Callback):
         self._trial_samples = 0
         self.max_samples = max_samples
         self.max_val_samples = max_val_samples
-        self.use_val = use_val
-        self.log_prefix = log_prefix
+        self.use_val = val_dataloader is not None
+        self.val_dataloader_idx = val_dataloader or 0
         self.measure_on_fit_end = measure_on_fit_end
         self.num_train_samples = num_train_samples
         self.batch_size = batch_size
-        self.trace_estimator = trace_estimator
-        self.kfac_mode = kfac_mode
-        self.log_spectrum = log_spectrum
-        self.figure_every_n_measurements = figure_every_n_measurements
+        self.reading = reading
+        self.log_options = log_options
+        self.log_prefix = log_options.prefix
         self._figure_drawn_at = -1
-        self.print_summary = print_summary
-        self.fallback_structure = fallback_structure
         self.seed = seed
-        self.measure_kwargs = dict(measure_kwargs or {})
-        self.regularize = bool(regularize)
-        self.loss = loss
-        self.unpack_batch = unpack_batch
-        self.logits_fn = logits_fn
+        self.regularize = self.regularizer is not None
         self.strict = bool(strict)
-        self.val_dataloader_idx = val_dataloader_idx
         #: why the monitor switched itself off at fit start (``strict=False``), or None
         self.disabled_reason: str | None = None
         self._checked = False
         self.history: list[dict[str, float]] = []
         self.resolved_lam: float | None = None
         self.resolved_num_train_samples: int | None = None
-        self._active_structure = structure
+        self._active_structure = self.structure
         self._coverage_logged = False
         self._last_report: FlatnessReport | None = None
         #: batches the loops drew this epoch, measured when the dataset is a stream
@@ -499,11 +409,7 @@ class FlatnessMonitor(Callback):
         """Resolve ``structure="auto"`` once, for this model and the samples measured, and say
         which structure was chosen and why
         (:func:`~lightning_flatness.core.defaults.choose_structure`)."""
-        options = structure_options(
-            "probe_kernel",
-            trace_estimator=self.trace_estimator,
-            kernel_options=self.measure_kwargs.get("kernel_options"),
-        )
+        options = structure_options("probe_kernel", **MONITOR_DEFAULTS)
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         samples = self.resolved_num_train_samples
         cap = self.max_samples
@@ -529,7 +435,7 @@ class FlatnessMonitor(Callback):
         if len(val_loaders) > 1:
             rank_zero_info(
                 f"FlatnessMonitor: {len(val_loaders)} validation dataloaders; the held-out "
-                f"numbers use dataloader {self.val_dataloader_idx} (val_dataloader_idx)."
+                f"numbers use dataloader {self.val_dataloader_idx} (val_dataloader)."
             )
         train_loader = first_dataloader(trainer.train_dataloader)
         if train_loader is not None and not is_sized(train_loader):
@@ -556,13 +462,7 @@ class FlatnessMonitor(Callback):
             self._refuse(pl_module, error)
 
     def _check_batch(self, pl_module: LightningModule, batch: Any) -> tuple[int, int]:
-        return check_batch(
-            pl_module,
-            batch,
-            loss=self.loss,
-            unpack_batch=self.unpack_batch,
-            logits_fn=self.logits_fn,
-        )
+        return check_batch(pl_module, batch, **self.reading.as_kwargs())
 
     def _refuse(self, pl_module: LightningModule, error: Exception) -> None:
         """Raise (``strict=True``), or warn once and switch the monitor off."""
@@ -769,7 +669,7 @@ class FlatnessMonitor(Callback):
             rank_zero_info(
                 not_exact_message(self.budget, self._active_structure, self._calibrated_at)
             )
-        if self.print_summary and last is not None and trainer.is_global_zero:
+        if self.log_options.summary and last is not None and trainer.is_global_zero:
             structure = FILL_IN if last.get("fill_in") else self._active_structure
             rank_zero_info(summary_table(last, structure))
 
@@ -866,28 +766,34 @@ class FlatnessMonitor(Callback):
         all_reduce: Any = None,
         shard: tuple[int, int] | None = None,
         structure: str | None = None,
-        options: dict[str, Any] | None = None,
+        arguments: dict[str, Any] | None = None,
     ) -> FlatnessReport:
-        """:func:`measure` with this monitor's arguments (``options`` replacing
-        ``measure_kwargs``)."""
+        """:func:`measure` with this monitor's arguments; ``arguments`` replaces what
+        :meth:`_structure_arguments` says for ``structure`` (the active one by default)."""
+        if arguments is None:
+            arguments = self.measure_arguments(structure or self._active_structure)
         with torch.inference_mode(False), torch.enable_grad():
             return measure(
                 pl_module,
                 train_batches,
                 lam=self._lam_argument(),
                 num_train_samples=self.resolved_num_train_samples,
-                structure=structure or self._active_structure,
                 val_batches=val_batches,
-                trace_estimator=self.trace_estimator,
-                kfac_mode=self.kfac_mode,
                 seed=self.seed,
                 all_reduce=all_reduce,
                 shard=shard,
-                loss=self.loss,
-                unpack_batch=self.unpack_batch,
-                logits_fn=self.logits_fn,
-                **(self.measure_kwargs if options is None else options),
+                **self.reading.as_kwargs(),
+                **arguments,
             )
+
+    def measure_arguments(self, structure: str) -> dict[str, Any]:
+        """:func:`measure`'s arguments that say what to measure ``structure`` with: the options
+        object passed as ``structure=`` for its structure, else the name with
+        :data:`MONITOR_DEFAULTS` (the ``measure`` subcommand measures with these too)."""
+        chosen = self.structure_options
+        if chosen is not None and chosen.structure == structure:
+            return {"structure": chosen}
+        return {"structure": structure, **MONITOR_DEFAULTS}
 
     def _timed_trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         """The fit-start trial, charged to the budget; its cost per sample predicts the first
@@ -897,7 +803,7 @@ class FlatnessMonitor(Callback):
         seconds = time.perf_counter() - started
         self.budget.charge(seconds)
         samples = min(self.resolved_num_train_samples or 0, self.max_samples or math.inf)
-        _, work = trial_settings(self._active_structure, self.measure_kwargs)
+        _, work = trial_settings(self.measure_arguments(self._active_structure))
         trial_samples = min(self._trial_samples, TRIAL_SAMPLES)
         self.budget.predict_exact(seconds * work, trial_samples, int(samples))
         if self.budget.share is not None and self._has_fill_in() and self.disabled_reason is None:
@@ -916,11 +822,11 @@ class FlatnessMonitor(Callback):
         sizes = sorted({min(TRIAL_SAMPLES // 4, available), min(TRIAL_SAMPLES, available)})
         times = []
         for size in sizes:
-            options = {**self.measure_kwargs, "max_samples": size}
+            arguments = {**self.measure_arguments(FILL_IN), "max_samples": size}
             started = time.perf_counter()
             try:
                 with _quiet_fill_in():
-                    self._call_measure(pl_module, [batch], None, structure=FILL_IN, options=options)
+                    self._call_measure(pl_module, [batch], None, arguments=arguments)
             except Exception:  # the fill-in cannot measure this model: found out when it runs
                 return
             times.append(time.perf_counter() - started)
@@ -935,7 +841,7 @@ class FlatnessMonitor(Callback):
         """Measure one real training batch with the structure every epoch will use, once at
         fit start: a structure that cannot measure this model fails here, once, instead of
         logging NaN every epoch (a BackPACK structure it cannot convert switches to
-        ``fallback_structure`` here, and says so). A numerical failure (a NaN loss) is left to
+        ``lanczos`` here, and says so). A numerical failure (a NaN loss) is left to
         the epochs; under DDP every process refuses if any one does."""
         disabled = self.disabled_reason is not None
         error = None if disabled or batch is None else self._trial_error(pl_module, batch)
@@ -954,8 +860,8 @@ class FlatnessMonitor(Callback):
         """What stops the structure on ``batch``, or None (numerical failures included)."""
 
         def run() -> FlatnessReport:
-            options, _ = trial_settings(self._active_structure, self.measure_kwargs)
-            return self._call_measure(pl_module, [batch], None, options=options)
+            arguments, _ = trial_settings(self.measure_arguments(self._active_structure))
+            return self._call_measure(pl_module, [batch], None, arguments=arguments)
 
         try:
             self._with_fallback(run)
@@ -971,19 +877,17 @@ class FlatnessMonitor(Callback):
 
     def _with_fallback(self, run: Callable[[], FlatnessReport]) -> FlatnessReport:
         """``run()``; when BackPACK cannot convert the model (``dense``/``gram``), switch to
-        ``fallback_structure`` for the rest of the fit, say so, and run again."""
+        ``lanczos`` for the rest of the fit, say so, and run again."""
         try:
             return run()
         except UnsupportedModelError as error:
-            if self.fallback_structure is None or self._active_structure in (
-                MATRIX_FREE_STRUCTURES
-            ):
+            if self._active_structure in MATRIX_FREE_STRUCTURES:
                 raise
             rank_zero_info(
                 f"FlatnessMonitor: {error} Switching to the matrix-free structure "
-                f"{self.fallback_structure!r} for this model."
+                f"{FALLBACK!r} for this model."
             )
-            self._active_structure = self.fallback_structure
+            self._active_structure = FALLBACK
             return run()
 
     def _lam_argument(self) -> float | dict[str, float]:
@@ -1054,7 +958,7 @@ class FlatnessMonitor(Callback):
             self._draw(trainer)
 
     def _tensorboard_writers(self, trainer: Trainer) -> list:
-        if not trainer.is_global_zero or not self.log_spectrum:
+        if not trainer.is_global_zero or not self.log_options.spectrum:
             return []
         return [lg.experiment for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
 
@@ -1067,7 +971,7 @@ class FlatnessMonitor(Callback):
                 writer.add_histogram(
                     f"{self.log_prefix}spectrum_log10", spectrum.float(), trainer.global_step
                 )
-        if (len(self.history) - 1) % self.figure_every_n_measurements == 0:
+        if (len(self.history) - 1) % self.log_options.figure_every_n_measurements == 0:
             self._draw_gap_figure(trainer)
 
     def _draw_gap_figure(self, trainer: Trainer) -> None:
@@ -1084,17 +988,3 @@ class FlatnessMonitor(Callback):
                 return
             writer.add_figure(f"{self.log_prefix}gap", figure, trainer.global_step, close=True)
         self._figure_drawn_at = len(self.history)
-
-
-def _make_regularizer(reg_arguments: dict[str, Any], **shared: Any) -> SoftRankRegularizer:
-    """The monitor's :class:`SoftRankRegularizer`; errors name the monitor's ``reg_*`` argument."""
-    try:
-        return SoftRankRegularizer(
-            **{_REGULARIZER_ARGUMENTS[name]: value for name, value in reg_arguments.items()},
-            **shared,
-        )
-    except ValueError as error:
-        message = str(error)
-        for name, own in _REGULARIZER_ARGUMENTS.items():
-            message = re.sub(rf"\b{own}\b", name, message)
-        raise ValueError(message) from None

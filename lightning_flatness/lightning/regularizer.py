@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lightning_flatness.core.batches import LogitsFn, UnpackBatch, default_unpack_batch
+from lightning_flatness.core.batches import default_unpack_batch
 from lightning_flatness.core.checks import check_count
 from lightning_flatness.core.decay import ParameterDecay
+from lightning_flatness.core.reading import BatchReading
 from lightning_flatness.lightning.trainer_facts import resolve_lam, resolve_missing
-from lightning_flatness.regularizer import SoftRankPenalty
-from lightning_flatness.regularizer.arguments import ParamSpec
+from lightning_flatness.regularizer import PenaltyOptions, SoftRankPenalty
 
 __all__ = ["SoftRankRegularizer"]
 
@@ -46,83 +46,61 @@ class SoftRankRegularizer(Callback):
 
     Args:
         strength: β, the weight of the penalty (≥ 0; 0 computes nothing).
-        function: ``"soft_rank"`` or ``"logdet"``.
-        estimator: ``"batched"`` (``h(F_b)/B``, the Theorem 6.5 bound) or
-            ``"compositional"`` (gradient of ``h(F)/n`` at a running estimate ``F̂``).
-        labels: rows of the batched estimator: ``"sampled"`` (one label drawn from the model
-            per input; B × B kernel) or ``"exact"`` (all classes; BC × BC kernel).
-        params: ``"all"``, ``"last_layer"`` or a list of module names.
+        penalty: what the penalty computes: the trace function, the estimator (``"batched"``,
+            the Theorem 6.5 bound, or ``"compositional"``), its rows, parameters, ...
+            (:class:`~lightning_flatness.regularizer.PenaltyOptions`; default: its defaults).
         every_n_steps: add the penalty on every n-th training batch only.
         warmup_steps: no penalty for the first k training batches.
         lam: λ, the coupled L2 weight decay; ``None`` reads it from the optimizer: one λ, or
             each parameter's λ_j when the groups decay differently (no decay on biases and
             norms), which penalises ``Tr(F(F+D)⁻¹)`` (docs/math.md, "Per-group weight decay").
         num_train_samples: n; ``None`` reads ``len(train dataset)``.
-        loss: the likelihood whose Fisher is penalised (``"cross_entropy"``, ``"bce"``,
-            ``"mse"``).
-        unpack_batch: ``batch -> (inputs, targets)``; default as for the monitor.
-        logits_fn: ``(pl_module, inputs) -> logits``; default: call the module.
-        backend: ``"auto"``, ``"func"`` or ``"layerwise"`` (see
-            :mod:`lightning_flatness.regularizer`).
-        seed: seed of the penalty's private generator (the global RNG is never used).
-        decay: ρ, the moving-average decay of the compositional estimator's ``F̂``.
-        probes: Rademacher probes per step of the compositional estimator.
-        max_samples: samples of each batch the compositional estimator uses (None: all).
-        batch_norm: ``"running"`` or ``"batch"`` statistics for BatchNorm inside the penalty
-            (None: the estimator's default; see :class:`SoftRankPenalty`).
-        log_prefix: the penalty is logged as ``<log_prefix>penalty``.
+        reading: the likelihood whose Fisher is penalised and how batches and logits are read
+            (:class:`~lightning_flatness.core.reading.BatchReading`; default: cross-entropy
+            on ``(x, y)`` batches and the module's own output).
+        seed: seed of the penalty's private generator (the global RNG is never used;
+            ``None``: 0, or the monitor's seed when the monitor adds this callback).
+        log_prefix: the penalty is logged as ``<log_prefix>penalty`` (``None``:
+            ``"flatness/"``, or the monitor's prefix).
     """
 
     def __init__(
         self,
         strength: float = 1.0,
-        function: str = "soft_rank",
-        labels: str = "sampled",
-        params: ParamSpec = "all",
+        penalty: PenaltyOptions | None = None,
         every_n_steps: int = 1,
         warmup_steps: int = 0,
         lam: float | None = None,
         num_train_samples: int | None = None,
-        loss: str = "cross_entropy",
-        unpack_batch: UnpackBatch | None = None,
-        logits_fn: LogitsFn | None = None,
-        backend: str = "auto",
-        seed: int = 0,
-        log_prefix: str = "flatness/",
-        estimator: str = "batched",
-        decay: float = 0.95,
-        probes: int = 1,
-        max_samples: int | None = 32,
-        batch_norm: str | None = None,
+        reading: BatchReading | None = None,
+        seed: int | None = None,
+        log_prefix: str | None = None,
     ) -> None:
         if not math.isfinite(float(strength)) or float(strength) < 0:
             raise ValueError(f"`strength` must be a finite number ≥ 0, got {strength!r}.")
-        if lam is not None and (not math.isfinite(float(lam)) or float(lam) <= 0):
-            raise ValueError(f"`lam` must be a finite positive number or None, got {lam!r}.")
-        if num_train_samples is not None:
-            check_count("num_train_samples", num_train_samples)
+        penalty = PenaltyOptions() if penalty is None else penalty
+        for name, value, kind in (("penalty", penalty, PenaltyOptions),) + (
+            (("reading", reading, BatchReading),) if reading is not None else ()
+        ):
+            if not isinstance(value, kind):
+                raise ValueError(f"`{name}` must be a {kind.__name__} or None, got {value!r}.")
         self.strength = float(strength)
-        self.function = function
-        self.labels = labels
-        self.backend = backend
-        self.params = params
+        self.options = penalty
         self.every_n_steps = check_count("every_n_steps", every_n_steps)
         self.warmup_steps = check_count("warmup_steps", warmup_steps, 0)
-        self.lam = None if lam is None else float(lam)
-        self.num_train_samples = num_train_samples
-        self.loss = loss
-        self.unpack_batch = unpack_batch
-        self.logits_fn = logits_fn
-        self.seed = int(seed)
-        self.log_prefix = log_prefix
-        self.estimator = estimator
-        self.decay = decay
-        self.probes = probes
-        self.max_samples = max_samples
-        self.batch_norm = batch_norm
-        # Builds the penalty once with placeholder λ and n: SoftRankPenalty validates function,
-        # labels, backend, params, loss, estimator, decay and probes where it checks them.
-        SoftRankPenalty(**self._penalty_options(lam=1.0, num_train_samples=1))
+        self.lam: float | None = None
+        self.num_train_samples: int | None = None
+        self.reading = BatchReading()
+        self.seed = 0
+        self.log_prefix = "flatness/"
+        self._set: set[str] = set()
+        self.adopt(
+            lam=lam,
+            num_train_samples=num_train_samples,
+            reading=reading,
+            seed=seed,
+            log_prefix=log_prefix,
+        )
         self.resolved_lam: float | ParameterDecay | None = None
         self.resolved_num_train_samples: int | None = None
         self._penalty: SoftRankPenalty | None = None
@@ -134,27 +112,56 @@ class SoftRankRegularizer(Callback):
         #: set by a monitor that switched itself off: no penalty for this fit
         self.disabled = False
 
+    def adopt(
+        self,
+        *,
+        lam: float | None = None,
+        num_train_samples: int | None = None,
+        reading: BatchReading | None = None,
+        seed: int | None = None,
+        log_prefix: str | None = None,
+    ) -> None:
+        """Take these values for whichever of λ, n, reading, seed and log prefix this callback
+        was not given (the monitor shares its own with the regularizer it adds)."""
+        if lam is not None and (not math.isfinite(float(lam)) or float(lam) <= 0):
+            raise ValueError(f"`lam` must be a finite positive number or None, got {lam!r}.")
+        if num_train_samples is not None:
+            check_count("num_train_samples", num_train_samples)
+        given = {
+            "lam": None if lam is None else float(lam),
+            "num_train_samples": num_train_samples,
+            "reading": reading,
+            "seed": None if seed is None else int(seed),
+            "log_prefix": log_prefix,
+        }
+        for name, value in given.items():
+            if value is not None and name not in self._set:
+                setattr(self, name, value)
+                self._set.add(name)
+
+    @property
+    def loss(self) -> str:
+        return self.reading.loss
+
+    @property
+    def function(self) -> str:
+        return self.options.function
+
     def _penalty_options(self, **resolved: Any) -> dict[str, Any]:
         return dict(
-            function=self.function,
-            labels=self.labels,
-            params=self.params,
-            backend=self.backend,
-            loss=self.loss,
-            logits_fn=self.logits_fn,
+            options=self.options,
+            loss=self.reading.loss,
+            logits_fn=self.reading.logits_fn,
             seed=self.seed,
-            estimator=self.estimator,
-            decay=self.decay,
-            probes=self.probes,
-            max_samples=self.max_samples,
-            batch_norm=self.batch_norm,
             **resolved,
         )
 
     # ------------------------------------------------------------------ state
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(function=self.function, params=str(self.params))
+        return self._generate_state_key(
+            function=self.options.function, params=str(self.options.params)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values and tensors only, so checkpoints load with
@@ -240,7 +247,7 @@ class SoftRankRegularizer(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if not self.disabled:
-            self._batch_inputs = (self.unpack_batch or default_unpack_batch)(batch)[0]
+            self._batch_inputs = (self.reading.unpack_batch or default_unpack_batch)(batch)[0]
 
     def on_before_backward(
         self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor

@@ -122,15 +122,15 @@ def select_dataloader(loaders: object, index: int) -> DataLoader | None:
     """The ``index``-th DataLoader of ``loaders`` (None when there are none).
 
     Raises:
-        ValueError: ``index`` beyond the loaders there are; names ``val_dataloader_idx``.
+        ValueError: ``index`` beyond the loaders there are; names ``val_dataloader``.
     """
     found = all_dataloaders(loaders)
     if not found:
         return None
     if index >= len(found):
         raise ValueError(
-            f"val_dataloader_idx={index}, but the trainer has {len(found)} validation "
-            f"dataloader(s); pass FlatnessMonitor(val_dataloader_idx=0 … {len(found) - 1})."
+            f"val_dataloader={index}, but the trainer has {len(found)} validation "
+            f"dataloader(s); pass FlatnessMonitor(val_dataloader=0 … {len(found) - 1})."
         )
     return found[index]
 

@@ -1,6 +1,6 @@
 """A differentiable soft-rank (or log-det) penalty on one minibatch.
 
-Two estimators (``SoftRankPenalty(estimator=...)``):
+Two estimators (``SoftRankPenalty(options=PenaltyOptions(estimator=...))``):
 
 - ``"batched"`` (default): the batched upper bound of Theorem 6.5, below;
 - ``"compositional"``: the gradient of ``h(F)/n`` itself at a running estimate ``F̂`` of the
@@ -111,6 +111,7 @@ from lightning_flatness.regularizer.arguments import BACKENDS, ESTIMATORS, FUNCT
 from lightning_flatness.regularizer.func_rows import fisher_rows
 from lightning_flatness.regularizer.kernel import fisher_gram
 from lightning_flatness.regularizer.labels import sample_labels
+from lightning_flatness.regularizer.options import PenaltyOptions
 from lightning_flatness.regularizer.parameters import select_parameters
 from lightning_flatness.regularizer.penalty import SoftRankPenalty, soft_rank_penalty
 from lightning_flatness.regularizer.trace_function import gram_trace_function
@@ -120,6 +121,7 @@ __all__ = [
     "ESTIMATORS",
     "FUNCTIONS",
     "LABELS",
+    "PenaltyOptions",
     "SoftRankPenalty",
     "fisher_gram",
     "fisher_rows",

@@ -3,7 +3,7 @@ computes it or the compositional estimate (:mod:`~lightning_flatness.regularizer
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -20,12 +20,9 @@ from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import original_module
 from lightning_flatness.core.spectral import check_lam
 from lightning_flatness.regularizer.arguments import (
-    BACKENDS,
-    ESTIMATORS,
     FUNCTIONS,
     LABELS,
     Backend,
-    EstimatorName,
     FunctionName,
     LabelMode,
     ParamSpec,
@@ -39,8 +36,9 @@ from lightning_flatness.regularizer.compositional import (
     compositional_surrogate,
 )
 from lightning_flatness.regularizer.kernel import batch_gram
+from lightning_flatness.regularizer.options import PenaltyOptions
 from lightning_flatness.regularizer.parameters import select_parameters
-from lightning_flatness.regularizer.running_fisher import RunningFisher, check_decay
+from lightning_flatness.regularizer.running_fisher import RunningFisher
 from lightning_flatness.regularizer.trace_function import gram_trace_function
 
 __all__ = ["SoftRankPenalty", "penalty_decay", "soft_rank_penalty"]
@@ -147,30 +145,14 @@ class SoftRankPenalty:
             decay, as in :func:`soft_rank_penalty`; the compositional estimator gives each
             parameter's block of ``F̂`` its own λ_j).
         num_train_samples: n, the training-set size.
-        function: ``"soft_rank"`` or ``"logdet"`` (log-det complexity with the ½).
-        labels: rows of the batched estimator: ``"sampled"`` (B × B kernel) or ``"exact"``
-            (BC × BC kernel). The compositional estimator draws Rademacher probes of the
-            output Fisher instead and accepts only the default.
-        params: ``"all"``, ``"last_layer"`` or module names.
-        backend: ``"auto"``, ``"func"`` or ``"layerwise"`` (the batched kernel's assembly).
+        options: what the penalty computes (the trace function, the estimator, its rows,
+            parameters, kernel assembly, ...; :class:`PenaltyOptions`, default: its defaults).
         loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"``.
         logits_fn: ``(model, inputs) -> logits`` (default: call the model, read its logits).
         generator: generator for the sampled labels or the probes; default: a new CPU
             generator seeded with ``seed``. Never the global one, so enabling the penalty
             leaves the training RNG stream (shuffling, dropout, initialisation) unchanged.
         seed: seed of the default generator.
-        estimator: ``"batched"`` or ``"compositional"``.
-        decay: ρ, the moving-average decay of the compositional estimator's ``F̂``.
-        probes: Rademacher probes per call of the compositional estimator.
-        max_samples: the compositional estimator uses the first ``max_samples`` samples of each
-            batch (all when None). The estimate stays unbiased (batches are random subsets
-            of the training set) and its noise grows more slowly than 1/√(samples) (one probe's
-            cross terms do not average out), while the cost falls with the samples.
-        batch_norm: how BatchNorm is evaluated inside the penalty: ``"running"`` (eval mode,
-            the only choice of the batched estimator, whose per-sample rows need it) or
-            ``"batch"`` (modules in training mode on the batch's statistics, as the training
-            step computes them, running statistics untouched). None: ``"batch"`` for the
-            compositional estimator, ``"running"`` for the batched one.
     """
 
     def __init__(
@@ -178,19 +160,11 @@ class SoftRankPenalty:
         *,
         lam: float | Mapping[str, float],
         num_train_samples: int,
-        function: FunctionName = "soft_rank",
-        labels: LabelMode = "sampled",
-        params: ParamSpec = "all",
-        backend: Backend = "auto",
+        options: PenaltyOptions | None = None,
         loss: str = "cross_entropy",
         logits_fn: LogitsFn | None = None,
         generator: torch.Generator | None = None,
         seed: int = 0,
-        estimator: EstimatorName = "batched",
-        decay: float = 0.95,
-        probes: int = 1,
-        max_samples: int | None = 32,
-        batch_norm: str | None = None,
     ) -> None:
         #: λ (per-group decay: the largest λ_j) and the per-group decays, if any
         self.lam, self.parameter_decay = penalty_decay(lam)
@@ -199,36 +173,19 @@ class SoftRankPenalty:
         self.num_train_samples = check_count(
             "num_train_samples", num_train_samples, meaning="the training-set size n"
         )
-        self.function = check_choice("function", function, FUNCTIONS)
-        self.labels = check_choice("labels", labels, LABELS)
-        self.backend = check_choice("backend", backend, BACKENDS)
-        self.estimator = check_choice("estimator", estimator, ESTIMATORS)
-        if self.estimator == "compositional" and self.labels != "sampled":
-            raise ValueError(
-                f"labels={labels!r} chooses the rows of the batched estimator; "
-                'estimator="compositional" draws Rademacher probes of the output Fisher '
-                "(probes=K per step). Leave labels at its default, or use "
-                'estimator="batched".'
-            )
-        self.probes = check_count("probes", probes)
-        self.max_samples = check_count("max_samples", max_samples, allow_none=True)
-        if batch_norm is None:
-            batch_norm = "batch" if self.estimator == "compositional" else "running"
-        self.batch_norm = check_choice("batch_norm", batch_norm, ("running", "batch"))
-        if self.estimator == "batched" and self.batch_norm == "batch":
-            raise ValueError(
-                'batch_norm="batch" needs estimator="compositional": the batched estimator '
-                "differentiates per-sample rows V_i, which batch statistics leave undefined."
-            )
-        self.decay = check_decay(decay)
-        if isinstance(params, str):
-            self.params: ParamSpec = params
-        elif isinstance(params, Sequence) and params and all(isinstance(p, str) for p in params):
-            self.params = tuple(params)
-        else:
-            raise ValueError(
-                f'params must be "all", "last_layer" or module names, got params={params!r}.'
-            )
+        options = PenaltyOptions() if options is None else options
+        if not isinstance(options, PenaltyOptions):
+            raise ValueError(f"`options` must be a PenaltyOptions or None, got {options!r}.")
+        self.options = options
+        self.function = options.function
+        self.labels = options.labels
+        self.backend = options.backend
+        self.estimator = options.estimator
+        self.probes = options.probes
+        self.max_samples = options.max_samples
+        self.batch_norm = options.batch_norm
+        self.decay = options.decay
+        self.params: ParamSpec = options.params
         if generator is None:
             generator = torch.Generator()
             generator.manual_seed(int(seed))

@@ -17,7 +17,15 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
-from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
+from lightning_flatness import (
+    BatchReading,
+    FlatnessClassifier,
+    FlatnessMonitor,
+    MNIST7DataModule,
+    PenaltyOptions,
+    SoftRankRegularizer,
+)
+from lightning_flatness.core.options import structure_options
 
 
 def nan_on_rank_one(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
@@ -32,26 +40,24 @@ def main() -> None:
     output, structure = Path(sys.argv[1]), sys.argv[2]
     mode = sys.argv[3] if len(sys.argv) > 3 else ""
     seed_everything(0)
+    # deterministic, to compare with one process exactly
+    rows = {"trace_estimator": "exact", "kfac_mode": "exact"}
+    if mode == "sampled":  # labels drawn from the model: keyed by position as well
+        rows = {"trace_estimator": "sampled", "kfac_mode": "sampled"}
+    small = {"probes": 2, "lanczos_steps": 4} if mode == "fail" else None
     monitor_kwargs = {
-        "structure": structure,
+        "structure": structure_options(structure, **rows, matrix_free_options=small),
         "max_samples": 200,
         "max_val_samples": 100,
-        # deterministic, to compare with one process exactly
-        "trace_estimator": "exact",
-        "kfac_mode": "exact",
         "overhead_budget": None,  # measured at the one epoch, whatever the timing
     }
-    if mode == "sampled":  # labels drawn from the model: keyed by position as well
-        monitor_kwargs.update(kfac_mode="sampled", trace_estimator="sampled")
     if mode == "regularize":
-        monitor_kwargs.update(regularize=True, reg_strength=1.0)
+        monitor_kwargs.update(regularize=SoftRankRegularizer(strength=1.0))
     if mode == "compositional":
-        monitor_kwargs.update(regularize=True, reg_strength=1.0, reg_estimator="compositional")
+        penalty = PenaltyOptions(estimator="compositional")
+        monitor_kwargs.update(regularize=SoftRankRegularizer(strength=1.0, penalty=penalty))
     if mode == "fail":
-        small = {"probes": 2, "lanczos_steps": 4}
-        monitor_kwargs.update(logits_fn=nan_on_rank_one)
-        if structure in ("lanczos", "hutchinson"):
-            monitor_kwargs["measure_kwargs"] = {"matrix_free_options": small}
+        monitor_kwargs.update(reading=BatchReading(logits_fn=nan_on_rank_one))
     monitor = FlatnessMonitor(**monitor_kwargs)
     trainer = Trainer(
         accelerator="cpu",
