@@ -23,7 +23,7 @@ from lightning_flatness.lightning.budget import (
     fill_in_record,
 )
 from lightning_flatness.lightning.log_options import LogOptions
-from lightning_flatness.lightning.monitor import MONITOR_DEFAULTS
+from lightning_flatness.lightning.monitor_measurement import MONITOR_DEFAULTS
 
 
 class FakeClock:
@@ -152,7 +152,8 @@ def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path, monke
 def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path, monkeypatch):
     """The fill-in's cost stops growing with n: it measures FILL_IN_SAMPLES training samples
     (16 here, of 64), the same ones at every epoch, and its calibration is taken on them."""
-    monkeypatch.setattr("lightning_flatness.lightning.monitor.FILL_IN_SAMPLES", 16)
+    for module in ("monitor_measurement", "monitor_checks"):
+        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
     monkeypatch.setitem(MONITOR_DEFAULTS, "kfac_mode", "exact")
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [EXACT, CHEAP, CHEAP]

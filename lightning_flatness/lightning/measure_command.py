@@ -103,6 +103,26 @@ def _batches(
     return train_batches, val_batches, size
 
 
+def _validate_reading_epoch(
+    trainer: Trainer, module: LightningModule, datamodule: Any, ckpt_path: str
+) -> int | None:
+    """``trainer.validate`` from the checkpoint (its weights, hooks and the held-out loss), and
+    the epoch the checkpoint was written at, read from the dict Lightning loads (once)."""
+    seen: dict[str, Any] = {}
+    hook = module.on_load_checkpoint
+
+    def reading_epoch(checkpoint: dict[str, Any]) -> None:
+        seen["epoch"] = checkpoint.get("epoch")
+        hook(checkpoint)
+
+    module.on_load_checkpoint = reading_epoch
+    try:
+        trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    finally:
+        del module.on_load_checkpoint  # the class's own hook again
+    return seen.get("epoch")
+
+
 def run_measure(args: list[str], cli_class: Callable[..., LightningCLI]) -> int:
     """Parse ``args`` (after ``measure``), build the fit's model, data and trainer with
     ``cli_class`` (the command line's ``LightningCLI``), load the checkpoint, measure, print the
@@ -125,7 +145,7 @@ def run_measure(args: list[str], cli_class: Callable[..., LightningCLI]) -> int:
     trainer.callbacks = [
         c for c in trainer.callbacks if not isinstance(c, (FlatnessMonitor, SoftRankRegularizer))
     ]
-    trainer.validate(module, datamodule=cli.datamodule, ckpt_path=options.ckpt_path)
+    epoch = _validate_reading_epoch(trainer, module, cli.datamodule, options.ckpt_path)
     explicit = options.lam if options.lam is not None else monitor.lam
     lam = resolve_lam(_optimizers(module.configure_optimizers()), explicit, module)
     train, val, size = _batches(trainer, module, monitor)
@@ -140,7 +160,6 @@ def run_measure(args: list[str], cli_class: Callable[..., LightningCLI]) -> int:
         **monitor.reading.as_kwargs(),
         **monitor.measure_arguments(options.structure or monitor.structure),
     )
-    epoch = torch.load(options.ckpt_path, map_location="cpu", weights_only=False).get("epoch")
     record = {**report.as_dict(), "epoch": -1.0 if epoch is None else float(epoch)}
     print(summary_table(record, report.structure))
     if report.coverage:

@@ -31,6 +31,7 @@ from lightning_flatness.core.batches import default_unpack_batch
 from lightning_flatness.core.checks import check_count
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.reading import BatchReading
+from lightning_flatness.core.spectral import check_lam
 from lightning_flatness.lightning.trainer_facts import resolve_lam, resolve_missing
 from lightning_flatness.regularizer import PenaltyOptions, SoftRankPenalty
 
@@ -123,8 +124,8 @@ class SoftRankRegularizer(Callback):
     ) -> None:
         """Take these values for whichever of λ, n, reading, seed and log prefix this callback
         was not given (the monitor shares its own with the regularizer it adds)."""
-        if lam is not None and (not math.isfinite(float(lam)) or float(lam) <= 0):
-            raise ValueError(f"`lam` must be a finite positive number or None, got {lam!r}.")
+        if lam is not None:
+            check_lam(lam)
         if num_train_samples is not None:
             check_count("num_train_samples", num_train_samples)
         given = {
@@ -198,13 +199,7 @@ class SoftRankRegularizer(Callback):
 
     def resolve(self, trainer: Trainer) -> None:
         """Read λ (from the optimizers) and n (from the training dataloader) if not yet read."""
-        self.resolved_lam, self.resolved_num_train_samples = resolve_missing(
-            trainer,
-            self.lam,
-            self.num_train_samples,
-            (self.resolved_lam, self.resolved_num_train_samples),
-            trainer.lightning_module,
-        )
+        resolve_missing(self, trainer)
 
     # ------------------------------------------------------------------ the penalty
     def make_penalty(self) -> SoftRankPenalty:

@@ -259,22 +259,17 @@ def fixed_subset_batches(
     )
 
 
-def resolve_missing(
-    trainer: Any,
-    lam: float | None,
-    num_train_samples: int | None,
-    resolved: tuple[float | ParameterDecay | None, int | None],
-    module: torch.nn.Module | None = None,
-) -> tuple[float | ParameterDecay, int]:
-    """``resolved`` = (λ, n) with what is still None read off ``trainer``: λ from its optimizers
-    (:func:`resolve_lam`, ``lam`` if given), n from its training dataloader
-    (:func:`resolve_num_train_samples`, ``num_train_samples`` if given). With ``module``,
-    per-group decays are read as a :class:`ParameterDecay`."""
-    known_lam, known_n = resolved
-    if known_lam is None:
-        known_lam = resolve_lam(trainer.optimizers, lam, module)
-    if known_n is None:
-        known_n = resolve_num_train_samples(
-            first_dataloader(trainer.train_dataloader), num_train_samples
+def resolve_missing(callback: Any, trainer: Any) -> None:
+    """Set ``callback.resolved_lam`` and ``callback.resolved_num_train_samples`` where still
+    None: λ from the trainer's optimizers (:func:`resolve_lam`, per-group decays as a
+    :class:`ParameterDecay`; the callback's ``lam`` if given), n from its training dataloader
+    (:func:`resolve_num_train_samples`; the callback's ``num_train_samples`` if given). Both
+    callbacks read λ and n this one way."""
+    if callback.resolved_lam is None:
+        callback.resolved_lam = resolve_lam(
+            trainer.optimizers, callback.lam, trainer.lightning_module
         )
-    return known_lam, known_n
+    if callback.resolved_num_train_samples is None:
+        callback.resolved_num_train_samples = resolve_num_train_samples(
+            first_dataloader(trainer.train_dataloader), callback.num_train_samples
+        )

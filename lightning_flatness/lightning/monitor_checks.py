@@ -1,0 +1,239 @@
+"""What ``FlatnessMonitor`` does once, when training starts: λ and n, ``structure="auto"``
+resolved, one real batch read as every measurement will read it, and the structure tried on it
+(the trial, whose time predicts a measurement's). A configuration the monitor cannot measure
+stops the fit here with one message naming the fix, or (``strict=False``) switches the monitor
+off; BackPACK's structures switch to ``lanczos`` where BackPACK cannot follow the model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_flatness.core.defaults import choose_structure
+from lightning_flatness.core.failures import (
+    MeasurementError,
+    UnsupportedModelError,
+)
+from lightning_flatness.core.measure import check_batch
+from lightning_flatness.core.options import (
+    MATRIX_FREE_STRUCTURES,
+    structure_options,
+)
+from lightning_flatness.core.report import FlatnessReport
+from lightning_flatness.lightning.budget import (
+    FILL_IN,
+    FILL_IN_SAMPLES,
+    TRIAL_SAMPLES,
+    trial_settings,
+)
+from lightning_flatness.lightning.monitor_measurement import FALLBACK, MONITOR_DEFAULTS
+from lightning_flatness.lightning.monitor_schedule import quiet_fill_in
+from lightning_flatness.lightning.trainer_facts import (
+    all_dataloaders,
+    first_dataloader,
+    is_sized,
+    resolve_missing,
+)
+
+__all__ = ["FitStartChecks"]
+
+
+class FitStartChecks:
+    """The fit-start checks of :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` (a
+    part of it: these methods read the monitor's settings and state)."""
+
+    def _resolve(self, trainer: Trainer) -> None:
+        """λ from the optimizers and n from the training dataloader, if not yet read."""
+        resolve_missing(self, trainer)
+
+    def _choose_structure(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Resolve ``structure="auto"`` once, for this model and the samples measured, and say
+        which structure was chosen and why
+        (:func:`~lightning_flatness.core.defaults.choose_structure`)."""
+        options = structure_options("probe_kernel", **MONITOR_DEFAULTS)
+        trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        samples = self.resolved_num_train_samples
+        cap = self.max_samples
+        loader = first_dataloader(trainer.train_dataloader)
+        if loader is not None and not is_sized(loader):
+            cap = self._streams["training"].max_samples
+        if samples is not None and cap is not None:
+            samples = min(samples, cap)
+        if samples is not None and trainer.world_size > 1:
+            samples = math.ceil(samples / trainer.world_size)
+        choice = choose_structure(trainable, samples, options, summable=trainer.world_size > 1)
+        self._active_structure = choice.structure
+        rank_zero_info(f"FlatnessMonitor: structure='auto' measures {choice.reason}.")
+
+    def _check_configuration(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Read one real training (and validation) batch as every measurement will; for a
+        stream, the first batch the training loop draws (:meth:`on_train_batch_start`).
+
+        Raises (``strict=True``) or warns once and switches the monitor off (``strict=False``)
+        when the batch, the model's output or the targets cannot be measured.
+        """
+        val_loaders = all_dataloaders(trainer.val_dataloaders) if self.use_val else []
+        if len(val_loaders) > 1:
+            rank_zero_info(
+                f"FlatnessMonitor: {len(val_loaders)} validation dataloaders; the held-out "
+                f"numbers use dataloader {self.val_dataloader_idx} (val_dataloader)."
+            )
+        train_loader = first_dataloader(trainer.train_dataloader)
+        if train_loader is not None and not is_sized(train_loader):
+            self._check_on_first_batch = True
+            rank_zero_info(
+                "FlatnessMonitor: the training data is a stream (an IterableDataset); the "
+                f"monitor measures the first {self._streams['training'].max_samples:,} samples "
+                "the training loop draws in each measured epoch and never iterates the stream "
+                "itself (max_samples sets the number)."
+            )
+        splits = [] if self._check_on_first_batch else [("training", trainer.train_dataloader)]
+        if val_loaders:
+            splits.append(("validation", val_loaders))
+        try:
+            for split, loaders in splits:
+                batch = next(iter(self._batches(trainer, loaders, split)), None)
+                if batch is not None:
+                    samples, _ = self._check_batch(pl_module, batch)
+                    if split == "training":
+                        self._trial_samples = samples
+                if split == "training":
+                    self._first_batch = batch
+        except Exception as error:
+            self._refuse(pl_module, error)
+
+    def _check_batch(self, pl_module: LightningModule, batch: Any) -> tuple[int, int]:
+        return check_batch(pl_module, batch, **self.reading.as_kwargs())
+
+    def _refuse(self, pl_module: LightningModule, error: Exception) -> None:
+        """Raise (``strict=True``), or warn once and switch the monitor off."""
+        message = (
+            f"FlatnessMonitor cannot measure {type(pl_module).__name__} "
+            f"({type(error).__name__}): {error}"
+        )
+        if self.strict:
+            raise ValueError(message) from error
+        self.disabled_reason = str(error)
+        if self.regularizer is not None:
+            self.regularizer.disabled = True
+        rank_zero_warn(f"{message} The monitor is switched off for this fit (strict=False).")
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        loader = first_dataloader(trainer.train_dataloader)
+        if loader is None or is_sized(loader) or self.disabled_reason is not None:
+            return
+        if self._check_on_first_batch:
+            self._check_on_first_batch = False
+            try:
+                self._trial_samples, _ = self._check_batch(pl_module, batch)
+            except Exception as error:
+                self._refuse(pl_module, error)
+                return
+            self._timed_trial(trainer, pl_module, batch)
+            if self.disabled_reason is not None:
+                return
+        self._streams["training"].add(batch)
+
+    def _timed_trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        """The fit-start trial, charged to the budget; its cost per sample predicts the first
+        exact measurement's."""
+        started = time.perf_counter()
+        self._trial(trainer, pl_module, batch)
+        seconds = time.perf_counter() - started
+        self.budget.charge(seconds)
+        samples = min(self.resolved_num_train_samples or 0, self.max_samples or math.inf)
+        _, work = trial_settings(self.measure_arguments(self._active_structure))
+        trial_samples = min(self._trial_samples, TRIAL_SAMPLES)
+        self.budget.predict_exact(seconds * work, trial_samples, int(samples))
+        if self.budget.share is not None and self._has_fill_in() and self.disabled_reason is None:
+            started = time.perf_counter()
+            fill_in_samples = min(int(samples), FILL_IN_SAMPLES)
+            val_samples = min(self.max_val_samples or FILL_IN_SAMPLES, FILL_IN_SAMPLES)
+            val_samples = val_samples if self.use_val else 0
+            self._predict_fill_in(pl_module, batch, fill_in_samples + val_samples)
+            self.budget.charge(time.perf_counter() - started)
+
+    def _predict_fill_in(self, pl_module: LightningModule, batch: Any, samples: int) -> None:
+        """The fill-in's cost on ``samples`` samples, from two timed runs on 8 and 32 samples
+        of the trial batch (a fixed cost plus one per sample: a recurrent model's per-sample
+        loop makes it many epochs, a small MLP's is mostly the fixed part)."""
+        available = max(self._trial_samples, 1)
+        sizes = sorted({min(TRIAL_SAMPLES // 4, available), min(TRIAL_SAMPLES, available)})
+        times = []
+        for size in sizes:
+            arguments = {**self.measure_arguments(FILL_IN), "max_samples": size}
+            started = time.perf_counter()
+            try:
+                with quiet_fill_in():
+                    self._call_measure(pl_module, [batch], None, arguments=arguments)
+            except Exception:  # the fill-in cannot measure this model: found out when it runs
+                return
+            times.append(time.perf_counter() - started)
+        if len(sizes) == 1:  # a batch of at most 8 samples: all of it per sample
+            per_sample, fixed = times[0] / sizes[0], 0.0
+        else:
+            per_sample = max(times[1] - times[0], 0.0) / (sizes[1] - sizes[0])
+            fixed = max(times[0] - sizes[0] * per_sample, 0.0)
+        self.budget.cheap_seconds = fixed + per_sample * samples
+
+    def _trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        """Measure one real training batch with the structure every epoch will use, once at
+        fit start: a structure that cannot measure this model fails here, once, instead of
+        logging NaN every epoch (a BackPACK structure it cannot convert switches to
+        ``lanczos`` here, and says so). A numerical failure (a NaN loss) is left to
+        the epochs; under DDP every process refuses if any one does."""
+        disabled = self.disabled_reason is not None
+        error = None if disabled or batch is None else self._trial_error(pl_module, batch)
+        reduce = self._all_reduce(trainer)
+        if reduce is not None:  # every process takes part, so all decide alike
+            failed = int(reduce(torch.tensor([float(error is not None or disabled)])).item())
+            if failed and error is None and not disabled:
+                error = RuntimeError(
+                    f"the structure failed at fit start on {failed} other process(es); see "
+                    "their messages"
+                )
+        if error is not None:
+            self._refuse(pl_module, error)
+
+    def _trial_error(self, pl_module: LightningModule, batch: Any) -> Exception | None:
+        """What stops the structure on ``batch``, or None (numerical failures included)."""
+
+        def run() -> FlatnessReport:
+            arguments, _ = trial_settings(self.measure_arguments(self._active_structure))
+            return self._call_measure(pl_module, [batch], None, arguments=arguments)
+
+        try:
+            self._with_fallback(run)
+        except (MeasurementError, FloatingPointError):  # NaN on this batch: not the structure
+            return None
+        except Exception as error:
+            return RuntimeError(
+                f"structure={self._active_structure!r} failed on a real training batch "
+                f"({type(error).__name__}: {error}); pick another structure "
+                "(FlatnessMonitor(structure=...))."
+            )
+        return None
+
+    def _with_fallback(self, run: Callable[[], FlatnessReport]) -> FlatnessReport:
+        """``run()``; when BackPACK cannot convert the model (``dense``/``gram``), switch to
+        ``lanczos`` for the rest of the fit, say so, and run again."""
+        try:
+            return run()
+        except UnsupportedModelError as error:
+            if self._active_structure in MATRIX_FREE_STRUCTURES:
+                raise
+            rank_zero_info(
+                f"FlatnessMonitor: {error} Switching to the matrix-free structure "
+                f"{FALLBACK!r} for this model."
+            )
+            self._active_structure = FALLBACK
+            return run()

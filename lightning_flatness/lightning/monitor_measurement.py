@@ -1,0 +1,202 @@
+"""How ``FlatnessMonitor`` measures: the fixed samples it reads (a seeded subset of a sized
+dataset, or the batches the loops drew from a stream), the arguments it hands
+:func:`~lightning_flatness.core.measure`, the DDP reduction, and a failed measurement turned
+into a warning and NaN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_flatness.core.curvature import describe_coverage
+from lightning_flatness.core.decay import ParameterDecay
+from lightning_flatness.core.failures import (
+    TrainingSplitError,
+)
+from lightning_flatness.core.measure import measure
+from lightning_flatness.core.report import FlatnessReport
+from lightning_flatness.lightning.budget import (
+    FILL_IN,
+    FILL_IN_SAMPLES,
+)
+from lightning_flatness.lightning.trainer_facts import (
+    first_dataloader,
+    fixed_subset_batches,
+    is_sized,
+    select_dataloader,
+)
+
+__all__ = ["FALLBACK", "MONITOR_DEFAULTS", "MonitorMeasurement"]
+
+#: what a structure named by a string is measured with: Tr(F) from probe rows (no extra
+#: backward pass), and ``kfac``'s output factors from one probe per input (docs/RESULTS.md)
+MONITOR_DEFAULTS = {"trace_estimator": "probe", "kfac_mode": "probe"}
+#: the structure measured when BackPACK cannot extend the model for ``dense`` or ``gram``
+FALLBACK = "lanczos"
+
+
+class MonitorMeasurement:
+    """The measurement of :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` (a part of
+    it: these methods read the monitor's settings and state)."""
+
+    def _batches(
+        self, trainer: Trainer, loaders: object, split: str, limit: int | None = None
+    ) -> Iterable:
+        """A fixed subset of a sized dataset (at most ``limit`` samples, if given), or this
+        epoch's batches of a stream."""
+        if split == "validation":
+            loader = select_dataloader(loaders, self.val_dataloader_idx)
+            max_samples = self.max_val_samples
+        else:
+            loader = first_dataloader(loaders)
+            max_samples = self.max_samples
+        if limit is not None:
+            max_samples = min(max_samples or limit, limit)
+        if loader is None:
+            return []
+        if not is_sized(loader):
+            return list(self._streams[split].batches)
+        return fixed_subset_batches(
+            loader,
+            max_samples,
+            self.batch_size,
+            self.seed,
+            rank=trainer.global_rank,
+            world_size=trainer.world_size,
+        )
+
+    def _shard(self, trainer: Trainer) -> tuple[int, int] | None:
+        """``(rank, world_size)`` when the ranks split one fixed subset of a sized dataset
+        between them (:func:`fixed_subset_batches`): then they draw the probes by global
+        position and together log what one process would."""
+        loader = first_dataloader(trainer.train_dataloader)
+        if trainer.world_size <= 1 or loader is None or not is_sized(loader):
+            return None
+        return trainer.global_rank, trainer.world_size
+
+    def _all_reduce(self, trainer: Trainer):
+        if trainer.world_size <= 1:
+            return None
+        strategy = trainer.strategy
+
+        def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+            reduced = strategy.reduce(tensor.clone(), reduce_op="sum")
+            tensor.copy_(reduced.to(tensor.device, tensor.dtype))
+            return tensor
+
+        return all_reduce
+
+    def _run_measure(
+        self, trainer: Trainer, pl_module: LightningModule, structure: str | None = None
+    ) -> FlatnessReport:
+        val_loaders = trainer.val_dataloaders if self.use_val else None
+        limit = FILL_IN_SAMPLES if structure == FILL_IN else None
+        train_batches = self._batches(trainer, trainer.train_dataloader, "training", limit)
+        val_batches = (
+            None
+            if val_loaders is None
+            else self._batches(trainer, val_loaders, "validation", limit)
+        )
+        return self._call_measure(
+            pl_module,
+            train_batches,
+            val_batches,
+            all_reduce=self._all_reduce(trainer),
+            shard=self._shard(trainer),
+            structure=structure,
+        )
+
+    def _call_measure(
+        self,
+        pl_module: LightningModule,
+        train_batches: Iterable,
+        val_batches: Iterable | None,
+        all_reduce: Any = None,
+        shard: tuple[int, int] | None = None,
+        structure: str | None = None,
+        arguments: dict[str, Any] | None = None,
+    ) -> FlatnessReport:
+        """:func:`measure` with this monitor's arguments; ``arguments`` replaces what
+        :meth:`_structure_arguments` says for ``structure`` (the active one by default)."""
+        if arguments is None:
+            arguments = self.measure_arguments(structure or self._active_structure)
+        with torch.inference_mode(False), torch.enable_grad():
+            return measure(
+                pl_module,
+                train_batches,
+                lam=self._lam_argument(),
+                num_train_samples=self.resolved_num_train_samples,
+                val_batches=val_batches,
+                seed=self.seed,
+                all_reduce=all_reduce,
+                shard=shard,
+                **self.reading.as_kwargs(),
+                **arguments,
+            )
+
+    def measure_arguments(self, structure: str) -> dict[str, Any]:
+        """:func:`measure`'s arguments that say what to measure ``structure`` with: the options
+        object passed as ``structure=`` for its structure, else the name with
+        :data:`MONITOR_DEFAULTS` (the ``measure`` subcommand measures with these too)."""
+        chosen = self.structure_options
+        if chosen is not None and chosen.structure == structure:
+            return {"structure": chosen}
+        return {"structure": structure, **MONITOR_DEFAULTS}
+
+    def _lam_argument(self) -> float | dict[str, float]:
+        """λ for :func:`measure`: one value, or each parameter's (per-group decay)."""
+        if isinstance(self.resolved_lam, ParameterDecay):
+            return self.resolved_lam.decays
+        return self.resolved_lam
+
+    def _measure(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
+        """One measurement as a plain dict; NaN (and a warning) if it fails."""
+        self._resolve(trainer)
+        try:
+            report = self._with_fallback(lambda: self._run_measure(trainer, pl_module))
+        except Exception as error:  # a metric must never stop training
+            rank_zero_warn(
+                f"FlatnessMonitor: the measurement at epoch {trainer.current_epoch} failed and "
+                f"is recorded as NaN ({type(error).__name__}: {error})"
+            )
+            lam = self.resolved_lam
+            report = FlatnessReport.failed(
+                self._active_structure,
+                lam.representative if isinstance(lam, ParameterDecay) else lam,
+                self.resolved_num_train_samples or 0,
+                val=error.val_sums if isinstance(error, TrainingSplitError) else None,
+            )
+        self._last_report = report
+        if report.coverage and not self._coverage_logged:
+            rank_zero_info(f"FlatnessMonitor: {describe_coverage(report.coverage)}")
+            self._coverage_logged = True
+        record = {k: v for k, v in report.as_dict().items() if k != "structure"}
+        if trainer.world_size > 1:  # the only per-rank number: log the mean so ranks agree
+            seconds = torch.tensor(record["seconds"], dtype=torch.float64)
+            record["seconds"] = float(trainer.strategy.reduce(seconds, reduce_op="mean"))
+        return record
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._streams["training"].reset()
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._streams["validation"].reset()
+
+    def on_validation_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if trainer.sanity_checking or dataloader_idx != self.val_dataloader_idx:
+            return
+        loader = select_dataloader(trainer.val_dataloaders, self.val_dataloader_idx)
+        if loader is not None and not is_sized(loader):
+            self._streams["validation"].add(batch)

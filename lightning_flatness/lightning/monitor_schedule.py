@@ -1,0 +1,212 @@
+"""When ``FlatnessMonitor`` measures, and with what: the scheduled epochs, the overhead budget's
+decision between the exact measurement and the cheap Kronecker fill-in (scaled by the last exact
+ratio), the fit-end measurement and summary
+(:mod:`lightning_flatness.lightning.budget` decides; this module carries it out).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_flatness.core.progress import reporting_progress
+from lightning_flatness.lightning.budget import (
+    CHEAP,
+    EXACT,
+    FILL_IN,
+    cost_message,
+    fill_in_record,
+    not_exact_message,
+)
+from lightning_flatness.lightning.figures import summary_table
+
+__all__ = ["ANNOUNCE_SECONDS", "PROGRESS_SECONDS", "MeasurementSchedule", "quiet_fill_in"]
+
+#: an exact measurement expected to take longer is announced with one line
+ANNOUNCE_SECONDS = 5.0
+#: during an exact measurement, one line of progress at most this often (seconds)
+PROGRESS_SECONDS = 10.0
+
+
+@contextmanager
+def quiet_fill_in() -> Iterator[None]:
+    """The fill-in on its sample cap often exceeds the rank bound of that subset; it is a
+    tracker, scaled by the last exact ratio and never trusted, so that warning is not said."""
+    with warnings.catch_warnings():
+        pattern = re.escape(f"structure={FILL_IN!r} reports a soft rank")
+        warnings.filterwarnings("ignore", message=pattern)
+        yield
+
+
+class MeasurementSchedule:
+    """The schedule of :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` (a part of
+    it: these methods read the monitor's settings and state)."""
+
+    def _due(self, trainer: Trainer) -> bool:
+        if self.disabled_reason is not None:
+            return False
+        epoch = trainer.current_epoch
+        already = any(record["epoch"] == epoch for record in self.history)
+        return (epoch + 1) % self.every_n_epochs == 0 and not already
+
+    def _has_fill_in(self) -> bool:
+        return not self._fill_in_failed and self._active_structure not in (
+            FILL_IN,
+            "diag",
+            "diag_mc",
+        )
+
+    def _scheduled(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A scheduled measurement: exact, the cheap fill-in or none, as the budget allows
+        (the same decision on every process)."""
+        epochs_done = trainer.current_epoch + 1
+        max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
+        last = max_epochs is not None and epochs_done >= max_epochs
+        decision = self._decide(trainer, epochs_done, max_epochs, last)
+        started = time.perf_counter()
+        record = self._budgeted_record(trainer, pl_module, decision, trainer.current_epoch)
+        if record is not None:
+            self._log_record(trainer, pl_module, record)
+        if decision == EXACT:
+            self.budget.exact_seconds = time.perf_counter() - started
+            if self.budget.share is not None and not last and self._has_fill_in():
+                self._calibrate(trainer, pl_module)
+        self.budget.charge(time.perf_counter() - started)
+        if decision == EXACT and not self._cost_told:
+            self._cost_told = True
+            rank_zero_info(
+                cost_message(
+                    self.budget,
+                    self.history[-1]["seconds"],
+                    epochs_done,
+                    self.every_n_epochs,
+                    self._active_structure,
+                )
+            )
+
+    def _decide(
+        self, trainer: Trainer, epochs_done: int, max_epochs: int | None, last: bool
+    ) -> str:
+        """The budget's decision (:meth:`OverheadBudget.decide`), rank 0's on every process."""
+        decision = self.budget.decide(
+            epochs_done, max_epochs, last, self._has_fill_in(), self._read_every_epoch(trainer)
+        )
+        if trainer.world_size > 1:
+            decision = trainer.strategy.broadcast(decision, src=0)
+        return decision
+
+    def _budgeted_record(
+        self, trainer: Trainer, pl_module: LightningModule, decision: str, epoch: int
+    ) -> dict[str, float] | None:
+        """The record ``decision`` asks for: the exact measurement's, the fill-in's (scaled by
+        the last exact ratio), or None (skipped, or the fill-in cannot measure this model)."""
+        if decision == EXACT:
+            self._announce(epoch)
+            with reporting_progress(
+                lambda line: rank_zero_info(f"FlatnessMonitor: {line}"), PROGRESS_SECONDS
+            ):
+                record = self._measure(trainer, pl_module)
+            record.update(fill_in=0.0, calibration=1.0)
+            return record
+        if decision == CHEAP:
+            cheap = self._cheap_record(trainer, pl_module)
+            return None if cheap is None else fill_in_record(cheap, self._calibration)
+        return None
+
+    def _announce(self, epoch: int) -> None:
+        """One line before an exact measurement expected to take more than
+        :data:`ANNOUNCE_SECONDS`, so that a long pause is explained."""
+        expected = self.budget.exact_seconds
+        if expected is not None and expected > ANNOUNCE_SECONDS:
+            rank_zero_info(
+                f"FlatnessMonitor: measuring epoch {epoch} with {self._active_structure} "
+                f"(about {expected:.0f} s; Ctrl-C stops the fit)"
+            )
+
+    def _read_every_epoch(self, trainer: Trainer) -> bool:
+        """Whether EarlyStopping or ModelCheckpoint monitors one of this monitor's values (it
+        then needs one at every scheduled epoch)."""
+        return any(
+            isinstance(callback, (EarlyStopping, ModelCheckpoint))
+            and str(getattr(callback, "monitor", None) or "").startswith(self.log_prefix)
+            for callback in trainer.callbacks
+        )
+
+    def _cheap_record(self, trainer: Trainer, pl_module: LightningModule) -> dict | None:
+        """The fill-in structure's record, or None (it cannot measure this model: said once,
+        and the fill-in is off for the fit)."""
+        started = time.perf_counter()
+        try:
+            with quiet_fill_in():
+                report = self._run_measure(trainer, pl_module, FILL_IN)
+        except Exception as error:
+            self._fill_in_failed = True
+            rank_zero_warn(
+                f"FlatnessMonitor: the cheap fill-in structure {FILL_IN!r} cannot measure this "
+                f"model ({type(error).__name__}: {error}); between exact measurements nothing "
+                "is logged."
+            )
+            return None
+        self.budget.cheap_seconds = time.perf_counter() - started
+        return {k: v for k, v in report.as_dict().items() if k != "structure"}
+
+    def _calibrate(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The ratio exact ÷ fill-in soft rank on the weights just measured exactly."""
+        cheap = self._cheap_record(trainer, pl_module)
+        if cheap is not None:
+            exact = self.history[-1]["soft_rank"]
+            self._calibration = exact / cheap["soft_rank"] if cheap["soft_rank"] else math.nan
+            self._calibrated_at = float(trainer.current_epoch)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        last_epoch = trainer.current_epoch - 1 if trainer.current_epoch else 0
+        if (
+            self.measure_on_fit_end
+            and self.disabled_reason is None
+            and trainer.global_step > 0
+            and not any(record["epoch"] >= last_epoch for record in self.history)
+        ):
+            self._fit_end_measurement(trainer, pl_module, last_epoch)
+        self._draw_gap_figure(trainer)
+        last = self.history[-1] if self.history else None
+        if last is None and self.budget.share is not None and self.disabled_reason is None:
+            rank_zero_info(
+                f"FlatnessMonitor: no measurement fitted overhead_budget={self.budget.share:g} "
+                f"of this fit's {self.budget.training_seconds():.1f} s of training (one "
+                f"{self._active_structure} measurement: about "
+                f"{self.budget.exact_seconds or math.nan:.1f} s). Pass overhead_budget=None "
+                "(or a larger share), or measure the trained model with "
+                "lightning_flatness.measure()."
+            )
+        if last is not None and last.get("fill_in") and self.budget.share is not None:
+            rank_zero_info(
+                not_exact_message(self.budget, self._active_structure, self._calibrated_at)
+            )
+        if self.log_options.summary and last is not None and trainer.is_global_zero:
+            structure = FILL_IN if last.get("fill_in") else self._active_structure
+            rank_zero_info(summary_table(last, structure))
+
+    def _fit_end_measurement(
+        self, trainer: Trainer, pl_module: LightningModule, last_epoch: int
+    ) -> None:
+        """The last epoch was not measured (stopped early, or not scheduled): measure now,
+        exact or fill-in as the budget allows, and log it directly to the loggers."""
+        decision = self._decide(trainer, last_epoch + 1, None, True)
+        started = time.perf_counter()
+        record = self._budgeted_record(trainer, pl_module, decision, last_epoch)
+        self.budget.charge(time.perf_counter() - started)
+        if record is None:
+            return
+        record["epoch"] = float(last_epoch)
+        self.history.append(record)
+        metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
