@@ -1,9 +1,9 @@
 """Matrix-free measurement: ``structure="lanczos"``, ``"cg"`` and ``"hutchinson"`` for any
 classifier.
 
-:func:`stream_matrix_free` is what :func:`lightning_flatness.core.measure.measure` calls for the
-structures of ``MATRIX_FREE_STRUCTURES``. It uses :mod:`torch.func` only (no BackPACK), so it
-needs nothing of the model but a differentiable ``forward``: LayerNorm, attention, custom
+:class:`MatrixFreeBackend` is the backend :func:`lightning_flatness.core.measure.measure` runs
+for the structures of ``MATRIX_FREE_STRUCTURES``. It uses :mod:`torch.func` only (no BackPACK),
+so it needs nothing of the model but a differentiable ``forward``: LayerNorm, attention, custom
 modules that use their own ``nn.Parameter`` functionally, shared weights.
 
 One pass over the training batches computes the statistics of
@@ -66,7 +66,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_flatness.core.batches import (
     Leaves,
@@ -76,7 +76,6 @@ from lightning_flatness.core.batches import (
     prepared_batches,
     split_leaves,
     take_rows,
-    wrap_for_batches,
 )
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.curvature.cg import CGFisher
@@ -98,12 +97,11 @@ from lightning_flatness.core.hooked_pass import HookedPass
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
-from lightning_flatness.core.pipeline import SPLITS, Backend, run_pipeline
+from lightning_flatness.core.pipeline import SPLITS, Backend
 from lightning_flatness.core.positional import position_draws, shard_positions
-from lightning_flatness.core.spectral import SpectralSummary, check_lam
 from lightning_flatness.core.statistics import StatisticSums
 
-__all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions", "stream_matrix_free"]
+__all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions"]
 
 AllReduce = Callable[[Tensor], Tensor]
 
@@ -253,110 +251,35 @@ def _same_fingerprints(a: list[tuple[int, float]], b: list[tuple[int, float]]) -
     )
 
 
-def _empty_estimate() -> CurvatureEstimate:
-    nan = SpectralSummary(*([math.nan] * 5))
-    return CurvatureEstimate(nan, torch.zeros(0, dtype=torch.float64))
-
-
 def _num_outputs(model: FunctionalModel, inputs: Leaves) -> int:
     """C, the number of outputs, from one sample."""
     with torch.no_grad():
         return int(model.logits(model.params, take_rows(inputs, slice(0, 1))).shape[-1])
 
 
-def stream_matrix_free(
-    model: nn.Module,
-    train_batches: Iterable,
-    val_batches: Iterable | None,
-    *,
-    structure: str,
-    lam: float,
-    loss: str = "cross_entropy",
-    max_samples: int | None = None,
-    max_val_samples: int | None = None,
-    seed: int = 0,
-    all_reduce: AllReduce | None = None,
-    options: Mapping[str, object] | None = None,
-    unpack_batch: UnpackBatch | None = None,
-    repeatable_train_batches: Iterable | None = None,
-) -> tuple[CurvatureEstimate, StatisticSums, StatisticSums]:
-    """Curvature estimate and statistics of ``model`` from Fisher products (no BackPACK).
+class MatrixFreeBackend(Backend):
+    """``lanczos``, ``cg`` and ``hutchinson`` through ``torch.func`` (module docstring).
+
+    The first pass computes every batch's statistics (:func:`batch_statistics`); ``hutchinson``
+    adds its probes' gradients on the way, ``lanczos`` and ``cg`` keep the inputs
+    (``cache=True``) or their fingerprints and make their passes in :meth:`estimate`.
 
     Args:
-        model: the model, or the model wrapped as a
-            :class:`~lightning_flatness.core.batches.LogitsModule` (as :func:`measure` passes it);
-            a plain module is wrapped with the default call and the first batch's input spec.
-        train_batches: iterable of training batches; all are used up to ``max_samples``.
-        val_batches: held-out batches (statistics only), or None.
-        structure: ``"lanczos"`` (SLQ of the exact F) or ``"hutchinson"`` (Hutchinson
-            diagonal, Eq. 2, with the Eq. 8 / Eq. 9 bounds).
-        lam: the weight decay λ > 0.
+        model: the model wrapped as a :class:`~lightning_flatness.core.batches.LogitsModule`.
+        structure: ``"lanczos"`` (SLQ of the exact F), ``"cg"`` (conjugate-gradient solves)
+            or ``"hutchinson"`` (Hutchinson diagonal, Eq. 2, with the Eq. 8 / Eq. 9 bounds).
         loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"`` (see
             :mod:`lightning_flatness.core.likelihoods`).
-        max_samples / max_val_samples: stop after this many training / validation samples.
         seed: seeds the private generators (probes, sampled traces).
         all_reduce: sums a tensor across processes in place and returns it (data parallelism):
             statistics and Hutchinson sums are reduced once, Lanczos products inside every step.
         options: see the table in the module docstring.
         unpack_batch: ``batch -> (inputs, targets)`` (see :mod:`lightning_flatness.core.batches`).
-        repeatable_train_batches: what ``cache=False`` iterates again (default
-            ``train_batches``), for callers whose ``train_batches`` is a one-shot iterator.
-
-    Returns:
-        ``(curvature, train_sums, val_sums)``; the sums are already reduced across processes.
-        ``curvature.blocks["stderr"]`` holds the standard errors of ``curvature.summary``; for
-        ``"hutchinson"`` also ``"hutchinson_estimate"`` (= the summary), ``"hutchinson_upper"``,
-        ``"hutchinson_lower"`` and their ``*_stderr``. With no training samples the curvature
-        is all NaN.
-
-    Raises:
-        ValueError: bad structure, loss or options.
-        MeasurementError: a non-finite loss, or (``cache=False``) batches that change between
-            passes.
-        StructureTooLargeError: the Lanczos basis would exceed ``max_basis_elements``.
-    """
-    if structure not in MATRIX_FREE_STRUCTURES:
-        raise ValueError(
-            f"structure must be one of {MATRIX_FREE_STRUCTURES} here, got {structure!r}."
-        )
-    get_likelihood(loss)
-    if repeatable_train_batches is None:
-        repeatable_train_batches = train_batches
-    if not isinstance(model, LogitsModule):
-        model, train_batches, _ = wrap_for_batches(model, train_batches, unpack_batch)
-    backend = MatrixFreeBackend(
-        model,
-        structure,
-        loss=loss,
-        seed=seed,
-        all_reduce=all_reduce,
-        options=options,
-        unpack_batch=unpack_batch,
-        repeatable_train_batches=repeatable_train_batches,
-        max_samples=max_samples,
-    )
-    curvature, train, val = run_pipeline(
-        backend,
-        model,
-        train_batches,
-        val_batches,
-        lam=check_lam(lam),
-        max_samples=max_samples,
-        max_val_samples=max_val_samples,
-        all_reduce=all_reduce,
-        unpack_batch=unpack_batch,
-        require_samples=False,
-    )
-    return curvature or _empty_estimate(), train, val
-
-
-class MatrixFreeBackend(Backend):
-    """``lanczos`` / ``hutchinson`` through ``torch.func`` (module docstring); the arguments are
-    those of :func:`stream_matrix_free`.
-
-    The first pass computes every batch's statistics (:func:`batch_statistics`); ``hutchinson``
-    adds its probes' gradients on the way, ``lanczos`` keeps the inputs (``cache=True``) or
-    their fingerprints and makes its passes in :meth:`estimate`.
+        repeatable_train_batches: what ``cache=False`` iterates again, for callers whose
+            training batches are a one-shot iterator.
+        max_samples: the training samples measured (``cache=False`` truncates its passes there).
+        decay: per-parameter weight decays (the spectrum of ``D^{-1/2} F D^{-1/2}``).
+        shard: ``(rank, world_size)`` when the positions of this process's samples are known.
     """
 
     def __init__(
