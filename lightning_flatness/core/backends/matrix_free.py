@@ -79,13 +79,14 @@ from lightning_flatness.core.batches import (
 )
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.curvature.cg import CGFisher
+from lightning_flatness.core.curvature.fisher_products import ParameterSpaceFisher
 from lightning_flatness.core.curvature.hutchinson import (
     POWER_START_STREAM,
     VARIANTS,
     HutchinsonFisher,
 )
 from lightning_flatness.core.curvature.kfac import KFACFisher
-from lightning_flatness.core.curvature.lanczos import LanczosFisher, ParameterSpaceFisher
+from lightning_flatness.core.curvature.lanczos import LanczosFisher
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import MeasurementError, check_finite_loss
 from lightning_flatness.core.functional_stats import (
@@ -443,19 +444,12 @@ class MatrixFreeBackend(Backend):
             source,
             loss=self.loss,
             classes=classes,
-            probes=settings.probes,
-            steps=settings.lanczos_steps,
-            space=settings.space,
-            start=settings.start,
-            distribution=settings.distribution,
+            settings=settings,
             draw_sample_probes=lambda shape: self._sample_probes(
                 LANCZOS_PROBE_STREAM, shape, settings.distribution
             ),
             shared_generator=self.shared,
             all_reduce=self.all_reduce,
-            max_basis_elements=settings.max_basis_elements,
-            max_histogram=settings.max_histogram,
-            breakdown_tol=settings.breakdown_tol,
             column_scale=None if self.decay is None else self._column_scale(),
         )
         return estimator.estimate(num_samples, lam)
