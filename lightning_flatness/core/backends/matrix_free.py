@@ -60,35 +60,28 @@ preconditioner      "kfac"        ``cg``: ``"kfac"`` (damped Kronecker factors f
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.batches import (
-    Leaves,
-    LogitsModule,
-    UnpackBatch,
-    num_samples,
-    prepared_batches,
-    split_leaves,
-    take_rows,
+from lightning_flatness.core.backends.kept_inputs import (
+    CachedInputs,
+    Chunker,
+    ReiteratedInputs,
+    fingerprint,
 )
+from lightning_flatness.core.backends.sample_probes import SampleProbes, process_rank
+from lightning_flatness.core.batches import Leaves, LogitsModule, UnpackBatch, take_rows
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.curvature.cg import CGFisher
 from lightning_flatness.core.curvature.fisher_products import ParameterSpaceFisher
-from lightning_flatness.core.curvature.hutchinson import (
-    POWER_START_STREAM,
-    VARIANTS,
-    HutchinsonFisher,
-)
+from lightning_flatness.core.curvature.hutchinson import VARIANTS, HutchinsonFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.lanczos import LanczosFisher
 from lightning_flatness.core.decay import ParameterDecay
-from lightning_flatness.core.failures import MeasurementError, check_finite_loss
+from lightning_flatness.core.failures import check_finite_loss
 from lightning_flatness.core.functional_stats import (
     FunctionalModel,
     batch_statistics,
@@ -99,7 +92,6 @@ from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
 from lightning_flatness.core.pipeline import SPLITS, Backend
-from lightning_flatness.core.positional import position_draws, shard_positions
 from lightning_flatness.core.statistics import StatisticSums
 
 __all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions"]
@@ -107,149 +99,9 @@ __all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions"]
 AllReduce = Callable[[Tensor], Tensor]
 
 
-#: the position-keyed draw streams (plus the seed) of ``cg``'s and ``lanczos``'s sample probes,
-#: apart from the layer hooks' 2·seed + {0, 1}
-CG_PROBE_STREAM = 2**40
-LANCZOS_PROBE_STREAM = 2**41
-HUTCHINSON_PROBE_STREAM = 2**42  # + 4·seed + the variant's stream
-#: where the positions of a process's samples in the whole set are unknown, process r draws from
-#: the streams shifted by r times this
-PROCESS_STREAM_SPACING = 2**36
-
-
-def _process_rank(explicit: int | None, all_reduce: AllReduce | None) -> int:
-    if explicit is not None:
-        return int(explicit)
-    if all_reduce is None:
-        return 0
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        return distributed.get_rank()
-    warnings.warn(
-        "all_reduce is given but no torch.distributed process group is initialized: pass "
-        "matrix_free_options={'rank': <this process's rank>} so that each process draws its "
-        "own probes (identical probes on different samples bias the Lanczos estimate).",
-        stacklevel=3,
-    )
-    return 0
-
-
 def _generator(device: torch.device, seed: int) -> torch.Generator:
+    """A private generator on ``device`` seeded by ``seed`` (the global RNG is never used)."""
     return torch.Generator(device=device).manual_seed(int(seed) % (2**63))
-
-
-def _prepared(
-    batches: Iterable,
-    max_samples: int | None,
-    model: FunctionalModel,
-    unpack_batch: UnpackBatch | None,
-) -> Iterator[tuple[int, Leaves, Tensor]]:
-    """``(index, inputs, targets)`` on the model's device/dtype, truncated at ``max_samples``."""
-    return prepared_batches(
-        batches, max_samples, model.device, model.dtype, unpack_batch, model.module.spec
-    )
-
-
-def _activation_elements_per_sample(model: FunctionalModel, inputs: Leaves) -> float:
-    """Numbers autograd saves per sample in a forward pass (difference of 2 and 1 samples)."""
-    counts = []
-    params = {name: p.detach().requires_grad_() for name, p in model.params.items()}
-    for size in (1, 2):
-        saved = [0]
-
-        def pack(tensor: Tensor, saved: list[int] = saved) -> Tensor:
-            saved[0] += tensor.numel()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model.logits(
-                params, tuple(t[:1].expand(size, *t.shape[1:]).contiguous() for t in inputs)
-            )
-        counts.append(saved[0])
-    return max(1.0, float(counts[1] - counts[0]))
-
-
-class _Chunker:
-    """Splits batches into chunks of samples for the batched products of ``vectors`` vectors.
-
-    Unless ``chunk_size`` is given, a chunk holds as many samples as keep the activations of
-    one batched product, ``(vectors + 1) × chunk × (saved numbers per sample)``, within
-    ``chunk_elements``.
-    """
-
-    def __init__(self, model: FunctionalModel, options: MatrixFreeOptions, vectors: int):
-        self.model, self.options, self.vectors = model, options, vectors
-        self.size: int | None = options.chunk_size
-
-    def split(self, inputs: Leaves) -> list[Leaves]:
-        if self.size is None:
-            per_sample = _activation_elements_per_sample(self.model, inputs)
-            budget = self.options.chunk_elements / ((self.vectors + 1) * per_sample)
-            self.size = max(1, int(budget))
-        return split_leaves(inputs, self.size)
-
-
-class _CachedInputs:
-    """This process's prepared training inputs, kept for the Lanczos passes."""
-
-    def __init__(self, chunker: _Chunker) -> None:
-        self.chunker = chunker
-        self.batches: list[Leaves] = []
-        self.num_samples = 0
-
-    def add(self, inputs: Leaves) -> None:
-        self.batches.append(inputs)
-        self.num_samples += num_samples(inputs)
-
-    def _batches(self) -> Iterator[Leaves]:
-        yield from self.batches
-
-    def chunks(self, with_rows: bool = False) -> Iterator:
-        """Chunks of inputs (and, with ``with_rows``, their rows in this process's sample axis)."""
-        offset = 0
-        for inputs in self._batches():
-            for piece in self.chunker.split(inputs):
-                size = num_samples(piece)
-                rows = slice(offset, offset + size)
-                offset += size
-                yield (piece, rows) if with_rows else piece
-
-
-class _ReiteratedInputs(_CachedInputs):
-    """Iterates ``train_batches`` again for every pass (``cache=False``), checking each pass
-    yields the same samples in the same order (count and per-batch input sums)."""
-
-    def __init__(self, chunker, batches, max_samples, model, unpack_batch, fingerprint) -> None:
-        super().__init__(chunker)
-        self.source, self.max_samples, self.model = batches, max_samples, model
-        self.unpack_batch = unpack_batch
-        self.fingerprint = fingerprint
-        self.num_samples = sum(size for size, _ in fingerprint)
-
-    def _batches(self) -> Iterator[Leaves]:
-        seen = []
-        source = _prepared(self.source, self.max_samples, self.model, self.unpack_batch)
-        for _, inputs, _ in source:
-            seen.append(_fingerprint(inputs))
-            yield inputs
-        if not _same_fingerprints(seen, self.fingerprint):
-            raise MeasurementError(
-                "train_batches yielded different samples on a later pass (shuffling, random "
-                "augmentation or a one-shot iterator). structure='lanczos' makes one pass per "
-                "Lanczos step over the same samples: pass a deterministic loader or keep "
-                "matrix_free_options['cache']=True."
-            )
-
-
-def _fingerprint(inputs: Leaves) -> tuple[int, float]:
-    return num_samples(inputs), sum(float(t.detach().to(torch.float64).sum()) for t in inputs)
-
-
-def _same_fingerprints(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
-    return len(a) == len(b) and all(
-        n == m and math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9)
-        for (n, x), (m, y) in zip(a, b, strict=True)
-    )
 
 
 def _num_outputs(model: FunctionalModel, inputs: Leaves) -> int:
@@ -317,14 +169,22 @@ class MatrixFreeBackend(Backend):
         with left_as_found(self.model):
             settings = self.settings
             functional = FunctionalModel(self.model)
-            rank = _process_rank(settings.rank, self.all_reduce)
+            rank = process_rank(settings.rank, self.all_reduce)
             self.functional = functional
-            self.rank = rank
+            self.draws = SampleProbes(
+                self.seed,
+                self.shard,
+                rank,
+                positions_unknown=self.shard is None and self.all_reduce is not None,
+                distribution=settings.distribution,
+                device=functional.device,
+                dtype=functional.dtype,
+            )
             self.local = _generator(functional.device, self.seed * 1_000_003 + 7919 * (rank + 1))
             self.shared = _generator(functional.device, self.seed)
             variants = 1 if self.keeps_inputs else (len(VARIANTS) if settings.bounds else 1)
-            self.chunker = _Chunker(functional, settings, settings.probes * variants)
-            self.cache = _CachedInputs(self.chunker)
+            self.chunker = Chunker(functional, settings, settings.probes * variants)
+            self.cache = CachedInputs(self.chunker)
             self.fingerprints: list[tuple[int, float]] = []
             self.hutchinson = self.grad_sq_sum = None
             self.hooked = self.kfac = None
@@ -347,7 +207,7 @@ class MatrixFreeBackend(Backend):
                     loss=self.loss,
                     probes=settings.probes,
                     distribution=settings.distribution,
-                    draw_sample_probes=self._hutchinson_draws,
+                    draw_sample_probes=self.draws.hutchinson,
                     power_iterations=settings.power_iterations,
                     bounds=settings.bounds,
                     grad_sq_sum=self.grad_sq_sum,
@@ -394,7 +254,7 @@ class MatrixFreeBackend(Backend):
             elif self.settings.cache:
                 self.cache.add(inputs)
             else:
-                self.fingerprints.append(_fingerprint(inputs))
+                self.fingerprints.append(fingerprint(inputs))
         return sums
 
     def _add_kronecker_factors(self, inputs: Leaves, targets: Tensor) -> None:
@@ -428,7 +288,7 @@ class MatrixFreeBackend(Backend):
             return self.hutchinson.estimate(num_samples, lam)
         source = self.cache
         if not self.settings.cache:
-            source = _ReiteratedInputs(
+            source = ReiteratedInputs(
                 self.chunker,
                 self.repeatable_train_batches,
                 self.max_samples,
@@ -445,9 +305,7 @@ class MatrixFreeBackend(Backend):
             loss=self.loss,
             classes=classes,
             settings=settings,
-            draw_sample_probes=lambda shape: self._sample_probes(
-                LANCZOS_PROBE_STREAM, shape, settings.distribution
-            ),
+            draw_sample_probes=self.draws.lanczos,
             shared_generator=self.shared,
             all_reduce=self.all_reduce,
             column_scale=None if self.decay is None else self._column_scale(),
@@ -464,29 +322,6 @@ class MatrixFreeBackend(Backend):
         """``D^{-1/2}`` (P,), in the model's dtype."""
         return self._diagonal().rsqrt().to(self.functional.dtype)
 
-    def _sample_probes(
-        self, stream: int, shape: tuple[int, int, int], kind: str, first: int = 0
-    ) -> Tensor:
-        """ξ of shape (K, B, C) on this process's measured samples ``first … first + B − 1``,
-        in the model's dtype: drawn by the samples' positions in the whole measured set (the
-        same ξ however the set is shared among processes,
-        :mod:`~lightning_flatness.core.positional`), or, under data parallelism when the
-        positions are unknown, from a stream of this process's own."""
-        functional = self.functional
-        if self.shard is None and self.all_reduce is not None:  # positions unknown
-            stream += PROCESS_STREAM_SPACING * self.rank  # this process's own draws
-        positions = shard_positions(shape[1], self.shard, first)
-        draws = position_draws(stream + self.seed, positions, shape[0], shape[2], kind)
-        return draws.to(device=functional.device, dtype=functional.dtype)
-
-    def _hutchinson_draws(self, stream: int, first: int, shape: tuple[int, int, int]) -> Tensor:
-        """``hutchinson``'s draws (:class:`HutchinsonFisher`): stream 0–2 its variants' probes,
-        :data:`POWER_START_STREAM` the power iteration's Gaussian starts."""
-        kind = "gaussian" if stream == POWER_START_STREAM else self.settings.distribution
-        return self._sample_probes(
-            HUTCHINSON_PROBE_STREAM + 3 * self.seed + stream, shape, kind, first
-        )
-
     def _solver(self, source, num_samples: int, classes: int) -> CGFisher:
         """``cg``'s accumulator over the kept inputs, with this backend's preconditioner sums
         (:mod:`lightning_flatness.core.curvature.cg`)."""
@@ -495,8 +330,7 @@ class MatrixFreeBackend(Backend):
         shape = (settings.probes, source.num_samples, classes)
 
         def draw_probes() -> Tensor:
-            xi = self._sample_probes(CG_PROBE_STREAM, shape, "rademacher")
-            return fisher.range_start(xi)
+            return fisher.range_start(self.draws.cg(shape))
 
         return CGFisher(
             fisher,
