@@ -151,19 +151,28 @@ def worker(spec: dict) -> dict:
 def _convergence(model, inputs, targets, spec) -> list[list[float]]:
     """``[steps, soft rank, log-det]`` after each number of steps of one long Lanczos run (the
     tridiagonal after s steps is the leading block of the final one: same probes throughout)."""
-    from lightning_flatness.core.backends.matrix_free import stream_matrix_free
+    from lightning_flatness.core.backends import make_backend
+    from lightning_flatness.core.batches import wrap_for_batches
     from lightning_flatness.core.curvature.lanczos import gauss_quadrature, slq_values, truncated
+    from lightning_flatness.core.options import structure_options
+    from lightning_flatness.core.pipeline import run_pipeline
 
     lam = LAM_C / inputs.shape[0]
-    estimate, _, _ = stream_matrix_free(
-        model,
-        _batches(inputs, targets, spec["batch_size"]),
-        None,
-        structure="lanczos",
-        lam=lam,
+    # measure()'s own path, which keeps the Lanczos coefficients the report leaves out
+    train_batches = _batches(inputs, targets, spec["batch_size"])
+    wrapped, first_pass, _ = wrap_for_batches(model, train_batches)
+    backend = make_backend(
+        "lanczos",
+        wrapped,
+        structure_options("lanczos", matrix_free_options=spec["options"]),
+        loss="cross_entropy",
         seed=spec.get("seed", 0),
-        options=spec["options"],
+        all_reduce=None,
+        unpack_batch=None,
+        repeatable_train_batches=train_batches,
+        max_samples=None,
     )
+    estimate, _, _ = run_pipeline(backend, wrapped, first_pass, None, lam=lam)
     rows = []
     for steps in range(4, spec["options"]["lanczos_steps"] + 1, 4):
         head = truncated(estimate.decomposition, steps)

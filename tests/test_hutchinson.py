@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from conftest import batches, random_data, tiny_model
+from conftest import batches, curvature_and_sums, random_data, tiny_model
 
 from lightning_flatness.core import reference
-from lightning_flatness.core.backends.matrix_free import stream_matrix_free
 from lightning_flatness.core.curvature.hutchinson import jackknife_summary
 from lightning_flatness.core.measure import measure
 from lightning_flatness.core.spectral import soft_rank as spectral_soft_rank
@@ -50,15 +49,14 @@ def cases():
 
 
 def run(model, inputs, targets, batch_size=16, seed=0, all_reduce=None, **options):
-    return stream_matrix_free(
+    return curvature_and_sums(
         model,
         batches(inputs, targets, batch_size),
-        None,
         structure="hutchinson",
         lam=LAM,
         seed=seed,
         all_reduce=all_reduce,
-        options={"trace_estimator": "exact", **options},
+        matrix_free_options={"trace_estimator": "exact", **options},
     )
 
 
@@ -67,8 +65,8 @@ def test_diagonal_and_trace_are_unbiased(cases, architecture):
     within 4 standard errors (Prop. 12 and the remark after it)."""
     model, inputs, targets, exact = cases[architecture]
     diagonal = exact["estimate"]
-    few, _, _ = run(model, inputs, targets, probes=4, seed=1)
-    many, _, _ = run(model, inputs, targets, probes=256, seed=2)
+    few, _ = run(model, inputs, targets, probes=4, seed=1)
+    many, _ = run(model, inputs, targets, probes=256, seed=2)
     assert many.eigenvalues.shape == diagonal.shape and many.eigenvalues.dtype == torch.float64
     error_few = float((few.eigenvalues - diagonal).norm() / diagonal.norm())
     error_many = float((many.eigenvalues - diagonal).norm() / diagonal.norm())
@@ -83,7 +81,7 @@ def test_diagonal_and_trace_are_unbiased(cases, architecture):
 def test_bounds_are_unbiased_and_sandwich_the_estimate(cases, architecture):
     """Eq. 8 and Eq. 9 estimate Σ p_c ∇z_c∇z_cᵀ ⪰ F ⪰ Σ λ_C Jᵀ v_C v_Cᵀ J (Prop. 6, 13, 14)."""
     model, inputs, targets, exact = cases[architecture]
-    estimate, _, _ = run(model, inputs, targets, probes=128)
+    estimate, _ = run(model, inputs, targets, probes=128)
     blocks = estimate.blocks
     traces = {
         "lower": (blocks["hutchinson_lower"].trace, blocks["hutchinson_lower_stderr"].trace),
@@ -110,7 +108,7 @@ def test_lower_bound_is_unbiased_for_a_confident_model():
         model[3].bias.mul_(6.0)
     inputs, targets = random_data(NUM_SAMPLES)
     exact = float(exact_diagonals(model, inputs)["lower"].sum())
-    estimate, _, _ = run(model, inputs, targets, probes=128)
+    estimate, _ = run(model, inputs, targets, probes=128)
     lower = estimate.blocks["hutchinson_lower"].trace
     assert abs(lower - exact) <= 4 * estimate.blocks["hutchinson_lower_stderr"].trace
     assert lower < 0.6 * estimate.summary.trace
@@ -156,10 +154,8 @@ def test_tic_uses_the_estimated_diagonal(cases):
 def test_sums_are_reduced_across_processes(cases):
     """An all_reduce that doubles every sum (two identical processes) changes nothing."""
     model, inputs, targets, _ = cases["cnn"]
-    single, train, _ = run(model, inputs, targets, probes=4)
-    doubled, train2, _ = run(
-        model, inputs, targets, probes=4, all_reduce=lambda t: t.mul_(2), rank=0
-    )
+    single, train = run(model, inputs, targets, probes=4)
+    doubled, train2 = run(model, inputs, targets, probes=4, all_reduce=lambda t: t.mul_(2), rank=0)
     assert train2.count == 2 * train.count
     torch.testing.assert_close(doubled.eigenvalues, single.eigenvalues, rtol=1e-12, atol=0)
     assert doubled.summary.soft_rank == pytest.approx(single.summary.soft_rank, rel=1e-12)
@@ -171,14 +167,13 @@ def test_regression_fisher_is_estimated_without_bias(cases):
     targets = torch.randn(inputs.shape[0], 10, dtype=torch.float64)
     jac = reference.per_sample_jacobians(model, inputs)
     trace = float(jac.square().sum()) / inputs.shape[0]
-    estimate, sums, _ = stream_matrix_free(
+    estimate, sums = curvature_and_sums(
         model,
         batches(inputs, targets, 16),
-        None,
         structure="hutchinson",
         lam=LAM,
         loss="mse",
-        options={"probes": 128, "trace_estimator": "exact"},
+        matrix_free_options={"probes": 128, "trace_estimator": "exact"},
     )
     assert sums.fisher_trace / sums.count == pytest.approx(trace, rel=1e-10)
     assert abs(estimate.summary.trace - trace) <= 4 * estimate.blocks["stderr"].trace
@@ -197,14 +192,13 @@ def test_soft_rank_is_jackknife_corrected_so_its_error_bars_cover_its_bias(cases
     truth = spectral_soft_rank(exact["estimate"], lam)
     corrected, plain, stderr = [], [], []
     for seed in range(seeds):
-        estimate, _, _ = stream_matrix_free(
+        estimate, _ = curvature_and_sums(
             model,
             batches(inputs, targets, NUM_SAMPLES),
-            None,
             structure="hutchinson",
             lam=lam,
             seed=seed,
-            options={"trace_estimator": "exact", "probes": 8, "bounds": False},
+            matrix_free_options={"trace_estimator": "exact", "probes": 8, "bounds": False},
         )
         corrected.append(estimate.summary.soft_rank)
         plain.append(spectral_soft_rank(estimate.eigenvalues, lam))

@@ -11,12 +11,11 @@ import math
 
 import pytest
 import torch
-from conftest import batches, random_data, tiny_model
+from conftest import batches, curvature_and_sums, random_data, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_flatness.core import reference, spectral
-from lightning_flatness.core.backends.matrix_free import stream_matrix_free
 from lightning_flatness.core.curvature.lanczos import (
     FIELDS,
     density_sample,
@@ -138,14 +137,13 @@ def test_density_sample_preserves_counts_and_caps_its_size():
 
 
 def _run(model, inputs, targets, seed=0, **options):
-    estimate, _, _ = stream_matrix_free(
+    estimate, _ = curvature_and_sums(
         model,
         batches(inputs, targets, NUM_SAMPLES),
-        None,
         structure="lanczos",
         lam=LAM,
         seed=seed,
-        options={"lanczos_steps": 40, "trace_estimator": "exact", **options},
+        matrix_free_options={"lanczos_steps": 40, "trace_estimator": "exact", **options},
     )
     return estimate
 

@@ -1,4 +1,4 @@
-"""``stream_matrix_free`` / ``measure(structure="lanczos" | "hutchinson")``: statistics parity
+"""``measure(structure="lanczos" | "hutchinson")``: statistics parity
 with the BackPACK path, models BackPACK cannot handle, and the model left as found."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import batches, random_data, tiny_model
 from torch import nn
 
 from lightning_flatness.core import reference, spectral
-from lightning_flatness.core.backends.matrix_free import MatrixFreeOptions, stream_matrix_free
+from lightning_flatness.core.backends.matrix_free import MatrixFreeOptions
 from lightning_flatness.core.failures import MeasurementError, UnsupportedModelError
 from lightning_flatness.core.measure import measure
 
@@ -133,16 +133,16 @@ def test_sampled_fisher_trace_is_unbiased(data, gram_reports):
     model = tiny_model("mlp")
     draws = []
     for seed in range(40):
-        _, sums, _ = stream_matrix_free(
+        report = measure(
             model,
             batches(inputs, targets, 16),
-            None,
-            structure="hutchinson",
             lam=LAM,
+            num_train_samples=N_TRAIN,
+            structure="hutchinson",
             seed=seed,
-            options={"probes": 1, "bounds": False, "trace_estimator": "sampled"},
+            matrix_free_options={"probes": 1, "bounds": False, "trace_estimator": "sampled"},
         )
-        draws.append(sums.fisher_trace / sums.count)
+        draws.append(report.trace_fisher)
     values = torch.tensor(draws, dtype=torch.float64)
     exact = gram_reports["mlp"].trace_fisher
     assert abs(float(values.mean()) - exact) < 4 * float(values.std()) / math.sqrt(len(draws))
@@ -266,21 +266,15 @@ def test_model_is_left_as_found(data, structure):
 def test_max_samples_truncates_the_stream(data):
     inputs, targets, _, _ = data
     model = tiny_model("mlp")
+    kwargs = {"lam": LAM, "num_train_samples": N_TRAIN, "structure": "lanczos"}
     options = {"probes": 3, "lanczos_steps": 10}
-    truncated, sums, _ = stream_matrix_free(
-        model,
-        batches(inputs, targets, 7),
-        None,
-        structure="lanczos",
-        lam=LAM,
-        max_samples=20,
-        options=options,
+    truncated = measure(
+        model, batches(inputs, targets, 7), max_samples=20, matrix_free_options=options, **kwargs
     )
-    direct, direct_sums, _ = stream_matrix_free(
-        model, [(inputs[:20], targets[:20])], None, structure="lanczos", lam=LAM, options=options
-    )
-    assert sums.count == 20 and sums.loss == pytest.approx(direct_sums.loss, rel=1e-12)
-    assert truncated.summary.soft_rank == pytest.approx(direct.summary.soft_rank, rel=1e-8)
+    direct = measure(model, [(inputs[:20], targets[:20])], matrix_free_options=options, **kwargs)
+    assert truncated.num_samples == 20
+    assert truncated.train_nll == pytest.approx(direct.train_nll, rel=1e-12)
+    assert truncated.soft_rank == pytest.approx(direct.soft_rank, rel=1e-8)
 
 
 def test_regression_lanczos_matches_jacobian_gram(data):
@@ -342,15 +336,12 @@ def test_bad_options_are_named(options, match):
 def test_uncached_passes_match_and_detect_changing_data(data):
     inputs, targets, _, _ = data
     model = tiny_model("mlp")
-    kwargs = {"structure": "lanczos", "lam": LAM}
     options = {"probes": 3, "lanczos_steps": 10}
-    cached, _, _ = stream_matrix_free(
-        model, batches(inputs, targets, 16), None, options=options, **kwargs
-    )
-    streamed, _, _ = stream_matrix_free(
-        model, batches(inputs, targets, 16), None, options={**options, "cache": False}, **kwargs
-    )
-    assert streamed.summary.soft_rank == pytest.approx(cached.summary.soft_rank, rel=1e-10)
+    kwargs = {"lam": LAM, "num_train_samples": N_TRAIN, "structure": "lanczos"}
+    cached = measure(model, batches(inputs, targets, 16), matrix_free_options=options, **kwargs)
+    uncached = {**options, "cache": False}
+    streamed = measure(model, batches(inputs, targets, 16), matrix_free_options=uncached, **kwargs)
+    assert streamed.soft_rank == pytest.approx(cached.soft_rank, rel=1e-10)
 
     class Shuffled:
         def __init__(self) -> None:
@@ -361,7 +352,7 @@ def test_uncached_passes_match_and_detect_changing_data(data):
             return iter(batches(inputs[order], targets[order], 16))
 
     with pytest.raises(MeasurementError, match="different samples"):
-        stream_matrix_free(model, Shuffled(), None, options={**options, "cache": False}, **kwargs)
+        measure(model, Shuffled(), matrix_free_options=uncached, **kwargs)
 
 
 def test_one_shot_iterators_and_inference_mode(data, gram_reports):

@@ -88,20 +88,17 @@ def run_pipeline(
     max_val_samples: int | None = None,
     all_reduce: AllReduce | None = None,
     unpack_batch: UnpackBatch | None = None,
-    require_samples: bool = True,
-) -> tuple[CurvatureEstimate | None, StatisticSums, StatisticSums]:
+) -> tuple[CurvatureEstimate, StatisticSums, StatisticSums]:
     """Stream both splits through ``backend``, agree on failures, reduce, estimate.
 
     Returns:
-        ``(curvature, train_sums, val_sums)``, the sums reduced across processes; the
-        curvature is None when there were no training samples and ``require_samples`` is
-        False.
+        ``(curvature, train_sums, val_sums)``, the sums reduced across processes.
 
     Raises:
         TrainingSplitError: a training batch with a non-finite loss (on any process); it
             carries the held-out split's sums, which are still measured.
-        MeasurementError: no training samples (with ``require_samples``), a non-finite
-            held-out loss, or a failure on another process.
+        MeasurementError: no training samples, a non-finite held-out loss, or a failure on
+            another process.
     """
     device, dtype = model_device_dtype(model)
     sums = dict.fromkeys(SPLITS, StatisticSums())
@@ -142,10 +139,7 @@ def run_pipeline(
             for state in backend.summable_states():
                 all_reduce(state)
         if train.count == 0:
-            if require_samples:
-                raise MeasurementError(
-                    "train_batches yielded no samples; pass a non-empty iterable of "
-                    "(inputs, targets)."
-                )
-            return None, train, val
+            raise MeasurementError(
+                "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
+            )
         return backend.estimate(int(train.count), lam), train, val

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from lightning_flatness.core.batch_terms import BatchTerms
 from lightning_flatness.core.batches import Leaves, LogitsModule
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.curvature.diag import DiagonalFisher
@@ -27,7 +28,7 @@ from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import check_finite_loss
-from lightning_flatness.core.hooked_pass import BatchTerms, HookedPass
+from lightning_flatness.core.hooked_pass import HookedPass
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.options import DiagOptions, KernelOptions, KFACOptions

@@ -1,9 +1,9 @@
 """Matrix-free measurement: ``structure="lanczos"``, ``"cg"`` and ``"hutchinson"`` for any
 classifier.
 
-:func:`stream_matrix_free` is what :func:`lightning_flatness.core.measure.measure` calls for the
-structures of ``MATRIX_FREE_STRUCTURES``. It uses :mod:`torch.func` only (no BackPACK), so it
-needs nothing of the model but a differentiable ``forward``: LayerNorm, attention, custom
+:class:`MatrixFreeBackend` is the backend :func:`lightning_flatness.core.measure.measure` runs
+for the structures of ``MATRIX_FREE_STRUCTURES``. It uses :mod:`torch.func` only (no BackPACK),
+so it needs nothing of the model but a differentiable ``forward``: LayerNorm, attention, custom
 modules that use their own ``nn.Parameter`` functionally, shared weights.
 
 One pass over the training batches computes the statistics of
@@ -60,35 +60,28 @@ preconditioner      "kfac"        ``cg``: ``"kfac"`` (damped Kronecker factors f
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from lightning_flatness.core.batches import (
-    Leaves,
-    LogitsModule,
-    UnpackBatch,
-    num_samples,
-    prepared_batches,
-    split_leaves,
-    take_rows,
-    wrap_for_batches,
+from lightning_flatness.core.backends.kept_inputs import (
+    CachedInputs,
+    Chunker,
+    ReiteratedInputs,
+    fingerprint,
 )
+from lightning_flatness.core.backends.sample_probes import SampleProbes, process_rank
+from lightning_flatness.core.batches import Leaves, LogitsModule, UnpackBatch, take_rows
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.curvature.cg import CGFisher
-from lightning_flatness.core.curvature.hutchinson import (
-    POWER_START_STREAM,
-    VARIANTS,
-    HutchinsonFisher,
-)
+from lightning_flatness.core.curvature.fisher_products import ParameterSpaceFisher
+from lightning_flatness.core.curvature.hutchinson import VARIANTS, HutchinsonFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
-from lightning_flatness.core.curvature.lanczos import LanczosFisher, ParameterSpaceFisher
+from lightning_flatness.core.curvature.lanczos import LanczosFisher
 from lightning_flatness.core.decay import ParameterDecay
-from lightning_flatness.core.failures import MeasurementError, check_finite_loss
+from lightning_flatness.core.failures import check_finite_loss
 from lightning_flatness.core.functional_stats import (
     FunctionalModel,
     batch_statistics,
@@ -98,164 +91,17 @@ from lightning_flatness.core.hooked_pass import HookedPass
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
-from lightning_flatness.core.pipeline import SPLITS, Backend, run_pipeline
-from lightning_flatness.core.positional import position_draws, shard_positions
-from lightning_flatness.core.spectral import SpectralSummary, check_lam
+from lightning_flatness.core.pipeline import SPLITS, Backend
 from lightning_flatness.core.statistics import StatisticSums
 
-__all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions", "stream_matrix_free"]
+__all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions"]
 
 AllReduce = Callable[[Tensor], Tensor]
 
 
-#: the position-keyed draw streams (plus the seed) of ``cg``'s and ``lanczos``'s sample probes,
-#: apart from the layer hooks' 2·seed + {0, 1}
-CG_PROBE_STREAM = 2**40
-LANCZOS_PROBE_STREAM = 2**41
-HUTCHINSON_PROBE_STREAM = 2**42  # + 4·seed + the variant's stream
-#: where the positions of a process's samples in the whole set are unknown, process r draws from
-#: the streams shifted by r times this
-PROCESS_STREAM_SPACING = 2**36
-
-
-def _process_rank(explicit: int | None, all_reduce: AllReduce | None) -> int:
-    if explicit is not None:
-        return int(explicit)
-    if all_reduce is None:
-        return 0
-    distributed = torch.distributed
-    if distributed.is_available() and distributed.is_initialized():
-        return distributed.get_rank()
-    warnings.warn(
-        "all_reduce is given but no torch.distributed process group is initialized: pass "
-        "matrix_free_options={'rank': <this process's rank>} so that each process draws its "
-        "own probes (identical probes on different samples bias the Lanczos estimate).",
-        stacklevel=3,
-    )
-    return 0
-
-
 def _generator(device: torch.device, seed: int) -> torch.Generator:
+    """A private generator on ``device`` seeded by ``seed`` (the global RNG is never used)."""
     return torch.Generator(device=device).manual_seed(int(seed) % (2**63))
-
-
-def _prepared(
-    batches: Iterable,
-    max_samples: int | None,
-    model: FunctionalModel,
-    unpack_batch: UnpackBatch | None,
-) -> Iterator[tuple[int, Leaves, Tensor]]:
-    """``(index, inputs, targets)`` on the model's device/dtype, truncated at ``max_samples``."""
-    return prepared_batches(
-        batches, max_samples, model.device, model.dtype, unpack_batch, model.module.spec
-    )
-
-
-def _activation_elements_per_sample(model: FunctionalModel, inputs: Leaves) -> float:
-    """Numbers autograd saves per sample in a forward pass (difference of 2 and 1 samples)."""
-    counts = []
-    params = {name: p.detach().requires_grad_() for name, p in model.params.items()}
-    for size in (1, 2):
-        saved = [0]
-
-        def pack(tensor: Tensor, saved: list[int] = saved) -> Tensor:
-            saved[0] += tensor.numel()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            model.logits(
-                params, tuple(t[:1].expand(size, *t.shape[1:]).contiguous() for t in inputs)
-            )
-        counts.append(saved[0])
-    return max(1.0, float(counts[1] - counts[0]))
-
-
-class _Chunker:
-    """Splits batches into chunks of samples for the batched products of ``vectors`` vectors.
-
-    Unless ``chunk_size`` is given, a chunk holds as many samples as keep the activations of
-    one batched product, ``(vectors + 1) × chunk × (saved numbers per sample)``, within
-    ``chunk_elements``.
-    """
-
-    def __init__(self, model: FunctionalModel, options: MatrixFreeOptions, vectors: int):
-        self.model, self.options, self.vectors = model, options, vectors
-        self.size: int | None = options.chunk_size
-
-    def split(self, inputs: Leaves) -> list[Leaves]:
-        if self.size is None:
-            per_sample = _activation_elements_per_sample(self.model, inputs)
-            budget = self.options.chunk_elements / ((self.vectors + 1) * per_sample)
-            self.size = max(1, int(budget))
-        return split_leaves(inputs, self.size)
-
-
-class _CachedInputs:
-    """This process's prepared training inputs, kept for the Lanczos passes."""
-
-    def __init__(self, chunker: _Chunker) -> None:
-        self.chunker = chunker
-        self.batches: list[Leaves] = []
-        self.num_samples = 0
-
-    def add(self, inputs: Leaves) -> None:
-        self.batches.append(inputs)
-        self.num_samples += num_samples(inputs)
-
-    def _batches(self) -> Iterator[Leaves]:
-        yield from self.batches
-
-    def chunks(self, with_rows: bool = False) -> Iterator:
-        """Chunks of inputs (and, with ``with_rows``, their rows in this process's sample axis)."""
-        offset = 0
-        for inputs in self._batches():
-            for piece in self.chunker.split(inputs):
-                size = num_samples(piece)
-                rows = slice(offset, offset + size)
-                offset += size
-                yield (piece, rows) if with_rows else piece
-
-
-class _ReiteratedInputs(_CachedInputs):
-    """Iterates ``train_batches`` again for every pass (``cache=False``), checking each pass
-    yields the same samples in the same order (count and per-batch input sums)."""
-
-    def __init__(self, chunker, batches, max_samples, model, unpack_batch, fingerprint) -> None:
-        super().__init__(chunker)
-        self.source, self.max_samples, self.model = batches, max_samples, model
-        self.unpack_batch = unpack_batch
-        self.fingerprint = fingerprint
-        self.num_samples = sum(size for size, _ in fingerprint)
-
-    def _batches(self) -> Iterator[Leaves]:
-        seen = []
-        source = _prepared(self.source, self.max_samples, self.model, self.unpack_batch)
-        for _, inputs, _ in source:
-            seen.append(_fingerprint(inputs))
-            yield inputs
-        if not _same_fingerprints(seen, self.fingerprint):
-            raise MeasurementError(
-                "train_batches yielded different samples on a later pass (shuffling, random "
-                "augmentation or a one-shot iterator). structure='lanczos' makes one pass per "
-                "Lanczos step over the same samples: pass a deterministic loader or keep "
-                "matrix_free_options['cache']=True."
-            )
-
-
-def _fingerprint(inputs: Leaves) -> tuple[int, float]:
-    return num_samples(inputs), sum(float(t.detach().to(torch.float64).sum()) for t in inputs)
-
-
-def _same_fingerprints(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
-    return len(a) == len(b) and all(
-        n == m and math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-9)
-        for (n, x), (m, y) in zip(a, b, strict=True)
-    )
-
-
-def _empty_estimate() -> CurvatureEstimate:
-    nan = SpectralSummary(*([math.nan] * 5))
-    return CurvatureEstimate(nan, torch.zeros(0, dtype=torch.float64))
 
 
 def _num_outputs(model: FunctionalModel, inputs: Leaves) -> int:
@@ -264,99 +110,29 @@ def _num_outputs(model: FunctionalModel, inputs: Leaves) -> int:
         return int(model.logits(model.params, take_rows(inputs, slice(0, 1))).shape[-1])
 
 
-def stream_matrix_free(
-    model: nn.Module,
-    train_batches: Iterable,
-    val_batches: Iterable | None,
-    *,
-    structure: str,
-    lam: float,
-    loss: str = "cross_entropy",
-    max_samples: int | None = None,
-    max_val_samples: int | None = None,
-    seed: int = 0,
-    all_reduce: AllReduce | None = None,
-    options: Mapping[str, object] | None = None,
-    unpack_batch: UnpackBatch | None = None,
-    repeatable_train_batches: Iterable | None = None,
-) -> tuple[CurvatureEstimate, StatisticSums, StatisticSums]:
-    """Curvature estimate and statistics of ``model`` from Fisher products (no BackPACK).
+class MatrixFreeBackend(Backend):
+    """``lanczos``, ``cg`` and ``hutchinson`` through ``torch.func`` (module docstring).
+
+    The first pass computes every batch's statistics (:func:`batch_statistics`); ``hutchinson``
+    adds its probes' gradients on the way, ``lanczos`` and ``cg`` keep the inputs
+    (``cache=True``) or their fingerprints and make their passes in :meth:`estimate`.
 
     Args:
-        model: the model, or the model wrapped as a
-            :class:`~lightning_flatness.core.batches.LogitsModule` (as :func:`measure` passes it);
-            a plain module is wrapped with the default call and the first batch's input spec.
-        train_batches: iterable of training batches; all are used up to ``max_samples``.
-        val_batches: held-out batches (statistics only), or None.
-        structure: ``"lanczos"`` (SLQ of the exact F) or ``"hutchinson"`` (Hutchinson
-            diagonal, Eq. 2, with the Eq. 8 / Eq. 9 bounds).
-        lam: the weight decay λ > 0.
+        model: the model wrapped as a :class:`~lightning_flatness.core.batches.LogitsModule`.
+        structure: ``"lanczos"`` (SLQ of the exact F), ``"cg"`` (conjugate-gradient solves)
+            or ``"hutchinson"`` (Hutchinson diagonal, Eq. 2, with the Eq. 8 / Eq. 9 bounds).
         loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"`` (see
             :mod:`lightning_flatness.core.likelihoods`).
-        max_samples / max_val_samples: stop after this many training / validation samples.
         seed: seeds the private generators (probes, sampled traces).
         all_reduce: sums a tensor across processes in place and returns it (data parallelism):
             statistics and Hutchinson sums are reduced once, Lanczos products inside every step.
         options: see the table in the module docstring.
         unpack_batch: ``batch -> (inputs, targets)`` (see :mod:`lightning_flatness.core.batches`).
-        repeatable_train_batches: what ``cache=False`` iterates again (default
-            ``train_batches``), for callers whose ``train_batches`` is a one-shot iterator.
-
-    Returns:
-        ``(curvature, train_sums, val_sums)``; the sums are already reduced across processes.
-        ``curvature.blocks["stderr"]`` holds the standard errors of ``curvature.summary``; for
-        ``"hutchinson"`` also ``"hutchinson_estimate"`` (= the summary), ``"hutchinson_upper"``,
-        ``"hutchinson_lower"`` and their ``*_stderr``. With no training samples the curvature
-        is all NaN.
-
-    Raises:
-        ValueError: bad structure, loss or options.
-        MeasurementError: a non-finite loss, or (``cache=False``) batches that change between
-            passes.
-        StructureTooLargeError: the Lanczos basis would exceed ``max_basis_elements``.
-    """
-    if structure not in MATRIX_FREE_STRUCTURES:
-        raise ValueError(
-            f"structure must be one of {MATRIX_FREE_STRUCTURES} here, got {structure!r}."
-        )
-    get_likelihood(loss)
-    if repeatable_train_batches is None:
-        repeatable_train_batches = train_batches
-    if not isinstance(model, LogitsModule):
-        model, train_batches, _ = wrap_for_batches(model, train_batches, unpack_batch)
-    backend = MatrixFreeBackend(
-        model,
-        structure,
-        loss=loss,
-        seed=seed,
-        all_reduce=all_reduce,
-        options=options,
-        unpack_batch=unpack_batch,
-        repeatable_train_batches=repeatable_train_batches,
-        max_samples=max_samples,
-    )
-    curvature, train, val = run_pipeline(
-        backend,
-        model,
-        train_batches,
-        val_batches,
-        lam=check_lam(lam),
-        max_samples=max_samples,
-        max_val_samples=max_val_samples,
-        all_reduce=all_reduce,
-        unpack_batch=unpack_batch,
-        require_samples=False,
-    )
-    return curvature or _empty_estimate(), train, val
-
-
-class MatrixFreeBackend(Backend):
-    """``lanczos`` / ``hutchinson`` through ``torch.func`` (module docstring); the arguments are
-    those of :func:`stream_matrix_free`.
-
-    The first pass computes every batch's statistics (:func:`batch_statistics`); ``hutchinson``
-    adds its probes' gradients on the way, ``lanczos`` keeps the inputs (``cache=True``) or
-    their fingerprints and makes its passes in :meth:`estimate`.
+        repeatable_train_batches: what ``cache=False`` iterates again, for callers whose
+            training batches are a one-shot iterator.
+        max_samples: the training samples measured (``cache=False`` truncates its passes there).
+        decay: per-parameter weight decays (the spectrum of ``D^{-1/2} F D^{-1/2}``).
+        shard: ``(rank, world_size)`` when the positions of this process's samples are known.
     """
 
     def __init__(
@@ -393,14 +169,22 @@ class MatrixFreeBackend(Backend):
         with left_as_found(self.model):
             settings = self.settings
             functional = FunctionalModel(self.model)
-            rank = _process_rank(settings.rank, self.all_reduce)
+            rank = process_rank(settings.rank, self.all_reduce)
             self.functional = functional
-            self.rank = rank
+            self.draws = SampleProbes(
+                self.seed,
+                self.shard,
+                rank,
+                positions_unknown=self.shard is None and self.all_reduce is not None,
+                distribution=settings.distribution,
+                device=functional.device,
+                dtype=functional.dtype,
+            )
             self.local = _generator(functional.device, self.seed * 1_000_003 + 7919 * (rank + 1))
             self.shared = _generator(functional.device, self.seed)
             variants = 1 if self.keeps_inputs else (len(VARIANTS) if settings.bounds else 1)
-            self.chunker = _Chunker(functional, settings, settings.probes * variants)
-            self.cache = _CachedInputs(self.chunker)
+            self.chunker = Chunker(functional, settings, settings.probes * variants)
+            self.cache = CachedInputs(self.chunker)
             self.fingerprints: list[tuple[int, float]] = []
             self.hutchinson = self.grad_sq_sum = None
             self.hooked = self.kfac = None
@@ -423,7 +207,7 @@ class MatrixFreeBackend(Backend):
                     loss=self.loss,
                     probes=settings.probes,
                     distribution=settings.distribution,
-                    draw_sample_probes=self._hutchinson_draws,
+                    draw_sample_probes=self.draws.hutchinson,
                     power_iterations=settings.power_iterations,
                     bounds=settings.bounds,
                     grad_sq_sum=self.grad_sq_sum,
@@ -470,7 +254,7 @@ class MatrixFreeBackend(Backend):
             elif self.settings.cache:
                 self.cache.add(inputs)
             else:
-                self.fingerprints.append(_fingerprint(inputs))
+                self.fingerprints.append(fingerprint(inputs))
         return sums
 
     def _add_kronecker_factors(self, inputs: Leaves, targets: Tensor) -> None:
@@ -504,7 +288,7 @@ class MatrixFreeBackend(Backend):
             return self.hutchinson.estimate(num_samples, lam)
         source = self.cache
         if not self.settings.cache:
-            source = _ReiteratedInputs(
+            source = ReiteratedInputs(
                 self.chunker,
                 self.repeatable_train_batches,
                 self.max_samples,
@@ -520,19 +304,10 @@ class MatrixFreeBackend(Backend):
             source,
             loss=self.loss,
             classes=classes,
-            probes=settings.probes,
-            steps=settings.lanczos_steps,
-            space=settings.space,
-            start=settings.start,
-            distribution=settings.distribution,
-            draw_sample_probes=lambda shape: self._sample_probes(
-                LANCZOS_PROBE_STREAM, shape, settings.distribution
-            ),
+            settings=settings,
+            draw_sample_probes=self.draws.lanczos,
             shared_generator=self.shared,
             all_reduce=self.all_reduce,
-            max_basis_elements=settings.max_basis_elements,
-            max_histogram=settings.max_histogram,
-            breakdown_tol=settings.breakdown_tol,
             column_scale=None if self.decay is None else self._column_scale(),
         )
         return estimator.estimate(num_samples, lam)
@@ -547,29 +322,6 @@ class MatrixFreeBackend(Backend):
         """``D^{-1/2}`` (P,), in the model's dtype."""
         return self._diagonal().rsqrt().to(self.functional.dtype)
 
-    def _sample_probes(
-        self, stream: int, shape: tuple[int, int, int], kind: str, first: int = 0
-    ) -> Tensor:
-        """ξ of shape (K, B, C) on this process's measured samples ``first … first + B − 1``,
-        in the model's dtype: drawn by the samples' positions in the whole measured set (the
-        same ξ however the set is shared among processes,
-        :mod:`~lightning_flatness.core.positional`), or, under data parallelism when the
-        positions are unknown, from a stream of this process's own."""
-        functional = self.functional
-        if self.shard is None and self.all_reduce is not None:  # positions unknown
-            stream += PROCESS_STREAM_SPACING * self.rank  # this process's own draws
-        positions = shard_positions(shape[1], self.shard, first)
-        draws = position_draws(stream + self.seed, positions, shape[0], shape[2], kind)
-        return draws.to(device=functional.device, dtype=functional.dtype)
-
-    def _hutchinson_draws(self, stream: int, first: int, shape: tuple[int, int, int]) -> Tensor:
-        """``hutchinson``'s draws (:class:`HutchinsonFisher`): stream 0–2 its variants' probes,
-        :data:`POWER_START_STREAM` the power iteration's Gaussian starts."""
-        kind = "gaussian" if stream == POWER_START_STREAM else self.settings.distribution
-        return self._sample_probes(
-            HUTCHINSON_PROBE_STREAM + 3 * self.seed + stream, shape, kind, first
-        )
-
     def _solver(self, source, num_samples: int, classes: int) -> CGFisher:
         """``cg``'s accumulator over the kept inputs, with this backend's preconditioner sums
         (:mod:`lightning_flatness.core.curvature.cg`)."""
@@ -578,8 +330,7 @@ class MatrixFreeBackend(Backend):
         shape = (settings.probes, source.num_samples, classes)
 
         def draw_probes() -> Tensor:
-            xi = self._sample_probes(CG_PROBE_STREAM, shape, "rademacher")
-            return fisher.range_start(xi)
+            return fisher.range_start(self.draws.cg(shape))
 
         return CGFisher(
             fisher,

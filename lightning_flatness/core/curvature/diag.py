@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_flatness.core.batch_terms import BatchTerms
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
-from lightning_flatness.core.hooked_pass import BatchTerms
 from lightning_flatness.core.spectral import spectral_summary
 
 __all__ = ["DiagonalFisher"]

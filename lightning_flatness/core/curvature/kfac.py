@@ -1,6 +1,6 @@
 """``structure="kfac"``: a block-diagonal Fisher with Kronecker-factored layers, from layer hooks.
 
-Accumulates the :class:`~lightning_flatness.core.hooked_pass.BatchTerms` of every batch (sums over
+Accumulates the :class:`~lightning_flatness.core.batch_terms.BatchTerms` of every batch (sums over
 samples, so the numbers do not depend on the batch size) and turns them into one spectrum, block
 by block (docs/math.md, "Kronecker factors from layer hooks"):
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_flatness.core.batch_terms import BatchTerms
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
-from lightning_flatness.core.hooked_pass import BatchTerms
 from lightning_flatness.core.spectral import (
     SpectralSummary,
     clean_eigenvalues,

@@ -27,7 +27,11 @@ import torch
 from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
-from lightning_flatness.core.curvature.lanczos import density_sample, gauss_quadrature, lanczos
+from lightning_flatness.core.curvature.lanczos_quadrature import (
+    density_sample,
+    gauss_quadrature,
+    lanczos,
+)
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.spectral import (

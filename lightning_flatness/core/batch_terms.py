@@ -1,0 +1,170 @@
+"""What one batch adds to the sums over samples of the layer-hook structures, from the
+per-sample gradients of K cotangent rows (:mod:`lightning_flatness.core.hooked_pass`).
+
+Row 0 is the residual of the true labels (``Σ_i ‖g_i‖²`` → ``Tr(C)``); the rows of
+:attr:`FisherRows.trace` give ``Tr(F)`` and those of :attr:`FisherRows.curvature` the structure:
+Kronecker factors of each linear map's weight, the exact Fisher block of each bias, the
+diagonal of everything else (docs/math.md, "Kronecker factors from layer hooks"); with
+``structure="diag"`` the exact diagonal of every parameter and the diagonal of C, with
+``structure="rows"`` the per-sample gradients of the Fisher rows themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lightning_flatness.core.layer_rules import (
+    KroneckerRule,
+    Rule,
+    kronecker_factors,
+    weight_rows,
+    weight_square_sums,
+    weight_squared_norms,
+)
+from lightning_flatness.core.module_rules import LocalRule
+
+__all__ = ["BatchTerms", "FisherRows", "add_explicit", "add_rule", "add_weight"]
+
+
+@dataclass
+class BatchTerms:
+    """What one batch adds to the sums over samples (all float64).
+
+    Attributes:
+        grad_norm_sq: ``Σ_i ‖g_i‖²`` of the true-label gradients (→ Tr(C)).
+        fisher_trace: ``Σ_i Tr(J_iᵀ Λ_i J_i)`` (exact, or unbiased with sampled rows).
+        kronecker: ``{weight: (Σ_i G_i, Σ_i A_i)}`` (A a vector of counts for embeddings).
+        blocks: ``{bias: Σ_i Σ_rows b bᵀ}``, the exact Fisher block of each bias.
+        diagonal: ``{parameter: Σ_i Σ_rows g ∘ g}`` for everything else (for every
+            parameter with ``structure="diag"``).
+        cov_diagonal: ``{parameter: Σ_i g_i ∘ g_i}`` of the true-label gradients (the
+            diagonal of C, for the diagonal TIC; ``structure="diag"`` only).
+        rows: ``{parameter: (K', N, numel)}``, the per-sample gradients of the K' Fisher rows
+            themselves, in the model's dtype (``structure="rows"`` only).
+    """
+
+    grad_norm_sq: float = 0.0
+    fisher_trace: float = 0.0
+    kronecker: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    blocks: dict[str, Tensor] = field(default_factory=dict)
+    diagonal: dict[str, Tensor] = field(default_factory=dict)
+    cov_diagonal: dict[str, Tensor] = field(default_factory=dict)
+    rows: dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FisherRows:
+    """Which cotangent rows are the Fisher rows of the curvature and of the trace."""
+
+    curvature: slice | None  # the rows of the Kronecker factors, exact blocks and diagonals
+    trace: slice  # the rows of Tr(F)
+
+    @property
+    def norms(self) -> list[int]:
+        """The rows whose per-sample squared norms are needed: residual (0), then trace."""
+        return [0, *range(self.trace.start, self.trace.stop)]
+
+
+def _f64(value: Tensor) -> Tensor:
+    return value.detach().to(torch.float64)
+
+
+def add_rule(
+    terms: BatchTerms,
+    rule: Rule,
+    grads: list[Tensor],
+    rows: FisherRows,
+    curvature: bool,
+    structure: str,
+) -> None:
+    """Add the parameters of one layer rule from its calls' output gradients ``grads``: its
+    linear maps' weights (:func:`add_weight`) and biases, or its own per-sample gradients."""
+    block = structure != "diag"  # a bias: per-sample gradients Σ_t s_t, an exact block
+    if isinstance(rule, LocalRule) and rule.factored:
+        maps = rule.linear_maps(grads)
+        if maps is not None:
+            for attr, name in rule.names.items():
+                weight, kind = rule.factored[attr]
+                a, s = maps[weight]
+                if kind == "bias":
+                    add_explicit(terms, {name: s.sum(2)}, rows, curvature, structure, block=block)
+                else:
+                    add_weight(terms, name, a, s, rows, curvature, structure)
+            return
+    if not isinstance(rule, KroneckerRule):
+        add_explicit(terms, rule.per_sample_gradients(grads), rows, curvature, structure)
+        return
+    a = rule.patches()
+    s = rule.output_gradients(grads)
+    for attr, name in rule.names.items():
+        if attr != "weight":
+            add_explicit(terms, {name: s.sum(2)}, rows, curvature, structure, block=block)
+        else:
+            add_weight(terms, name, a, s, rows, curvature, structure, rule)
+
+
+def add_weight(
+    terms: BatchTerms,
+    name: str,
+    a: Tensor,
+    s: Tensor,
+    rows: FisherRows,
+    curvature: bool,
+    structure: str,
+    rule: KroneckerRule | None = None,
+) -> None:
+    """Add a linear map's weight from its patches ``a`` (N, T, d) and output gradients
+    ``s`` (K, N, T, o): norms, traces, and its rows, diagonal or Kronecker factors. A
+    :class:`KroneckerRule` gives the layout (an embedding, a weight stored (in, out));
+    without one the weight is (o, d)."""
+    embedding = rule is not None and rule.is_embedding
+    norms = weight_squared_norms(a, s[rows.norms], embedding)
+    terms.grad_norm_sq += float(norms[0])
+    terms.fisher_trace += float(norms[1:].sum())
+    if not curvature:
+        return
+    shape = rule.weight_shape if rule is not None else torch.Size((s.shape[-1], a.shape[-1]))
+    layout = rule.to_weight_layout if rule is not None else (lambda values: values)
+    if structure == "rows":
+        found = weight_rows(a, s[rows.curvature], embedding, shape).detach()
+        if rule is not None and rule.transposed:
+            found = layout(found.unflatten(-1, shape)).flatten(2)
+        terms.rows[name] = found
+    elif structure == "diag":
+        chosen = [0, *range(rows.curvature.start, rows.curvature.stop)]
+        squares = layout(weight_square_sums(a, s[chosen], embedding, shape[0]))
+        terms.cov_diagonal[name] = _f64(squares[0])
+        terms.diagonal[name] = _f64(squares[1:].sum(0))
+    else:
+        g, factor = kronecker_factors(a, s[rows.curvature], embedding, shape[0])
+        terms.kronecker[name] = (_f64(g), _f64(factor))
+
+
+def add_explicit(
+    terms: BatchTerms,
+    per_sample: dict[str, Tensor],
+    rows: FisherRows,
+    curvature: bool,
+    structure: str,
+    block: bool = False,
+) -> None:
+    """Add per-sample gradients ``(K, N, *shape)``: norms, traces, diagonal or block."""
+    for name, grads in per_sample.items():
+        flat = grads.reshape(grads.shape[0], grads.shape[1], -1)
+        terms.grad_norm_sq += float(flat[0].square().sum())
+        terms.fisher_trace += float(flat[rows.trace].square().sum())
+        if not curvature:
+            continue
+        if structure == "rows":
+            terms.rows[name] = flat[rows.curvature].detach()
+            continue
+        fisher_rows = flat[rows.curvature].reshape(-1, flat.shape[-1])
+        if structure == "diag":
+            terms.cov_diagonal[name] = _f64(flat[0].square().sum(0))
+        if block:
+            terms.blocks[name] = _f64(fisher_rows.T @ fisher_rows)
+        else:
+            terms.diagonal[name] = _f64(fisher_rows.square().sum(0))
