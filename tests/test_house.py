@@ -1,0 +1,71 @@
+"""The house rules a newcomer can rely on: no module over 500 lines, no class over 250, and no
+public constructor written with more than 15 parameters (a settings object holds the rest).
+
+The settings dataclasses (``KernelOptions``, ``MatrixFreeOptions``, ``PenaltyOptions``, ...) are
+the objects that carry options, so their generated constructors are not counted: each field is
+one option of one structure, set by name.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lightning_flatness"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 250
+MAX_CONSTRUCTOR_PARAMETERS = 15
+
+
+def _classes(path: Path) -> list[ast.ClassDef]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+
+
+def _name(path: Path) -> str:
+    return str(path.relative_to(PACKAGE.parent))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_no_module_over_500_lines(path):
+    lines = len(path.read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{_name(path)} has {lines} lines"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_no_class_over_250_lines(path):
+    for node in _classes(path):
+        lines = node.end_lineno - node.lineno + 1
+        assert lines <= MAX_CLASS_LINES, f"{_name(path)}: class {node.name} has {lines} lines"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_name)
+def test_no_public_constructor_over_15_parameters(path):
+    for node in _classes(path):
+        if node.name.startswith("_"):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                arguments = item.args
+                count = len(arguments.posonlyargs) + len(arguments.args) - 1
+                count += len(arguments.kwonlyargs)
+                assert count <= MAX_CONSTRUCTOR_PARAMETERS, (
+                    f"{_name(path)}: {node.name}.__init__ takes {count} parameters; gather "
+                    "options into a settings object"
+                )
+
+
+def test_the_rules_can_fail(tmp_path):
+    """The checks above read what they claim to: a long module and a wide constructor."""
+    wide = tmp_path / "wide.py"
+    parameters = ", ".join(f"a{i}" for i in range(16))
+    wide.write_text(f"class Wide:\n    def __init__(self, {parameters}):\n        pass\n")
+    (node,) = _classes(wide)
+    init = node.body[0]
+    assert len(init.args.args) - 1 == 16 > MAX_CONSTRUCTOR_PARAMETERS
+    long = tmp_path / "long.py"
+    long.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert len(long.read_text().splitlines()) > MAX_MODULE_LINES
