@@ -23,7 +23,7 @@ from lightning_flatness.core.layer_rules import KroneckerRule
 from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.rule_assignment import assign_rules
 from lightning_flatness.regularizer.first_use import FirstUseChecks, first_use_error
-from lightning_flatness.regularizer.labels import fixed_targets, score
+from lightning_flatness.regularizer.labels import summed_score
 from lightning_flatness.regularizer.parameters import (
     constants_of,
 )
@@ -155,12 +155,8 @@ def layerwise_gram(
             ]
             repeat = num_classes
         else:
-            if isinstance(mode, str):  # "sampled": draws from this forward's outputs
-                assert generator is not None
-                chosen = likelihood.draw(logits, generator)
-            else:
-                chosen = fixed_targets(likelihood, mode, logits)
-            objective = score(likelihood, mode, logits, chosen).sum()
+            # "sampled": draws from this forward's outputs
+            objective = summed_score(likelihood, mode, logits, generator)
             deltas = _grad_or_zeros(objective, outputs, create_graph)
             repeat = 1
         return _assemble_gram(used, deltas, batch_size, repeat, side, scales or {})

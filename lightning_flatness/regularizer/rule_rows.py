@@ -32,7 +32,7 @@ from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.module_rules import LocalRule, RecurrentRule
 from lightning_flatness.core.rule_assignment import assign_rules
 from lightning_flatness.regularizer.first_use import FirstUseChecks, first_use_error
-from lightning_flatness.regularizer.labels import fixed_targets, score
+from lightning_flatness.regularizer.labels import summed_score
 from lightning_flatness.regularizer.refusals import LayerwiseIncomplete
 from lightning_flatness.regularizer.rule_gradients import hooked_rows
 
@@ -102,12 +102,8 @@ def rule_rows(
         if isinstance(mode, str) and mode == "exact":
             source, weights = likelihood.sqrt_rows(logits)
             return [source[:, c].sum() for c in range(source.shape[1])]
-        if isinstance(mode, str):  # "sampled": drawn from this forward's outputs
-            assert generator is not None
-            chosen = likelihood.draw(logits, generator)
-        else:
-            chosen = fixed_targets(likelihood, mode, logits)
-        return [score(likelihood, mode, logits, chosen).sum()]
+        # "sampled": drawn from this forward's outputs
+        return [summed_score(likelihood, mode, logits, generator)]
 
     with torch.enable_grad():
         found, _ = hooked_rows(wrapped, leaves, rules, taps, objectives_of, create_graph)
