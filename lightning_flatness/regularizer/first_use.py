@@ -27,6 +27,13 @@ __all__ = ["FirstUseChecks", "first_use_error"]
 _TOLERANCE = 1e-4
 
 
+def _tolerance(grads: list[Tensor]) -> float:
+    """:data:`_TOLERANCE`, or four rounding units of the least precise dtype the layers'
+    outputs were computed in (``bfloat16`` or ``float16`` under autocast), if larger."""
+    eps = max((torch.finfo(g.dtype).eps for g in grads if g.is_floating_point()), default=0.0)
+    return max(_TOLERANCE, 4 * eps)
+
+
 class FirstUseChecks:
     """The verdicts of one backend: per model and key, None once checked right, else why the
     rows cannot be had (kept: a refused model is not checked again)."""
@@ -90,6 +97,7 @@ def first_use_error(
         objective = one_sample(wrapped(*leaves))[0]
         expected = torch.autograd.grad(objective, list(selected.values()), allow_unused=True)
     dims = [rule.batch_dim for rule in rules for _ in rule.calls] + [0] * len(taps)
+    tolerance = _tolerance(grads)
     for grad, dim in zip(grads, dims, strict=True):
         if grad.dim() < dim + 2 or grad.shape[dim + 1] != batch:
             return LayerwiseIncomplete(
@@ -97,7 +105,7 @@ def first_use_error(
                 "layer, or a call on something other than the batch)."
             )
         others = float(grad.narrow(dim + 1, 0, sample).norm())
-        if others > _TOLERANCE * float(grad.norm()):
+        if others > tolerance * float(grad.norm()):
             return LayerwiseIncomplete(
                 "the model mixes samples: one sample's logits have a gradient at the other "
                 "samples' layer outputs."
@@ -105,7 +113,7 @@ def first_use_error(
     for (name, param), grad in zip(selected.items(), expected, strict=True):
         truth = torch.zeros_like(param) if grad is None else grad
         rows = found[name][0, 0].detach()
-        if float((rows - truth.reshape(-1)).norm()) > _TOLERANCE * float(truth.norm()) + 1e-8:
+        if float((rows - truth.reshape(-1)).norm()) > tolerance * float(truth.norm()) + 1e-8:
             return LayerwiseIncomplete(
                 f"the hooked layers do not give sample-wise gradients of {name!r} (it is used "
                 "outside its module's forward, or the model mixes samples)."
