@@ -281,6 +281,55 @@ def test_layerwise_kernel_equals_torch_func_kernel(name, labels, monkeypatch):
         torch.testing.assert_close(rows, reference.reshape(rows.shape))
 
 
+class TiedLinears(nn.Module):
+    """Two nn.Linear layers sharing one weight: its per-sample gradient sums both uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.second.weight = self.first.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.second(self.first(x).tanh()).tanh())
+
+
+@pytest.mark.parametrize("labels", ["exact", "sampled"])
+def test_layerwise_kernel_of_a_weight_tied_across_layers(labels):
+    """The kernel of the sum of both uses' gradients, cross terms included."""
+    torch.manual_seed(0)
+    model, inputs = TiedLinears().to(DTYPE), torch.randn(5, 4, dtype=DTYPE)
+    kernels = [
+        fisher_gram(
+            model,
+            inputs,
+            labels=labels,
+            generator=torch.Generator().manual_seed(1),
+            backend=backend,
+        )
+        for backend in ("func", "layerwise")
+    ]
+    torch.testing.assert_close(kernels[1], kernels[0], rtol=1e-10, atol=1e-12)
+
+
+class BatchCentred(nn.Module):
+    """An MLP that subtracts the batch mean of its hidden layer: samples are not independent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.first(x).tanh()
+        return self.head(hidden - hidden.mean(0))
+
+
+def test_layerwise_refuses_a_model_that_mixes_samples():
+    torch.manual_seed(0)
+    model, inputs = BatchCentred().to(DTYPE), torch.randn(5, 4, dtype=DTYPE)
+    with pytest.raises(ValueError, match="mixes samples"):
+        fisher_gram(model, inputs, labels="exact", backend="layerwise")
+
+
 def test_sampled_labels_are_the_same_for_both_backends():
     model, inputs = make("mlp")
     kernels = [

@@ -3,10 +3,14 @@
 :func:`assign_rules` gives each trainable parameter the rule of the module that owns it
 (:mod:`lightning_flatness.core.layer_rules` for the one-map layers,
 :mod:`lightning_flatness.core.module_rules` for modules with their own forward), or the
-whole-model fallback; :func:`record_call` is what a forward hook does with a call.
+whole-model fallback; :func:`record_call` is what a forward hook does with a call, and
+:func:`recording` hooks the rules' modules with it for the length of a ``with`` block.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
@@ -28,7 +32,7 @@ from lightning_flatness.core.recurrent import (
     unrolls,
 )
 
-__all__ = ["assign_rules", "broadcast_lookup", "make_rule", "record_call"]
+__all__ = ["assign_rules", "broadcast_lookup", "make_rule", "record_call", "recording"]
 
 
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
@@ -209,3 +213,30 @@ def record_call(
     for rule in rules:
         rule.calls.append(call)
     return (copy, *output[1:]) if isinstance(output, tuple) else copy
+
+
+@contextmanager
+def recording(rules: list[Rule], batch: int, *, keep_graph: bool = False) -> Iterator[None]:
+    """Forward hooks on the rules' modules that record each call (:func:`record_call`) into the
+    ``calls`` of every rule using the module, cleared first; removed when the block ends."""
+
+    def hook_for(owners: list[Rule]):
+        def record(module: nn.Module, args: tuple, kwargs: dict, output: object):
+            return record_call(owners, module, args, kwargs, output, batch, keep_graph=keep_graph)
+
+        return record
+
+    by_module: dict[int, tuple[nn.Module, list[Rule]]] = {}
+    for rule in rules:
+        rule.calls.clear()
+        for module in rule.modules:
+            by_module.setdefault(id(module), (module, []))[1].append(rule)
+    handles = [
+        module.register_forward_hook(hook_for(owners), with_kwargs=True)
+        for module, owners in by_module.values()
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -68,9 +68,10 @@ Backends (``backend=``), all exact and returning the same number:
   sample — without ever forming the B × P per-sample gradients of wide layers. Per layer the
   cheaper of that and materialising the per-sample gradients is used. Needs every selected
   parameter to be the weight or bias of such a layer and the model to process samples
-  independently (which also defines ``V_i``). The first evaluation for a model checks that the
-  hooked layers account for the whole batch gradient (a parameter also used outside its
-  module's forward would break that).
+  independently (which also defines ``V_i``). The layers are the measurement's Kronecker rules
+  (the same hooks and patch unfolding); the first evaluation for a model checks one sample's
+  rows against autograd, as for ``"rules"`` (a parameter also used outside its module's
+  forward, or a model that mixes samples, fails it).
 - ``"rules"``: the rows of ``V_b`` from the measurement's layer rules
   (:mod:`lightning_flatness.regularizer.rule_rows`): linear maps, Hugging Face's ``Conv1D``,
   convolutions, embeddings, normalisation layers, attention, recurrent layers (padded or

@@ -28,11 +28,7 @@ from lightning_flatness.regularizer.func_rows import func_rows
 from lightning_flatness.regularizer.labels import (
     resolve_labels,
 )
-from lightning_flatness.regularizer.layerwise import (
-    LayerwiseIncomplete,
-    LayerwiseUnsupported,
-    layerwise_gram,
-)
+from lightning_flatness.regularizer.layerwise import layerwise_gram
 from lightning_flatness.regularizer.modes import (
     penalty_modes,
 )
@@ -40,6 +36,7 @@ from lightning_flatness.regularizer.parameters import (
     select_parameters,
 )
 from lightning_flatness.regularizer.products import gram_product
+from lightning_flatness.regularizer.refusals import LayerwiseIncomplete, LayerwiseUnsupported
 from lightning_flatness.regularizer.rule_rows import rule_rows
 
 __all__ = ["batch_gram", "fisher_gram"]

@@ -18,7 +18,15 @@ from lightning_flatness.regularizer.arguments import (
     check_inputs,
 )
 
-__all__ = ["fixed_targets", "resolve_labels", "sample_labels", "score", "targets_for"]
+__all__ = [
+    "chosen_targets",
+    "fixed_targets",
+    "resolve_labels",
+    "sample_labels",
+    "score",
+    "summed_score",
+    "targets_for",
+]
 
 
 def sample_labels(
@@ -94,6 +102,14 @@ def targets_for(
     with torch.no_grad():
         logits = wrapped(*leaves)
         likelihood.check_outputs(logits, num_samples(leaves))
+    return chosen_targets(likelihood, mode, logits, generator)
+
+
+def chosen_targets(
+    likelihood: Likelihood, mode: Tensor | str, logits: Tensor, generator: torch.Generator | None
+) -> Tensor:
+    """The labels the rows are scored at: draws from ``logits`` (``"sampled"``, by the private
+    ``generator``) or the fixed targets, checked."""
     if isinstance(mode, str):  # "sampled"
         assert generator is not None
         return likelihood.draw(logits, generator)
@@ -106,3 +122,13 @@ def score(likelihood: Likelihood, mode: Tensor | str, logits: Tensor, chosen: Te
     if isinstance(mode, str):
         return likelihood.sampled_score(logits, chosen)
     return -likelihood.nll(logits, chosen)
+
+
+def summed_score(
+    likelihood: Likelihood, mode: Tensor | str, logits: Tensor, generator: torch.Generator | None
+) -> Tensor:
+    """``Σ_i`` of the per-sample objectives (:func:`score`) at this forward's labels
+    (:func:`chosen_targets`): its gradient at sample i's outputs gives row i of ``V_b``."""
+    return score(
+        likelihood, mode, logits, chosen_targets(likelihood, mode, logits, generator)
+    ).sum()
