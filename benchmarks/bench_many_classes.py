@@ -20,7 +20,7 @@ import torch
 from _common import markdown_table, print_header, set_threads
 from torch import nn
 
-from lightning_flatness import measure
+from lightning_flatness import KFACOptions, measure
 
 
 def _data(n: int, classes: int, features: int, seed: int = 0):
@@ -68,6 +68,10 @@ def main() -> None:
     rows = []
     variants = [
         ("auto", {"structure": "auto"}),
+        (
+            "the monitor's fill-in: kfac, probe rows and probe Tr(F)",
+            {"structure": KFACOptions(kfac_mode="probe", trace_estimator="probe")},
+        ),
         ("kfac, 4 probe rows", {"structure": "kfac", "kfac_mode": "probe", "mc_samples": 4}),
         ("kfac, exact rows (C backward passes)", {"structure": "kfac", "kfac_mode": "exact"}),
     ]
