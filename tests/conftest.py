@@ -105,28 +105,15 @@ def curvature_and_sums(
     all_reduce=None,
     matrix_free_options: dict | None = None,
 ):
-    """``(curvature estimate, training sums)`` along ``measure()``'s own path (its options, its
-    backend, its pipeline), for tests that read more of the estimate than the report keeps
-    (per-probe values, the Lanczos coefficients, the summary next to its blocks)."""
-    from lightning_flatness.core.backends import make_backend
-    from lightning_flatness.core.batches import wrap_for_batches
+    """``(curvature estimate, training sums)`` from ``measure()``'s own pass
+    (:func:`~lightning_flatness.core.measure.curvature_and_sums`), for tests that read more of
+    the estimate than the report keeps (per-probe values, the Lanczos coefficients, the summary
+    next to its blocks)."""
+    from lightning_flatness.core.measure import curvature_and_sums as measured
     from lightning_flatness.core.options import structure_options
-    from lightning_flatness.core.pipeline import run_pipeline
 
     options = structure_options(structure, matrix_free_options=matrix_free_options)
-    wrapped, first_pass, _ = wrap_for_batches(model, train_batches)
-    backend = make_backend(
-        structure,
-        wrapped,
-        options,
-        loss=loss,
-        seed=seed,
-        all_reduce=all_reduce,
-        unpack_batch=None,
-        repeatable_train_batches=train_batches,
-        max_samples=None,
-    )
-    curvature, train, _ = run_pipeline(
-        backend, wrapped, first_pass, None, lam=lam, all_reduce=all_reduce
+    curvature, train, _ = measured(
+        model, train_batches, options, lam=lam, loss=loss, seed=seed, all_reduce=all_reduce
     )
     return curvature, train

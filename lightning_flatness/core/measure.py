@@ -58,8 +58,9 @@ from lightning_flatness.core.options import (
 from lightning_flatness.core.pipeline import model_device_dtype, run_pipeline
 from lightning_flatness.core.report import FlatnessReport, build_report
 from lightning_flatness.core.spectral import check_lam
+from lightning_flatness.core.statistics import StatisticSums
 
-__all__ = ["check_batch", "measure"]
+__all__ = ["check_batch", "curvature_and_sums", "measure"]
 
 AllReduce = Callable[[Tensor], Tensor]
 
@@ -197,6 +198,59 @@ def measure(
     structure = options.structure
     get_likelihood(loss)
     start = time.perf_counter()
+    curvature, train_sums, val_sums = curvature_and_sums(
+        model,
+        train_batches,
+        options,
+        lam=lam,
+        decay=decay if isinstance(decay, ParameterDecay) else None,
+        val_batches=val_batches,
+        max_samples=max_samples,
+        max_val_samples=max_val_samples,
+        loss=loss,
+        seed=seed,
+        all_reduce=all_reduce,
+        shard=shard,
+        unpack_batch=unpack_batch,
+        logits_fn=logits_fn,
+    )
+    return build_report(
+        curvature,
+        train_sums,
+        val_sums,
+        lam,
+        int(num_train_samples),
+        structure,
+        time.perf_counter() - start,
+    )
+
+
+def curvature_and_sums(
+    model: nn.Module,
+    train_batches: Iterable,
+    options: StructureOptions,
+    *,
+    lam: float,
+    decay: ParameterDecay | None = None,
+    val_batches: Iterable | None = None,
+    max_samples: int | None = None,
+    max_val_samples: int | None = None,
+    loss: str = "cross_entropy",
+    seed: int = 0,
+    all_reduce: AllReduce | None = None,
+    shard: tuple[int, int] | None = None,
+    unpack_batch: UnpackBatch | None = None,
+    logits_fn: LogitsFn | None = None,
+) -> tuple[object, StatisticSums, StatisticSums | None]:
+    """The one pass :func:`measure` makes: ``options``' backend fed every batch by the pipeline,
+    returning the curvature estimate and the summed training (and held-out) statistics before
+    they become a report. Arguments as for :func:`measure` (``options`` already built).
+
+    Raises:
+        MeasurementError: no training samples (on a single process).
+        UnsupportedModelError: a recurrent layer on a ``PackedSequence`` for ``torch.func``.
+    """
+    structure = options.structure
     wrapped, first_pass, found = wrap_for_batches(model, train_batches, unpack_batch, logits_fn)
     if not found and all_reduce is None:
         raise MeasurementError(
@@ -214,10 +268,10 @@ def measure(
             repeatable_train_batches=train_batches,
             max_samples=max_samples,
             shard=shard,
-            decay=decay if isinstance(decay, ParameterDecay) else None,
+            decay=decay,
         )
         try:
-            curvature, train_sums, val_sums = run_pipeline(
+            return run_pipeline(
                 backend,
                 wrapped,
                 first_pass,
@@ -238,15 +292,6 @@ def measure(
                     "or pass padded batches."
                 ) from error
             raise
-    return build_report(
-        curvature,
-        train_sums,
-        val_sums,
-        lam,
-        int(num_train_samples),
-        structure,
-        time.perf_counter() - start,
-    )
 
 
 def check_batch(
