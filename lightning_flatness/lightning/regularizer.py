@@ -140,14 +140,6 @@ class SoftRankRegularizer(Callback):
                 setattr(self, name, value)
                 self._set.add(name)
 
-    @property
-    def loss(self) -> str:
-        return self.reading.loss
-
-    @property
-    def function(self) -> str:
-        return self.options.function
-
     def _penalty_options(self, **resolved: Any) -> dict[str, Any]:
         return dict(
             options=self.options,
