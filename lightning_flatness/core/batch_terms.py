@@ -26,7 +26,7 @@ from lightning_flatness.core.layer_rules import (
 )
 from lightning_flatness.core.module_rules import LocalRule
 
-__all__ = ["BatchTerms", "FisherRows", "add_explicit", "add_rule", "add_weight"]
+__all__ = ["BatchTerms", "FisherRows", "add_bias", "add_explicit", "add_rule", "add_weight"]
 
 
 @dataclass
@@ -44,6 +44,10 @@ class BatchTerms:
             diagonal of C, for the diagonal TIC; ``structure="diag"`` only).
         rows: ``{parameter: (K', N, numel)}``, the per-sample gradients of the K' Fisher rows
             themselves, in the model's dtype (``structure="rows"`` only).
+        bias_factors: ``{bias: (weight, 1.0)}`` for a bias whose exact block is its weight's
+            ``G`` factor (:func:`add_bias`), which is then not formed twice; the multiplier
+            (1.0 here) becomes ``λ_weight/λ_bias`` when the terms are scaled by per-parameter
+            decays.
     """
 
     grad_norm_sq: float = 0.0
@@ -53,6 +57,7 @@ class BatchTerms:
     diagonal: dict[str, Tensor] = field(default_factory=dict)
     cov_diagonal: dict[str, Tensor] = field(default_factory=dict)
     rows: dict[str, Tensor] = field(default_factory=dict)
+    bias_factors: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,15 +87,19 @@ def add_rule(
 ) -> None:
     """Add the parameters of one layer rule from its calls' output gradients ``grads``: its
     linear maps' weights (:func:`add_weight`) and biases, or its own per-sample gradients."""
-    block = structure != "diag"  # a bias: per-sample gradients Σ_t s_t, an exact block
     if isinstance(rule, LocalRule) and rule.factored:
         maps = rule.linear_maps(grads)
         if maps is not None:
+            weights = {
+                rule.factored[attr][0]: name
+                for attr, name in rule.names.items()
+                if rule.factored[attr][1] != "bias"
+            }
             for attr, name in rule.names.items():
                 weight, kind = rule.factored[attr]
                 a, s = maps[weight]
                 if kind == "bias":
-                    add_explicit(terms, {name: s.sum(2)}, rows, curvature, structure, block=block)
+                    add_bias(terms, name, s, weights.get(weight), rows, curvature, structure)
                 else:
                     add_weight(terms, name, a, s, rows, curvature, structure)
             return
@@ -101,9 +110,34 @@ def add_rule(
     s = rule.output_gradients(grads)
     for attr, name in rule.names.items():
         if attr != "weight":
-            add_explicit(terms, {name: s.sum(2)}, rows, curvature, structure, block=block)
+            add_bias(terms, name, s, rule.names.get("weight"), rows, curvature, structure)
         else:
             add_weight(terms, name, a, s, rows, curvature, structure, rule)
+
+
+def add_bias(
+    terms: BatchTerms,
+    name: str,
+    s: Tensor,
+    weight: str | None,
+    rows: FisherRows,
+    curvature: bool,
+    structure: str,
+) -> None:
+    """Add the bias ``name`` of a linear map from its output gradients ``s`` (K, N, T, o):
+    per-sample gradients ``Σ_t s_t``, an exact block (a diagonal with ``structure="diag"``).
+
+    With one position per sample (T = 1) and the map's weight ``weight`` Kronecker-factored,
+    the bias's block ``Σ_i Σ_rows s sᵀ`` is exactly that weight's ``G`` factor: it is recorded
+    as such in :attr:`BatchTerms.bias_factors` instead of being formed (and eigendecomposed)
+    a second time — at a thousand classes two 1,000 × 1,000 matrices per measurement."""
+    same_as_factor = structure == "kfac" and curvature and weight is not None
+    if same_as_factor and s.shape[2] == 1:
+        add_explicit(terms, {name: s[:, :, 0]}, rows, False, structure)
+        terms.bias_factors[name] = (weight, 1.0)
+        return
+    block = structure != "diag"
+    add_explicit(terms, {name: s.sum(2)}, rows, curvature, structure, block=block)
 
 
 def add_weight(

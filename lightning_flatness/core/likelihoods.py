@@ -356,10 +356,12 @@ class CategoricalLikelihood(Likelihood):
 
     def scores(self, logits: Tensor, targets: Tensor) -> SampleScores:
         p = torch.softmax(logits.detach().to(torch.float64), dim=-1)
-        onehot = F.one_hot(targets, logits.shape[-1]).to(torch.float64)
+        # ‖onehot(y) − p‖² = 1 − 2 p_y + ‖p‖², without the (B, C) one-hot matrix
+        squares = p.square().sum(-1)
+        p_true = p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         return SampleScores(
-            error=float((onehot - p).square().sum()),
-            uncertainty=float((1.0 - p.square().sum(-1)).sum()),
+            error=float((1.0 - 2.0 * p_true + squares).sum()),
+            uncertainty=float((1.0 - squares).sum()),
             correct=float((logits.argmax(-1) == targets).sum()),
         )
 

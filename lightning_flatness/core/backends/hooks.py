@@ -113,7 +113,9 @@ class HookBackend(Backend):
             params = dict(self.model.model.named_parameters())
             self.num_parameters = sum(params[name].numel() for name in names)
             if self.structure == "kfac":
-                self.estimator = KFACFisher(order=names)
+                self.estimator = KFACFisher(
+                    order=names, precision=model_device_dtype(self.model)[1]
+                )
             elif self.structure in ("diag", "diag_mc"):
                 self.estimator = DiagonalFisher(names, sampled=self.structure == "diag_mc")
             try:
@@ -186,6 +188,8 @@ def _scale_terms(terms: BatchTerms, decay: ParameterDecay) -> None:
         terms.rows[name] = decay.scale_rows(name, rows)
     for name, (g, a) in terms.kronecker.items():
         terms.kronecker[name] = (g * decay.scale(name), a)
+    for name, (weight, multiplier) in terms.bias_factors.items():
+        terms.bias_factors[name] = (weight, multiplier * decay.scale(name) / decay.scale(weight))
     for table in (terms.blocks, terms.diagonal, terms.cov_diagonal):
         for name, value in table.items():
             table[name] = value * decay.scale(name)

@@ -92,6 +92,9 @@ class KroneckerPreconditioner:
         for name, block in kfac.blocks.items():
             values, vectors = torch.linalg.eigh(block / num_samples)
             self.parts[name] = ("block", values.clamp_min(0), vectors)
+        for name, (weight, multiplier) in kfac.bias_factors.items():  # multiplier × its G
+            _, g_values, g_vectors, *_ = self.parts[weight]
+            self.parts[name] = ("block", multiplier * g_values, g_vectors)
         for name, diagonal in kfac.diagonal.items():
             self.parts[name] = ("diag", (diagonal / num_samples).clamp_min(0))
         for name, (kind, *tensors) in self.parts.items():

@@ -9,13 +9,19 @@ by block (docs/math.md, "Kronecker factors from layer hooks"):
   2016, Eq. 22; for one position, T = 1, KFAC). Its eigenvalues are all products ``g_j a_k``
   (:func:`~lightning_flatness.core.spectral.kron_summary`): two small eigendecompositions per layer;
   an embedding's ``A`` is diagonal (token counts);
-- each bias of such a layer: its exact Fisher block ``(1/m) Σ_i Σ_rows b bᵀ``;
+- each bias of such a layer: its exact Fisher block ``(1/m) Σ_i Σ_rows b bᵀ`` — for a layer
+  applied once per sample (T = 1) the same matrix as its weight's ``G``, whose eigenvalues
+  are then used for both;
 - every other parameter (normalisation scales and shifts, attention projections, class tokens,
   positional embeddings, shared weights): its exact diagonal.
 
 The soft rank of this block-diagonal approximation is an upper bound on the soft rank of the
 exact blocks it replaces, and that of any block-diagonal part on the full Fisher (pinching,
 Prop. 6.1) — except for the Kronecker factorisation itself, which is an approximation.
+
+The sums are kept in float64; the eigenvalues are computed in float32 when the model is below
+float64 and :func:`~lightning_flatness.core.spectral.factorisation_dtype` says it is accurate
+enough (for ``G ⊗ A`` with the bound ``‖G ⊗ A‖ ≤ Tr(G)·‖A‖``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from lightning_flatness.core.curvature.base import CurvatureAccumulator, Curvatu
 from lightning_flatness.core.spectral import (
     SpectralSummary,
     clean_eigenvalues,
+    factorisation_dtype,
     kron_eigenvalues,
     kron_summary,
     psd_eigenvalues,
@@ -43,52 +50,98 @@ class KFACFisher(CurvatureAccumulator):
 
     Args:
         order: the parameters' order of the per-parameter blocks (default: as first added).
+        precision: the model's dtype (float32 eigendecompositions where accurate, module
+            docstring).
     """
 
     name = "kfac"
 
-    def __init__(self, order: list[str] | None = None) -> None:
+    def __init__(
+        self, order: list[str] | None = None, precision: torch.dtype = torch.float64
+    ) -> None:
         self.order = order
+        self.precision = precision
         self.kronecker: dict[str, list[Tensor]] = {}
         self.blocks: dict[str, Tensor] = {}
         self.diagonal: dict[str, Tensor] = {}
+        #: ``{bias: (weight, multiplier)}``: the bias's block is ``multiplier × G`` of
+        #: ``weight`` (:attr:`~lightning_flatness.core.batch_terms.BatchTerms.bias_factors`)
+        self.bias_factors: dict[str, tuple[str, float]] = {}
 
     def add(self, terms: BatchTerms) -> None:
         """Add one batch's sums."""
+        blocks, bias_factors = self._settle_bias_blocks(terms)
         for name, factors in terms.kronecker.items():
             if name in self.kronecker:
                 for total, term in zip(self.kronecker[name], factors, strict=True):
                     total += term
             else:
                 self.kronecker[name] = [factor.clone() for factor in factors]
-        for store, source in ((self.blocks, terms.blocks), (self.diagonal, terms.diagonal)):
+        for store, source in ((self.blocks, blocks), (self.diagonal, terms.diagonal)):
             for name, value in source.items():
                 if name in store:
                     store[name] += value
                 else:
                     store[name] = value.clone()
+        self.bias_factors.update(bias_factors)
+
+    def _settle_bias_blocks(
+        self, terms: BatchTerms
+    ) -> tuple[dict[str, Tensor], dict[str, tuple[str, float]]]:
+        """One batch's bias blocks and biases recorded as ``G`` factors, made consistent with
+        the sums so far: a bias seen both ways (a layer with one position in some batches
+        and more in others) keeps its own block from then on."""
+        blocks = dict(terms.blocks)
+        bias_factors = {}
+        for name, (weight, multiplier) in terms.bias_factors.items():
+            if name in self.blocks:
+                blocks[name] = multiplier * terms.kronecker[weight][0]
+            else:
+                bias_factors[name] = (weight, multiplier)
+        for name in blocks:
+            if name in self.bias_factors:
+                self.blocks[name] = self.block(name).clone()
+                del self.bias_factors[name]
+        return blocks, bias_factors
 
     def summable_states(self) -> list[Tensor]:
         """The running sums, in a fixed order, to be summed across processes in place."""
         states = [factor for factors in self.kronecker.values() for factor in factors]
         return states + list(self.blocks.values()) + list(self.diagonal.values())
 
-    def block_eigenvalues(self, num_samples: int) -> dict[str, list[Tensor]]:
+    def block(self, name: str) -> Tensor:
+        """The exact block of the bias ``name``, ``Σ_i Σ_rows b bᵀ`` (float64)."""
+        if name in self.blocks:
+            return self.blocks[name]
+        weight, multiplier = self.bias_factors[name]
+        return multiplier * self.kronecker[weight][0]
+
+    def block_eigenvalues(self, num_samples: int, lam: float) -> dict[str, list[Tensor]]:
         """Each block's factor eigenvalues of ``F = (1/m) Σ``: ``[g, a]`` for a Kronecker
-        block, ``[μ]`` for an exact or diagonal block."""
+        block, ``[μ]`` for an exact or diagonal block (in float32 where accurate at ``lam``,
+        module docstring)."""
         result: dict[str, list[Tensor]] = {}
         for name, (g, a) in self.kronecker.items():
             a_values = a / num_samples if a.dim() == 1 else psd_eigenvalues(a / num_samples)
-            result[name] = [psd_eigenvalues(g / num_samples), clean_eigenvalues(a_values)]
+            a_values = clean_eigenvalues(a_values)
+            a_max = float(a_values.max()) if a_values.numel() else 0.0
+            bound = float(g.diagonal().sum()) / num_samples * a_max  # ≥ ‖G ⊗ A‖
+            dtype = factorisation_dtype(bound, lam, self.precision)
+            result[name] = [psd_eigenvalues(g / num_samples, dtype), a_values]
         for name, block in self.blocks.items():
-            result[name] = [psd_eigenvalues(block / num_samples)]
+            dtype = factorisation_dtype(
+                float(block.diagonal().sum()) / num_samples, lam, self.precision
+            )
+            result[name] = [psd_eigenvalues(block / num_samples, dtype)]
+        for name, (weight, multiplier) in self.bias_factors.items():
+            result[name] = [multiplier * result[weight][0]]
         for name, diagonal in self.diagonal.items():
             result[name] = [clean_eigenvalues(diagonal / num_samples)]
         return result
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         """The spectral summary, with per-parameter blocks in :attr:`order`."""
-        eigen = self.block_eigenvalues(num_samples)
+        eigen = self.block_eigenvalues(num_samples, lam)
         order = self.order if self.order is not None else list(eigen)
         blocks: dict[str, SpectralSummary] = {}
         spectra = []
