@@ -12,7 +12,10 @@ __all__ = ["gram_product"]
 
 
 class _Gram(torch.autograd.Function):
-    """``R ↦ R Rᵀ`` with the one-product backward ``(G + Gᵀ) R`` (autograd would use two)."""
+    """``R ↦ R Rᵀ`` with the one-product backward ``(G + Gᵀ) R`` (autograd would use two).
+
+    Under autocast the product may come out in a lower precision than ``R`` (bfloat16 for
+    float32 rows); its gradient is cast back to ``R``'s dtype, as autograd's own matmul does."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, rows: Tensor) -> Tensor:
@@ -23,7 +26,7 @@ class _Gram(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> Tensor:
         (rows,) = ctx.saved_tensors
-        return (grad_output + grad_output.mT) @ rows
+        return (grad_output + grad_output.mT).to(rows.dtype) @ rows
 
 
 def gram_product(rows: Tensor) -> Tensor:
