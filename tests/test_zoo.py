@@ -177,7 +177,7 @@ def test_coverage_names_how_each_parameter_is_measured():
     )
     assert tied.coverage["shared.weight"] == "kronecker"  # two layers, three calls: positions
     assert tied.coverage["shared.bias"] == "exact block"
-    assert tied.coverage["head.weight"] == "diagonal (whole model)"  # also used outside its layer
+    assert tied.coverage["head.weight"] == "kronecker"  # also applied by F.linear outside
     assert tied.coverage["head.bias"] == "exact block"
 
 
@@ -478,18 +478,11 @@ def test_regularized_fit_trains_on_batchnorm_and_token_models(name, params, esti
     assert all(torch.isfinite(p).all() for p in regularized.parameters())
 
 
-#: weights of linear maps that are rightly not Kronecker-factored, and why
-NOT_KRONECKER = {
-    ("tied_mlp", "head.weight"): "also used outside its layer (F.linear)",
-    ("compiled", "head.weight"): "also used outside its layer (F.linear)",
-}
-
-
 @pytest.mark.parametrize("name", _models())
 def test_no_ordinary_weight_matrix_falls_back_to_a_diagonal(name):
     """Every linear map (``nn.Linear``, Hugging Face's transposed ``Conv1D``, convolutions,
-    embeddings) is measured as one, unless the model shares it in a way no layer rule can
-    split by sample (:data:`NOT_KRONECKER`)."""
+    embeddings) is measured as one — tied across layers, or also applied by ``F.linear``
+    outside its layer (the tied MLP's head, compiled or not) included."""
     model, inputs, targets = _model_and_data(name)
     report = measure(
         model, _batches(inputs, targets, 4), lam=LAM, num_train_samples=100, structure="kfac"
@@ -506,7 +499,6 @@ def test_no_ordinary_weight_matrix_falls_back_to_a_diagonal(name):
         for key in keys:
             if key not in report.coverage:  # a tied weight, reported under its first name
                 continue
-            expected = "diagonal" if (name, key) in NOT_KRONECKER else "kronecker"
-            assert report.coverage[key].startswith(expected), (key, report.coverage[key])
+            assert report.coverage[key] == "kronecker", (key, report.coverage[key])
             checked += 1
     assert checked >= 2

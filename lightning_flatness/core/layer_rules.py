@@ -60,6 +60,9 @@ class LayerCall:
     args: tuple
     kwargs: dict
     output: Tensor
+    #: the module's weight applied outside its forward without its bias
+    #: (:mod:`~lightning_flatness.core.outside_calls`): positions of the weight only
+    weight_only: bool = False
 
 
 @dataclass
@@ -197,6 +200,14 @@ class KroneckerRule(Rule):
             else:
                 pieces.append(_positions_first(grad, channel_dim=2))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+    def bias_output_gradients(self, grads: list[Tensor]) -> Tensor:
+        """``s`` (K, N, T, o) over the recorded calls that add the bias (every call but the
+        weight-only ones, :attr:`LayerCall.weight_only`)."""
+        if not any(call.weight_only for call in self.calls):
+            return self.output_gradients(grads)
+        own = [g for g, call in zip(grads, self.calls, strict=True) if not call.weight_only]
+        return self.output_gradients(own)
 
     def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
         raise NotImplementedError("Kronecker rules never materialise weight gradients.")

@@ -31,6 +31,9 @@ class Plan:
     fallback: tuple[str, ...]
     #: parameters of modules not followed through their linear maps (the check refused them)
     unfollowed: frozenset[str] = frozenset()
+    #: a layer's weight is also applied outside its forward
+    #: (:mod:`~lightning_flatness.core.outside_calls`), so those calls must be recorded
+    outside_calls: bool = False
 
 
 #: the plan of each measured model, by the user's module (dropped with it)
@@ -44,10 +47,15 @@ def _plan_key(model: LogitsModule) -> tuple:
 
 
 def remember_plan(
-    model: LogitsModule, rules: list[Rule], tapped: list[str], fallback: list[str]
+    model: LogitsModule,
+    rules: list[Rule],
+    tapped: list[str],
+    fallback: list[str],
+    outside_calls: bool = False,
 ) -> None:
     """Keep the checked assignment of ``model``: each rule's parameters with their samples'
-    dimension, the tapped and the fallback parameters."""
+    dimension, the tapped and the fallback parameters, and whether weights are also applied
+    outside their layers."""
     covered = {name: rule.batch_dim for rule in rules for name in rule.names.values()}
     unfollowed = frozenset(
         name
@@ -55,17 +63,17 @@ def remember_plan(
         if isinstance(rule, LocalRule) and rule.unfollowed
         for name in rule.names.values()
     )
-    plan = Plan(_plan_key(model), covered, tuple(tapped), tuple(fallback), unfollowed)
+    plan = Plan(
+        _plan_key(model), covered, tuple(tapped), tuple(fallback), unfollowed, outside_calls
+    )
     # a module that cannot be weakly referenced is simply checked again next time
     with suppress(TypeError):
         _PLANS[model.model] = plan
 
 
-def apply_plan(
-    model: LogitsModule, rules: list[Rule]
-) -> tuple[list[Rule], list[str], list[str]] | None:
-    """Reuse the model's remembered plan on freshly assigned ``rules``: ``(the rules that keep
-    parameters, tapped, fallback)``; None when there is none (or it is stale)."""
+def apply_plan(model: LogitsModule, rules: list[Rule]) -> Plan | None:
+    """Reuse the model's remembered plan on freshly assigned ``rules`` (trimmed to the
+    parameters it covers, in place); None when there is none (or it is stale)."""
     try:
         plan = _PLANS.get(model.model)
     except TypeError:  # a module that cannot be weakly referenced
@@ -79,4 +87,4 @@ def apply_plan(
             rule.batch_dim = plan.covered[name]
             if name in plan.unfollowed and isinstance(rule, LocalRule):
                 rule.unfollowed = True
-    return [rule for rule in rules if rule.names], list(plan.tapped), list(plan.fallback)
+    return plan

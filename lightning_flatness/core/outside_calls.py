@@ -1,0 +1,94 @@
+"""``F.linear`` calls that use an ``nn.Linear``'s weight outside that layer's own forward.
+
+A model may apply a layer's weight a second time through the functional call, e.g. a head
+whose weight also maps the features directly (``self.head(h) + F.linear(h, self.head.weight)``)
+or a classifier tied to an embedding-like ``nn.Linear``. Such a call is one more application of
+the same linear map to other inputs: sample i's gradient of the weight is
+``Σ_calls Σ_t s_t a_tᵀ`` over the layer's own calls and these, so the weight stays a Kronecker
+block whose calls are its positions (docs/math.md, "Kronecker factors from layer hooks"), as a
+weight tied across layers already is. Only the weight is shared: a call without the layer's
+bias is recorded as *weight-only* (:attr:`~lightning_flatness.core.layer_rules.LayerCall.
+weight_only`), and the bias's gradients come from the calls that add it.
+
+:class:`OutsideLinearCalls` is a ``TorchFunctionMode`` that sees every ``F.linear`` while the
+hooked forward pass runs, and records into the layer's rule the calls whose weight *is* a
+hooked layer's weight (the same tensor, not a view or a product of it) made while that layer's
+own forward is not running. The first batch's coverage check then decides, as for every rule,
+whether the weight's per-sample gradients are right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch import Tensor
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from lightning_flatness.core.layer_rules import KroneckerRule, LayerCall, Rule, is_linear
+
+__all__ = ["OutsideLinearCalls", "outside_linear_calls"]
+
+
+class OutsideLinearCalls(TorchFunctionMode):
+    """Records ``F.linear(x, layer.weight, b)`` made outside ``layer``'s forward into the
+    layer's :class:`KroneckerRule` (module docstring).
+
+    Args:
+        rules: the hooked pass's rules; those of an ``nn.Linear`` whose weight they cover are
+            followed.
+        detach: records the call's input detached (the measurement); the output stays in the
+            graph, and what the model computes downstream is a copy of it, as for a hooked
+            layer's output.
+    """
+
+    def __init__(self, rules: list[Rule], detach: bool = True) -> None:
+        super().__init__()
+        #: the followed weights (by ``id``) and the rules that cover them
+        self.owners: dict[int, KroneckerRule] = {}
+        for rule in rules:
+            module = rule.modules[0]
+            if isinstance(rule, KroneckerRule) and is_linear(module) and "weight" in rule.names:
+                self.owners[id(module.weight)] = rule
+        self.detach = detach
+        #: the followed layers whose own forward is running
+        self.running: set[int] = set()
+        #: the rules (by ``id``) that an outside call was recorded into
+        self.recorded_rules: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        if func is not F.linear or not isinstance(output, Tensor):
+            return output
+        weight = args[1] if len(args) > 1 else kwargs.get("weight")
+        rule = self.owners.get(id(weight))
+        if rule is None or any(id(layer) in self.running for layer in rule.modules):
+            return output
+        layer = rule.modules[0]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        inputs = args[0] if args else kwargs["input"]
+        recorded = inputs.detach() if self.detach else inputs
+        weight_only = layer.bias is None or bias is not layer.bias
+        rule.calls.append(LayerCall(layer, (recorded,), {}, output, weight_only=weight_only))
+        self.recorded_rules.add(id(rule))
+        return output.clone()
+
+
+@contextmanager
+def outside_linear_calls(rules: list[Rule]) -> Iterator[OutsideLinearCalls]:
+    """:class:`OutsideLinearCalls` active for the block, with the followed layers' own forward
+    passes marked while they run (forward pre- and post-hooks, removed on exit)."""
+    mode = OutsideLinearCalls(rules)
+    layers = {id(layer): layer for rule in mode.owners.values() for layer in rule.modules}
+    handles = []
+    for layer in layers.values():
+        handles.append(layer.register_forward_pre_hook(lambda m, _: mode.running.add(id(m))))
+        handles.append(layer.register_forward_hook(lambda m, _, __: mode.running.discard(id(m))))
+    try:
+        with mode:
+            yield mode
+    finally:
+        for handle in handles:
+            handle.remove()
