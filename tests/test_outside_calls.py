@@ -128,3 +128,27 @@ def test_the_recorder_is_kept_only_where_the_first_batch_found_outside_calls(mon
             values.append(report.soft_rank)
         assert counts == per_measurement
         assert values[0] == values[1]
+
+
+@pytest.mark.parametrize("use", ["weight", "layer"])
+@pytest.mark.parametrize("backend", ["layerwise", "rules"])
+@pytest.mark.parametrize("labels", ["sampled", "exact"])
+def test_the_regularizers_hooked_kernels_follow_an_outside_application(use, backend, labels):
+    """The batch kernel V_b V_bᵀ and its gradient from the hooked backends equal
+    ``torch.func``'s per-sample gradients on a head also applied outside its layer."""
+    from lightning_flatness.regularizer import fisher_gram
+
+    model = OutsideUse(use).to(torch.float64).eval()
+    inputs, _ = _data(6)
+    params = list(model.parameters())
+
+    def kernel_and_gradient(name: str):
+        generator = torch.Generator().manual_seed(3)
+        kernel = fisher_gram(model, inputs, labels=labels, generator=generator, backend=name)
+        return kernel.detach(), torch.autograd.grad(kernel.square().sum(), params)
+
+    expected, expected_grads = kernel_and_gradient("func")
+    kernel, grads = kernel_and_gradient(backend)
+    torch.testing.assert_close(kernel, expected, rtol=1e-9, atol=1e-12)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)

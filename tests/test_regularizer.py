@@ -88,6 +88,15 @@ class FunctionalReuse(nn.Module):
         return self.head(h)
 
 
+class MatmulReuse(FunctionalReuse):
+    """Uses ``fc.weight`` once through the module and once through a matrix product."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.fc(x.flatten(1)))
+        h = torch.tanh(h @ self.fc.weight.T)
+        return self.head(h)
+
+
 class IdleLayers(nn.Module):
     """An MLP with a Linear whose output is discarded and a Linear that is never called."""
 
@@ -637,7 +646,7 @@ def test_auto_falls_back_to_torch_func_outside_linear_and_conv():
 
 def test_parameter_used_outside_its_module_is_detected():
     torch.manual_seed(0)
-    model = FunctionalReuse().to(DTYPE)
+    model = MatmulReuse().to(DTYPE)
     inputs = torch.randn(5, 1, 7, 7, dtype=DTYPE)
     kwargs = {"lam": 1e-2, "num_train_samples": 20, "labels": "exact"}
     with pytest.raises(ValueError, match="outside its module"):
@@ -646,6 +655,21 @@ def test_parameter_used_outside_its_module_is_detected():
         auto = soft_rank_penalty(model, inputs, **kwargs)
     func = soft_rank_penalty(model, inputs, backend="func", **kwargs)
     assert float(auto) == pytest.approx(float(func), rel=1e-12)
+
+
+def test_a_weight_applied_by_f_linear_outside_its_module_is_followed():
+    """``F.linear(h, fc.weight)`` outside ``fc`` is more positions of ``fc``'s map: the hooked
+    backends follow it (no torch.func fallback) and agree with torch.func."""
+    torch.manual_seed(0)
+    model = FunctionalReuse().to(DTYPE)
+    inputs = torch.randn(5, 1, 7, 7, dtype=DTYPE)
+    kwargs = {"lam": 1e-2, "num_train_samples": 20, "labels": "exact"}
+    func = soft_rank_penalty(model, inputs, backend="func", **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "uses torch.func" fallback
+        for backend in ("layerwise", "rules", "auto"):
+            value = soft_rank_penalty(model, inputs, backend=backend, **kwargs)
+            assert float(value) == pytest.approx(float(func), rel=1e-10), backend
 
 
 @pytest.mark.parametrize("labels", ["exact", "sampled"])

@@ -289,8 +289,9 @@ def test_penalty_gradient_matches_finite_differences_on_the_zoo(name, one_thread
 def test_rule_rows_are_the_per_sample_gradients_of_torch_func(name, labels, one_thread):
     """The batch kernel from the measurement's layer rules (one batched backward with graph)
     equals the one from torch.func's per-sample gradients, in value and in gradient, on GPT-2's
-    data-dependent mask code, BatchNorm, attention and an LSTM; a weight also used outside its
-    layer (tied) or a sequence-first stack (the ViT's encoder) are refused, saying why."""
+    data-dependent mask code, BatchNorm, attention, an LSTM and a head weight also applied by
+    ``F.linear`` outside its layer (tied); a sequence-first stack (the ViT's encoder) is
+    refused, saying why."""
     from lightning_flatness.regularizer import fisher_gram
 
     model = original_module(build(name)).eval()
@@ -308,8 +309,8 @@ def test_rule_rows_are_the_per_sample_gradients_of_torch_func(name, labels, one_
             for g, p in zip(gradient, params, strict=True)
         ]
 
-    if name in ("tied_mlp", "vit"):
-        missing = "head.weight" if name == "tied_mlp" else "(first axis|mixes samples)"
+    if name == "vit":
+        missing = "(first axis|mixes samples)"
         with pytest.raises(ValueError, match=f"backend='rules' cannot handle.*{missing}"):
             kernel_and_gradient("rules")
         return

@@ -28,7 +28,17 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_flatness.core.layer_rules import KroneckerRule, LayerCall, Rule, is_linear
 
-__all__ = ["OutsideLinearCalls", "outside_linear_calls"]
+__all__ = ["OutsideLinearCalls", "followed_weights", "outside_linear_calls"]
+
+
+def followed_weights(rules: list[Rule]) -> dict[int, KroneckerRule]:
+    """The ``nn.Linear`` weights the rules cover (by ``id``), with their rule."""
+    owners = {}
+    for rule in rules:
+        module = rule.modules[0]
+        if isinstance(rule, KroneckerRule) and is_linear(module) and "weight" in rule.names:
+            owners[id(module.weight)] = rule
+    return owners
 
 
 class OutsideLinearCalls(TorchFunctionMode):
@@ -46,11 +56,7 @@ class OutsideLinearCalls(TorchFunctionMode):
     def __init__(self, rules: list[Rule], detach: bool = True) -> None:
         super().__init__()
         #: the followed weights (by ``id``) and the rules that cover them
-        self.owners: dict[int, KroneckerRule] = {}
-        for rule in rules:
-            module = rule.modules[0]
-            if isinstance(rule, KroneckerRule) and is_linear(module) and "weight" in rule.names:
-                self.owners[id(module.weight)] = rule
+        self.owners = followed_weights(rules)
         self.detach = detach
         #: the followed layers whose own forward is running
         self.running: set[int] = set()
@@ -77,10 +83,10 @@ class OutsideLinearCalls(TorchFunctionMode):
 
 
 @contextmanager
-def outside_linear_calls(rules: list[Rule]) -> Iterator[OutsideLinearCalls]:
+def outside_linear_calls(rules: list[Rule], detach: bool = True) -> Iterator[OutsideLinearCalls]:
     """:class:`OutsideLinearCalls` active for the block, with the followed layers' own forward
     passes marked while they run (forward pre- and post-hooks, removed on exit)."""
-    mode = OutsideLinearCalls(rules)
+    mode = OutsideLinearCalls(rules, detach=detach)
     layers = {id(layer): layer for rule in mode.owners.values() for layer in rule.modules}
     handles = []
     for layer in layers.values():

@@ -9,6 +9,7 @@ whole-model fallback; :func:`record_call` is what a forward hook does with a cal
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,6 +25,7 @@ from lightning_flatness.core.layer_rules import (
     is_transposed_linear,
 )
 from lightning_flatness.core.module_rules import AttentionRule, LocalRule, RecurrentRule
+from lightning_flatness.core.outside_calls import followed_weights, outside_linear_calls
 from lightning_flatness.core.recurrent import (
     joint_output,
     packed_joint,
@@ -215,10 +217,23 @@ def record_call(
     return (copy, *output[1:]) if isinstance(output, tuple) else copy
 
 
+#: per model, the sets of followed weights (by ``id``) whose first recorded forward applied
+#: none of them outside its layer
+_NO_OUTSIDE_CALLS: weakref.WeakKeyDictionary[nn.Module, set[frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 @contextmanager
-def recording(rules: list[Rule], batch: int, *, keep_graph: bool = False) -> Iterator[None]:
+def recording(
+    rules: list[Rule], batch: int, *, keep_graph: bool = False, model: nn.Module | None = None
+) -> Iterator[None]:
     """Forward hooks on the rules' modules that record each call (:func:`record_call`) into the
-    ``calls`` of every rule using the module, cleared first; removed when the block ends."""
+    ``calls`` of every rule using the module, cleared first; removed when the block ends.
+
+    With ``model``, ``F.linear`` calls that apply a hooked ``nn.Linear``'s weight outside its
+    layer are recorded too (:mod:`~lightning_flatness.core.outside_calls`) — in every forward
+    of a model whose first recorded forward had some, in none of one whose first had none."""
 
     def hook_for(owners: list[Rule]):
         def record(module: nn.Module, args: tuple, kwargs: dict, output: object):
@@ -236,7 +251,14 @@ def recording(rules: list[Rule], batch: int, *, keep_graph: bool = False) -> Ite
         for module, owners in by_module.values()
     ]
     try:
-        yield
+        key = frozenset(followed_weights(rules))
+        if model is None or not key or key in _NO_OUTSIDE_CALLS.get(model, ()):
+            yield
+        else:
+            with outside_linear_calls(rules, detach=not keep_graph) as outside:
+                yield
+            if not outside.recorded_rules:
+                _NO_OUTSIDE_CALLS.setdefault(model, set()).add(key)
     finally:
         for handle in handles:
             handle.remove()

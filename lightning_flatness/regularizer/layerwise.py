@@ -164,15 +164,18 @@ def layerwise_gram(
 
 def _layer_matrices(
     rules: list[KroneckerRule], deltas: list[Tensor]
-) -> list[tuple[Tensor, Tensor]]:
+) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Per rule, its patches ``A`` (B, T, k) and output gradients ``Δ`` (M, T, o) over all its
-    calls (``deltas``: (M, *output shape) per call, in the order of the calls); the per-sample
-    weight gradient of row m is ``Σ_t Δ_mt A_{i(m)t}ᵀ``."""
+    calls (``deltas``: (M, *output shape) per call, in the order of the calls), and ``Δ`` over
+    the calls that add the bias; the per-sample weight gradient of row m is
+    ``Σ_t Δ_mt A_{i(m)t}ᵀ``."""
     matrices, start = [], 0
     for rule in rules:
-        mine = deltas[start : start + len(rule.calls)]
+        mine = [d.unsqueeze(0) for d in deltas[start : start + len(rule.calls)]]
         start += len(rule.calls)
-        matrices.append((rule.patches(), rule.output_gradients([d.unsqueeze(0) for d in mine])[0]))
+        d = rule.output_gradients(mine)[0]
+        bias = rule.bias_output_gradients(mine)[0] if "bias" in rule.names else d
+        matrices.append((rule.patches(), d, bias))
     return matrices
 
 
@@ -191,7 +194,7 @@ def _assemble_gram(
     num_params = sum(
         (d.shape[-1] * a.shape[-1] if "weight" in rule.names else 0)
         + (d.shape[-1] if "bias" in rule.names else 0)
-        for rule, (a, d) in zip(rules, matrices, strict=True)
+        for rule, (a, d, _) in zip(rules, matrices, strict=True)
     )
 
     def expand_rows(a: Tensor) -> Tensor:
@@ -205,7 +208,7 @@ def _assemble_gram(
     materialize_all = side == "smaller" and num_params <= num_rows
     kernel: Tensor | None = None
     rows: list[Tensor] = []
-    for rule, (a, d) in zip(rules, matrices, strict=True):
+    for rule, (a, d, d_bias) in zip(rules, matrices, strict=True):
         positions, fan_in, fan_out = a.shape[1], a.shape[2], d.shape[2]
         if "weight" in rule.names:
             weight_scale = scales.get(rule.names["weight"], 1.0)
@@ -235,7 +238,7 @@ def _assemble_gram(
                 kernel = part if kernel is None else kernel + part
         if "bias" in rule.names:
             bias_scale = scales.get(rule.names["bias"], 1.0)
-            summed = d.sum(dim=1)
+            summed = d_bias.sum(dim=1)
             rows.append(summed * bias_scale**0.5 if bias_scale != 1.0 else summed)
     if materialize_all:
         flat = torch.cat(rows, dim=1)

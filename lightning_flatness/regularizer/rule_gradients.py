@@ -29,7 +29,7 @@ def hooked_logits(
 ) -> Tensor:
     """The logits of one forward (with ``replaced`` parameters, if any) that records every call
     of the rules' modules, inputs kept in the graph."""
-    with recording(rules, num_samples(leaves), keep_graph=True):
+    with recording(rules, num_samples(leaves), keep_graph=True, model=wrapped.model):
         return wrapped.call(replaced, leaves) if replaced else wrapped(*leaves)
 
 
@@ -69,8 +69,8 @@ def per_sample_rows(
             continue
         a, s = rule.patches()[samples], rule.output_gradients(mine)[:, samples]
         for attr, name in rule.names.items():
-            if attr != "weight":
-                found[name] = s.sum(2)
+            if attr != "weight":  # from the calls that add the bias
+                found[name] = rule.bias_output_gradients(mine)[:, samples].sum(2)
                 continue
             shape = rule.weight_shape
             rows = weight_rows(a, s, rule.is_embedding, shape)
