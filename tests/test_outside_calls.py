@@ -6,8 +6,12 @@ exact fallback when the weight is used some other way."""
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import pytest
 import torch
+import zoo
 from conftest import batches
 from torch import nn
 from torch.nn import functional as F
@@ -152,3 +156,29 @@ def test_the_regularizers_hooked_kernels_follow_an_outside_application(use, back
     torch.testing.assert_close(kernel, expected, rtol=1e-9, atol=1e-12)
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+
+
+def test_copies_of_a_compiled_model_are_regularized(one_thread):
+    """Inside compiled code the layers' hooks do not run, so no call may be taken for an outside
+    one: copies of a compiled model that has already run keep the penalty's fallback and train
+    (the second copy's recorded calls would otherwise come from the compiled graph, and the
+    penalty's double backward through it raises)."""
+    from lightning_flatness.regularizer import SoftRankPenalty
+
+    trained = torch.compile(zoo.TiedMLP(features=FEATURES, hidden=8, classes=CLASSES))
+    inputs = torch.randn(64, FEATURES, generator=torch.Generator().manual_seed(2))
+    targets = torch.arange(64) % CLASSES
+    F.cross_entropy(trained(inputs), targets).backward()  # compiled forward and backward
+    for _ in range(2):  # as a benchmark does: a fresh copy each time
+        model = copy.deepcopy(trained).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        penalty = SoftRankPenalty(lam=1e-2, num_train_samples=100)
+        for rows in torch.arange(64).split(16):
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(inputs[rows]), targets[rows])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "uses torch.func for this model"
+                loss = loss + penalty(model, inputs[rows])
+            loss.backward()
+            optimizer.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -224,6 +224,11 @@ _NO_OUTSIDE_CALLS: weakref.WeakKeyDictionary[nn.Module, set[frozenset[int]]] = (
 )
 
 
+def _compiles(model: nn.Module) -> bool:
+    """``model`` is, or contains, a ``torch.compile`` wrapper."""
+    return any(isinstance(getattr(m, "_orig_mod", None), nn.Module) for m in model.modules())
+
+
 @contextmanager
 def recording(
     rules: list[Rule], batch: int, *, keep_graph: bool = False, model: nn.Module | None = None
@@ -233,7 +238,8 @@ def recording(
 
     With ``model``, ``F.linear`` calls that apply a hooked ``nn.Linear``'s weight outside its
     layer are recorded too (:mod:`~lightning_flatness.core.outside_calls`) — in every forward
-    of a model whose first recorded forward had some, in none of one whose first had none."""
+    of a model whose first recorded forward had some, in none of one whose first had none (nor
+    in a compiled one)."""
 
     def hook_for(owners: list[Rule]):
         def record(module: nn.Module, args: tuple, kwargs: dict, output: object):
@@ -252,7 +258,12 @@ def recording(
     ]
     try:
         key = frozenset(followed_weights(rules))
-        if model is None or not key or key in _NO_OUTSIDE_CALLS.get(model, ()):
+        without = model is None or not key or key in _NO_OUTSIDE_CALLS.get(model, ())
+        if not without and _compiles(model):
+            # hooks do not run inside compiled code, so every call would look outside
+            _NO_OUTSIDE_CALLS.setdefault(model, set()).add(key)
+            without = True
+        if without:
             yield
         else:
             with outside_linear_calls(rules, detach=not keep_graph) as outside:
