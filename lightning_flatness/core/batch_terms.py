@@ -133,8 +133,8 @@ def add_bias(
 
     With one position per sample (T = 1) and the map's weight ``weight`` Kronecker-factored,
     the bias's block ``Σ_i Σ_rows s sᵀ`` is exactly that weight's ``G`` factor: it is recorded
-    as such in :attr:`BatchTerms.bias_factors` instead of being formed (and eigendecomposed)
-    a second time — at a thousand classes two 1,000 × 1,000 matrices per measurement."""
+    as such in :attr:`BatchTerms.bias_factors` instead of being formed per batch and
+    eigendecomposed a second time (at a thousand classes, a 1,000 × 1,000 matrix each)."""
     same_as_factor = structure == "kfac" and curvature and weight is not None
     if same_as_factor and s.shape[2] == 1:
         add_explicit(terms, {name: s[:, :, 0]}, rows, False, structure)

@@ -27,9 +27,9 @@ first batch and kept only for a model that has such calls). A parameter of shape
 that a module with children uses (a class token, a positional embedding) is *tapped*: the
 forward pass uses N stacked copies of it, and the gradient of copy i is sample i's. Whatever is
 left (a parameter used outside its module's ``forward`` some other way, shared by layers of
-different types) gets per-sample
-gradients from ``torch.func`` (``vmap`` of a vector-Jacobian product of the whole model,
-restricted to those parameters: the costly fallback, reported as "diagonal (whole model)").
+different types) gets per-sample gradients from ``torch.func`` (``vmap`` of a vector-Jacobian
+product of the whole model, restricted to those parameters: the costly fallback, reported as
+"diagonal (whole model)").
 
 Which parameters the rules and taps cover is decided once, on the first batch: with cotangents
 on single samples, each rule's per-sample gradients must sum to autograd's gradient and their
@@ -141,8 +141,8 @@ class HookedPass:
         self._batch = 0
         plan = apply_plan(model, self.rules)
         self._checked = plan is not None
-        #: record weights applied outside their layers (:mod:`...outside_calls`): on the
-        #: first batch, then only where it found such calls
+        #: record weights applied outside their layers (core.outside_calls): on the first
+        #: batch, then only where it found such calls
         self._outside_calls = True
         self._outside_rules: set[int] = set()
         if plan is not None:

@@ -1,8 +1,8 @@
 """``F.linear`` calls that use an ``nn.Linear``'s weight outside that layer's own forward.
 
 A model may apply a layer's weight a second time through the functional call, e.g. a head
-whose weight also maps the features directly (``self.head(h) + F.linear(h, self.head.weight)``)
-or a classifier tied to an embedding-like ``nn.Linear``. Such a call is one more application of
+whose weight also maps other features directly (``self.head(h) + F.linear(g, self.head.weight)``).
+Such a call is one more application of
 the same linear map to other inputs: sample i's gradient of the weight is
 ``Σ_calls Σ_t s_t a_tᵀ`` over the layer's own calls and these, so the weight stays a Kronecker
 block whose calls are its positions (docs/math.md, "Kronecker factors from layer hooks"), as a
@@ -19,7 +19,7 @@ whether the weight's per-sample gradients are right.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from torch import Tensor
@@ -63,7 +63,9 @@ class OutsideLinearCalls(TorchFunctionMode):
         #: the rules (by ``id``) that an outside call was recorded into
         self.recorded_rules: set[int] = set()
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         if func is not F.linear or not isinstance(output, Tensor):
