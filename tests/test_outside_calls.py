@@ -72,6 +72,16 @@ def test_an_outside_application_is_measured_exactly_by_the_hooks(use, batch_size
     diag = measure(model, data, lam=LAM, num_train_samples=100, structure="diag")
     diagonal = fisher.diagonal()
     assert diag.soft_rank == pytest.approx(float((diagonal / (diagonal + LAM)).sum()), rel=1e-9)
+    whole = measure(  # as many probe rows as classes: the exact rows, the whole Fisher
+        model,
+        data,
+        lam=LAM,
+        num_train_samples=100,
+        structure="probe_kernel",
+        kernel_options={"probes": CLASSES, "groups": 1},
+    )
+    expected = spectral.soft_rank(spectral.psd_eigenvalues(fisher), LAM)
+    assert whole.soft_rank == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.parametrize("use", ["weight", "layer"])
