@@ -22,8 +22,8 @@ matrices", "Kronecker factors from layer hooks"):
 inputs and output gradients into per-sample gradients (which rule covers what:
 :mod:`lightning_flatness.core.rule_assignment`); a weight tied across layers of one type is one
 Kronecker block whose calls are its positions, and so is an ``nn.Linear`` weight also applied
-by ``F.linear`` outside its layer (:mod:`lightning_flatness.core.outside_calls`, recorded on the
-first batch and kept only for a model that has such calls). A parameter of shape ``(1, ...)``
+by ``F.linear`` outside its layer (:mod:`lightning_flatness.core.outside_calls`: looked for on
+the first batch, and later only for a model that has such calls). A parameter of shape ``(1, ...)``
 that a module with children uses (a class token, a positional embedding) is *tapped*: the
 forward pass uses N stacked copies of it, and the gradient of copy i is sample i's. Whatever is
 left (a parameter used outside its module's ``forward`` some other way, shared by layers of
@@ -59,7 +59,7 @@ from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.layer_rules import KroneckerRule, Rule
 from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.module_rules import LocalRule
-from lightning_flatness.core.outside_calls import outside_linear_calls
+from lightning_flatness.core.outside_calls import outside_calls_where_found
 from lightning_flatness.core.remembered_plan import apply_plan, remember_plan
 from lightning_flatness.core.row_gradients import (
     output_gradients,
@@ -141,14 +141,9 @@ class HookedPass:
         self._batch = 0
         plan = apply_plan(model, self.rules)
         self._checked = plan is not None
-        #: record weights applied outside their layers (core.outside_calls): on the first
-        #: batch, then only where it found such calls
-        self._outside_calls = True
-        self._outside_rules: set[int] = set()
         if plan is not None:
             self.rules = [rule for rule in self.rules if rule.names]
             self.tapped, self.fallback = list(plan.tapped), list(plan.fallback)
-            self._outside_calls = plan.outside_calls
         by_module: dict[int, tuple[nn.Module, list[Rule]]] = {}
         for rule in self.rules:
             for module in rule.modules:
@@ -213,11 +208,7 @@ class HookedPass:
         self._features.clear()
         self._recording = True
         try:
-            if self._outside_calls:
-                with outside_linear_calls(self.rules) as outside:
-                    yield
-                self._outside_rules = outside.recorded_rules
-            else:
+            with outside_calls_where_found(self.rules, self.model.model):
                 yield
         finally:
             self._recording = False
@@ -293,8 +284,5 @@ class HookedPass:
         order = {name: i for i, name in enumerate(self.names)}
         self.tapped = verdict.tapped
         self.fallback = sorted(set(self.fallback) | verdict.fallback, key=order.__getitem__)
-        self._outside_calls = any(  # only if the check kept a weight that has them
-            id(rule) in self._outside_rules and "weight" in rule.names for rule in self.rules
-        )
         if logits.shape[0] > 1:  # one sample cannot tell a layer's samples' dimension
-            remember_plan(self.model, self.rules, self.tapped, self.fallback, self._outside_calls)
+            remember_plan(self.model, self.rules, self.tapped, self.fallback)

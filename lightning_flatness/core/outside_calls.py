@@ -15,20 +15,36 @@ hooked forward pass runs, and records into the layer's rule the calls whose weig
 hooked layer's weight (the same tensor, not a view or a product of it) made while that layer's
 own forward is not running. The first batch's coverage check then decides, as for every rule,
 whether the weight's per-sample gradients are right.
+
+:func:`outside_calls_where_found` is how both the measurement's hooked pass and the
+regularizer's recording use it: a model's first recorded forward (for a set of followed weights)
+looks for such calls, and a model where it found none is not intercepted again.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from lightning_flatness.core.layer_rules import KroneckerRule, LayerCall, Rule, is_linear
 
-__all__ = ["OutsideLinearCalls", "followed_weights", "outside_linear_calls"]
+__all__ = [
+    "OutsideLinearCalls",
+    "followed_weights",
+    "outside_calls_where_found",
+    "outside_linear_calls",
+]
+
+#: per model, the sets of followed weights (by ``id``) whose first recorded forward applied
+#: none of them outside its layer
+_NO_OUTSIDE_CALLS: weakref.WeakKeyDictionary[nn.Module, set[frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def followed_weights(rules: list[Rule]) -> dict[int, KroneckerRule]:
@@ -100,3 +116,30 @@ def outside_linear_calls(rules: list[Rule], detach: bool = True) -> Iterator[Out
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _compiles(model: nn.Module) -> bool:
+    """``model`` is, or contains, a ``torch.compile`` wrapper."""
+    return any(isinstance(getattr(m, "_orig_mod", None), nn.Module) for m in model.modules())
+
+
+@contextmanager
+def outside_calls_where_found(
+    rules: list[Rule], model: nn.Module, detach: bool = True
+) -> Iterator[None]:
+    """:func:`outside_linear_calls` for the block, unless ``model``'s first recorded forward
+    with these followed weights found none (then nothing is intercepted), or ``model`` is
+    compiled (its layers' hooks do not run inside compiled code, so every call would look
+    outside)."""
+    key = frozenset(followed_weights(rules))
+    if not key or key in _NO_OUTSIDE_CALLS.get(model, ()):
+        yield
+        return
+    if _compiles(model):
+        _NO_OUTSIDE_CALLS.setdefault(model, set()).add(key)
+        yield
+        return
+    with outside_linear_calls(rules, detach=detach) as outside:
+        yield
+    if not outside.recorded_rules:
+        _NO_OUTSIDE_CALLS.setdefault(model, set()).add(key)

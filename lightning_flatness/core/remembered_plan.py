@@ -31,9 +31,6 @@ class Plan:
     fallback: tuple[str, ...]
     #: parameters of modules not followed through their linear maps (the check refused them)
     unfollowed: frozenset[str] = frozenset()
-    #: a layer's weight is also applied outside its forward
-    #: (:mod:`~lightning_flatness.core.outside_calls`), so those calls must be recorded
-    outside_calls: bool = False
 
 
 #: the plan of each measured model, by the user's module (dropped with it)
@@ -47,15 +44,10 @@ def _plan_key(model: LogitsModule) -> tuple:
 
 
 def remember_plan(
-    model: LogitsModule,
-    rules: list[Rule],
-    tapped: list[str],
-    fallback: list[str],
-    outside_calls: bool = False,
+    model: LogitsModule, rules: list[Rule], tapped: list[str], fallback: list[str]
 ) -> None:
     """Keep the checked assignment of ``model``: each rule's parameters with their samples'
-    dimension, the tapped and the fallback parameters, and whether weights are also applied
-    outside their layers."""
+    dimension, the tapped and the fallback parameters."""
     covered = {name: rule.batch_dim for rule in rules for name in rule.names.values()}
     unfollowed = frozenset(
         name
@@ -63,9 +55,7 @@ def remember_plan(
         if isinstance(rule, LocalRule) and rule.unfollowed
         for name in rule.names.values()
     )
-    plan = Plan(
-        _plan_key(model), covered, tuple(tapped), tuple(fallback), unfollowed, outside_calls
-    )
+    plan = Plan(_plan_key(model), covered, tuple(tapped), tuple(fallback), unfollowed)
     # a module that cannot be weakly referenced is simply checked again next time
     with suppress(TypeError):
         _PLANS[model.model] = plan

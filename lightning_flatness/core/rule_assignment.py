@@ -9,7 +9,6 @@ whole-model fallback; :func:`record_call` is what a forward hook does with a cal
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,7 +24,7 @@ from lightning_flatness.core.layer_rules import (
     is_transposed_linear,
 )
 from lightning_flatness.core.module_rules import AttentionRule, LocalRule, RecurrentRule
-from lightning_flatness.core.outside_calls import followed_weights, outside_linear_calls
+from lightning_flatness.core.outside_calls import outside_calls_where_found
 from lightning_flatness.core.recurrent import (
     joint_output,
     packed_joint,
@@ -217,18 +216,6 @@ def record_call(
     return (copy, *output[1:]) if isinstance(output, tuple) else copy
 
 
-#: per model, the sets of followed weights (by ``id``) whose first recorded forward applied
-#: none of them outside its layer
-_NO_OUTSIDE_CALLS: weakref.WeakKeyDictionary[nn.Module, set[frozenset[int]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _compiles(model: nn.Module) -> bool:
-    """``model`` is, or contains, a ``torch.compile`` wrapper."""
-    return any(isinstance(getattr(m, "_orig_mod", None), nn.Module) for m in model.modules())
-
-
 @contextmanager
 def recording(
     rules: list[Rule], batch: int, *, keep_graph: bool = False, model: nn.Module | None = None
@@ -257,19 +244,11 @@ def recording(
         for module, owners in by_module.values()
     ]
     try:
-        key = frozenset(followed_weights(rules))
-        without = model is None or not key or key in _NO_OUTSIDE_CALLS.get(model, ())
-        if not without and _compiles(model):
-            # hooks do not run inside compiled code, so every call would look outside
-            _NO_OUTSIDE_CALLS.setdefault(model, set()).add(key)
-            without = True
-        if without:
+        if model is None:
             yield
         else:
-            with outside_linear_calls(rules, detach=not keep_graph) as outside:
+            with outside_calls_where_found(rules, model, detach=not keep_graph):
                 yield
-            if not outside.recorded_rules:
-                _NO_OUTSIDE_CALLS.setdefault(model, set()).add(key)
     finally:
         for handle in handles:
             handle.remove()
