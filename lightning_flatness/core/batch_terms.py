@@ -110,11 +110,10 @@ def add_rule(
     s = rule.output_gradients(grads)
     for attr, name in rule.names.items():
         if attr != "weight":
-            if any(call.weight_only for call in rule.calls):  # the weight has more positions
-                s_bias = rule.bias_output_gradients(grads)
-                add_bias(terms, name, s_bias, None, rows, curvature, structure)
-            else:
-                add_bias(terms, name, s, rule.names.get("weight"), rows, curvature, structure)
+            s_bias = rule.bias_output_gradients(grads, s)
+            # its block is the weight's G only where both have the same positions
+            weight = rule.names.get("weight") if s_bias is s else None
+            add_bias(terms, name, s_bias, weight, rows, curvature, structure)
         else:
             add_weight(terms, name, a, s, rows, curvature, structure, rule)
 

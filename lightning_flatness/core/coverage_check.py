@@ -160,7 +160,7 @@ def _rule_gradient_facts(
                     )
                     norms = float(weight_squared_norms(a, s, rule.is_embedding)[0])
                 else:
-                    per_sample = rule.bias_output_gradients(grads)[0].sum(1)
+                    per_sample = rule.bias_output_gradients(grads, s)[0].sum(1)
                     total, norms = per_sample.sum(0), float(per_sample.square().sum())
                 facts[name] = (total, norms)
         else:

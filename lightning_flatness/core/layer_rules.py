@@ -201,11 +201,12 @@ class KroneckerRule(Rule):
                 pieces.append(_positions_first(grad, channel_dim=2))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
 
-    def bias_output_gradients(self, grads: list[Tensor]) -> Tensor:
+    def bias_output_gradients(self, grads: list[Tensor], every_call: Tensor) -> Tensor:
         """``s`` (K, N, T, o) over the recorded calls that add the bias (every call but the
-        weight-only ones, :attr:`LayerCall.weight_only`)."""
+        weight-only ones, :attr:`LayerCall.weight_only`): ``every_call``, the
+        :meth:`output_gradients` of ``grads``, when every call adds it."""
         if not any(call.weight_only for call in self.calls):
-            return self.output_gradients(grads)
+            return every_call
         own = [g for g, call in zip(grads, self.calls, strict=True) if not call.weight_only]
         return self.output_gradients(own)
 

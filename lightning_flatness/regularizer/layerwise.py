@@ -173,9 +173,9 @@ def _layer_matrices(
     for rule in rules:
         mine = [d.unsqueeze(0) for d in deltas[start : start + len(rule.calls)]]
         start += len(rule.calls)
-        d = rule.output_gradients(mine)[0]
-        bias = rule.bias_output_gradients(mine)[0] if "bias" in rule.names else d
-        matrices.append((rule.patches(), d, bias))
+        every_call = rule.output_gradients(mine)
+        bias = rule.bias_output_gradients(mine, every_call) if "bias" in rule.names else every_call
+        matrices.append((rule.patches(), every_call[0], bias[0]))
     return matrices
 
 

@@ -67,10 +67,11 @@ def per_sample_rows(
             for name, value in rule.per_sample_gradients(mine).items():
                 found[name] = value[:, samples].flatten(2)
             continue
-        a, s = rule.patches()[samples], rule.output_gradients(mine)[:, samples]
+        every_call = rule.output_gradients(mine)
+        a, s = rule.patches()[samples], every_call[:, samples]
         for attr, name in rule.names.items():
             if attr != "weight":  # from the calls that add the bias
-                found[name] = rule.bias_output_gradients(mine)[:, samples].sum(2)
+                found[name] = rule.bias_output_gradients(mine, every_call)[:, samples].sum(2)
                 continue
             shape = rule.weight_shape
             rows = weight_rows(a, s, rule.is_embedding, shape)
