@@ -71,7 +71,8 @@ Backends (``backend=``), all exact and returning the same number:
   independently (which also defines ``V_i``). The layers are the measurement's Kronecker rules
   (the same hooks and patch unfolding); the first evaluation for a model checks one sample's
   rows against autograd, as for ``"rules"`` (a parameter also used outside its module's
-  forward, or a model that mixes samples, fails it).
+  forward other than as an ``nn.Linear`` weight applied by ``F.linear``, which is followed, or a
+  model that mixes samples, fails it).
 - ``"rules"``: the rows of ``V_b`` from the measurement's layer rules
   (:mod:`lightning_flatness.regularizer.rule_rows`): linear maps, Hugging Face's ``Conv1D``,
   convolutions, embeddings, normalisation layers, attention, recurrent layers (padded or

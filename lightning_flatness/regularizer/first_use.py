@@ -116,6 +116,7 @@ def first_use_error(
         if float((rows - truth.reshape(-1)).norm()) > tolerance * float(truth.norm()) + 1e-8:
             return LayerwiseIncomplete(
                 f"the hooked layers do not give sample-wise gradients of {name!r} (it is used "
-                "outside its module's forward, or the model mixes samples)."
+                "outside its module's forward other than by F.linear, or the model mixes "
+                "samples)."
             )
     return None
