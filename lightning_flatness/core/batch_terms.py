@@ -176,7 +176,8 @@ def add_weight(
         terms.cov_diagonal[name] = _f64(squares[0])
         terms.diagonal[name] = _f64(squares[1:].sum(0))
     else:
-        g, factor = kronecker_factors(a, s[rows.curvature], embedding, shape[0])
+        from_overlaps = rule.input_factor() if rule is not None else None
+        g, factor = kronecker_factors(a, s[rows.curvature], embedding, shape[0], from_overlaps)
         terms.kronecker[name] = (_f64(g), _f64(factor))
 
 

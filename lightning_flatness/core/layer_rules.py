@@ -24,6 +24,7 @@ Every rule works on tensors shaped ``(K, N, ...)``: K cotangents, N samples.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lightning_flatness.core.conv_input_factor import overlap_input_factor
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -117,6 +120,33 @@ def _conv_padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...]:
     return tuple(padding)
 
 
+#: multiply-adds that the per-shift operations of the overlap factor cost in fixed overhead
+OVERLAP_SHIFT_OVERHEAD = 10_000_000
+
+
+def _overlap_pays(call: LayerCall) -> bool:
+    """Whether a convolution call's input factor costs less from its input's shifted overlaps
+    (about ``(2k−1)²/2`` products of the C-channel input, plus a fixed cost per shift) than
+    from its unfolded patches (``N·T·(C·k²)²``); stride 1 only (module docstring of
+    :mod:`~lightning_flatness.core.conv_input_factor`)."""
+    module = call.module
+    if not isinstance(module, (nn.Conv1d, nn.Conv2d)) or any(s != 1 for s in module.stride):
+        return False
+    x = call.args[0]
+    samples, channels, positions = x.shape[0], x.shape[1], math.prod(x.shape[2:])
+    kernel = math.prod(module.kernel_size)
+    shifts = (math.prod(2 * k - 1 for k in module.kernel_size) + 1) // 2
+    outputs = math.prod(
+        size + 2 * pad - dil * (k - 1)
+        for size, pad, dil, k in zip(
+            x.shape[2:], _conv_padding(module), module.dilation, module.kernel_size, strict=True
+        )
+    )
+    unfolded = samples * outputs * (channels * kernel) ** 2
+    overlaps = shifts * (samples * positions * channels**2 + OVERLAP_SHIFT_OVERHEAD)
+    return overlaps < unfolded
+
+
 def is_transposed_linear(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D`` (GPT-2's attention and MLP projections): ``y = x W + b`` with
     ``W`` of shape (in, out) — a linear layer whose weight is stored transposed. Recognised by
@@ -189,6 +219,25 @@ class KroneckerRule(Rule):
             dilation, padding = module.dilation, _conv_padding(module)
         unfolded = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
         return unfolded.transpose(1, 2)
+
+    def input_factor(self) -> Tensor | None:
+        """KFC's ``A = Σ_i Σ_t a_it a_itᵀ`` over all recorded calls from the inputs' shifted
+        overlaps (:func:`~lightning_flatness.core.conv_input_factor.overlap_input_factor`),
+        when every call is a stride-1 convolution for which that costs less than the product
+        of the unfolded patches; else None (the patches' product is cheaper)."""
+        if not self.calls or not all(_overlap_pays(call) for call in self.calls):
+            return None
+        total = None
+        for call in self.calls:
+            module = call.module
+            x = call.args[0].movedim(self.batch_dim, 0)
+            kernel, dilation, padding = module.kernel_size, module.dilation, _conv_padding(module)
+            if isinstance(module, nn.Conv1d):
+                x = x.unsqueeze(-2)
+                kernel, dilation, padding = (1, *kernel), (1, *dilation), (0, *padding)
+            found = overlap_input_factor(x, kernel, dilation, padding)
+            total = found if total is None else total + found
+        return total
 
     def output_gradients(self, grads: list[Tensor]) -> Tensor:
         """``s`` (K, N, T, o) over all recorded calls."""
@@ -310,13 +359,16 @@ def weight_square_sums(a: Tensor, s: Tensor, embedding: bool, num_rows: int) -> 
 
 
 def kronecker_factors(
-    a: Tensor, s: Tensor, embedding: bool, num_rows: int
+    a: Tensor, s: Tensor, embedding: bool, num_rows: int, input_factor: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """KFC's sums over samples ``Σ_i Σ_t a aᵀ`` (an index count for embeddings) and
+    """KFC's sums over samples ``Σ_i Σ_t a aᵀ`` (an index count for embeddings; or
+    ``input_factor`` when it is given, :meth:`KroneckerRule.input_factor`) and
     ``Σ_i (1/T) Σ_k Σ_t s sᵀ`` for the Fisher cotangents ``s`` (K', N, T, o)."""
     t = s.shape[2]
     flat_s = s.reshape(-1, s.shape[-1])
     g = flat_s.T @ flat_s / t
+    if input_factor is not None:
+        return g, input_factor
     if embedding:
         flat_a = a.reshape(-1)
         counts = torch.bincount(flat_a[flat_a >= 0], minlength=num_rows)

@@ -1,0 +1,194 @@
+"""KFC's input factor ``A = Σ_i Σ_t a_it a_itᵀ`` of a stride-1 convolution without unfolding
+its input (docs/math.md, "Kronecker factors from layer hooks").
+
+The patch ``a_t`` of output position ``t`` holds the input at ``t + p`` for the kernel offsets
+``p``. The block of ``A`` at offsets ``(p, p')`` is therefore a sum of products of the input with
+itself shifted by ``δ = p' − p``,
+
+    A_{p,p'} = Σ_i Σ_{u ∈ R_{p,δ}} x_i[u] x_i[u + δ]ᵀ        (C × C),
+
+over the positions ``u`` of the image that output positions read at offset ``p`` while
+``u + δ`` is in the image too (the zero padding adds nothing). For one shift δ the regions of
+the offsets differ from the whole overlap ``O_δ`` of the image with its shifted copy only by a
+few rows and columns at its edges, so each block is the overlap's sum minus the sums over its
+excluded rows and columns plus those over the excluded corners (inclusion–exclusion). One
+matrix product of the C-channel input per shift, ``(2k−1)²/2`` of them counting ``A_{p',p} =
+A_{p,p'}ᵀ``, replaces the ``k⁴`` blocks of ``C·k²`` patch coordinates per position that the
+unfolded patches cost: a 3×3 convolution's factor takes about a sixth of the multiply-adds, and
+the unfolded copy of the input is not needed for it.
+
+Pure torch; no Lightning import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import product
+
+import torch
+from torch import Tensor
+
+__all__ = ["overlap_input_factor"]
+
+
+def _window(offset: int, shift: int, size: int, padding: int, out_size: int) -> range:
+    """The image positions ``u`` (one dimension) that output positions read at kernel offset
+    ``offset`` (already times the dilation) and whose shifted partner ``u + shift`` is in the
+    image: ``[offset − padding, offset − padding + out_size) ∩ [0, size) ∩ [−shift, size −
+    shift)``."""
+    start = max(offset - padding, 0, -shift)
+    stop = min(offset - padding + out_size, size, size - shift)
+    return range(start, max(start, stop))
+
+
+def _overlap(shift: int, size: int) -> range:
+    """All image positions ``u`` with ``u + shift`` in the image (one dimension)."""
+    return range(max(0, -shift), min(size, size - shift))
+
+
+@dataclass(frozen=True)
+class _Shift:
+    """One shift δ: the overlap's rows and columns, its edge rows and columns (relative to the
+    overlap), and for each pair of kernel offsets ``(p, p + δ)`` with a non-empty region its
+    flat offsets and which edges its region leaves out (0/1 rows of ``excluded_rows`` (P, E_r)
+    and ``excluded_cols`` (P, E_c))."""
+
+    shift: tuple[int, int]
+    rows: range
+    cols: range
+    edge_rows: tuple[int, ...]
+    edge_cols: tuple[int, ...]
+    first: tuple[int, ...]  # flat kernel offset p = i·kw + j of each pair
+    second: tuple[int, ...]  # flat kernel offset of p + δ
+    excluded_rows: tuple[tuple[int, ...], ...]
+    excluded_cols: tuple[tuple[int, ...], ...]
+
+
+@lru_cache(maxsize=256)
+def _plan(
+    sizes: tuple[int, int],
+    kernel_size: tuple[int, int],
+    dilation: tuple[int, int],
+    padding: tuple[int, int],
+) -> tuple[_Shift, ...]:
+    """The shifts δ ≥ 0 (lexicographically; ``A_{p',p} = A_{p,p'}ᵀ`` gives the others) that
+    have a pair of offsets with a non-empty region, for one input size and convolution."""
+    out = tuple(
+        size + 2 * pad - dil * (k - 1)
+        for size, pad, dil, k in zip(sizes, padding, dilation, kernel_size, strict=True)
+    )
+    kh, kw = kernel_size
+    shifts = []
+    for dh, dw in product(range(-(kh - 1), kh), range(-(kw - 1), kw)):
+        if (dh, dw) < (0, 0):
+            continue
+        shift = (dh * dilation[0], dw * dilation[1])
+        rows, cols = _overlap(shift[0], sizes[0]), _overlap(shift[1], sizes[1])
+        windows = {}
+        for i, j in product(range(kh), range(kw)):
+            if not (0 <= i + dh < kh and 0 <= j + dw < kw):
+                continue
+            window = tuple(
+                _window(index * dil, s, size, pad, o)
+                for index, dil, s, size, pad, o in zip(
+                    (i, j), dilation, shift, sizes, padding, out, strict=True
+                )
+            )
+            if window[0] and window[1]:
+                windows[(i, j)] = window
+        if not rows or not cols or not windows:
+            continue
+        edge_rows = sorted({r for w in windows.values() for r in rows if r not in w[0]})
+        edge_cols = sorted({c for w in windows.values() for c in cols if c not in w[1]})
+        shifts.append(
+            _Shift(
+                shift=shift,
+                rows=rows,
+                cols=cols,
+                edge_rows=tuple(r - rows.start for r in edge_rows),
+                edge_cols=tuple(c - cols.start for c in edge_cols),
+                first=tuple(i * kw + j for i, j in windows),
+                second=tuple((i + dh) * kw + j + dw for i, j in windows),
+                excluded_rows=tuple(
+                    tuple(int(r not in w[0]) for r in edge_rows) for w in windows.values()
+                ),
+                excluded_cols=tuple(
+                    tuple(int(c not in w[1]) for c in edge_cols) for w in windows.values()
+                ),
+            )
+        )
+    return tuple(shifts)
+
+
+def _products(first: Tensor, second: Tensor) -> Tensor:
+    """``Σ first secondᵀ`` over the last dimension: ``(..., C, C)`` from two ``(..., C, M)``."""
+    return first @ second.transpose(-1, -2)
+
+
+def overlap_input_factor(
+    x: Tensor,
+    kernel_size: tuple[int, int],
+    dilation: tuple[int, int],
+    padding: tuple[int, int],
+) -> Tensor:
+    """``Σ_i Σ_t a_it a_itᵀ`` of the patches ``F.unfold(x, kernel_size, dilation, padding,
+    stride=1)`` of ``x`` (N, C, H, W), without unfolding: (C·kh·kw, C·kh·kw) in ``F.unfold``'s
+    order of coordinates (channel, then kernel row, then kernel column). Module docstring for
+    the identity; exact up to rounding."""
+    channels = x.shape[1]
+    kh, kw = kernel_size
+    offsets = kh * kw
+    plan = _plan(tuple(x.shape[2:]), tuple(kernel_size), tuple(dilation), tuple(padding))
+    by_channel = x.transpose(0, 1).contiguous()  # (C, N, H, W)
+    blocks = x.new_zeros(offsets, offsets, channels, channels)
+    for step in plan:
+        rows, cols, (sh, sw) = step.rows, step.cols, step.shift
+        # the overlap (C, N, H', W') and its partner shifted by δ
+        first = by_channel[:, :, rows.start : rows.stop, cols.start : cols.stop]
+        second = by_channel[
+            :, :, rows.start + sh : rows.stop + sh, cols.start + sw : cols.stop + sw
+        ]
+        whole = _products(first.reshape(channels, -1), second.reshape(channels, -1))
+        found = whole.expand(len(step.first), channels, channels)
+        if step.edge_rows or step.edge_cols:
+            found = found - _edge_corrections(first, second, step)
+        p = torch.tensor(step.first, device=x.device)
+        q = torch.tensor(step.second, device=x.device)
+        blocks[p, q] = found
+        blocks[q, p] = found.transpose(-1, -2)
+    # (p, q, C, C') → (C, p, C', q): F.unfold's coordinate is channel-major
+    blocks = blocks.permute(2, 0, 3, 1).reshape(channels * offsets, channels * offsets)
+    return blocks
+
+
+def _edge_corrections(first: Tensor, second: Tensor, step: _Shift) -> Tensor:
+    """What each pair's region lacks of the whole overlap's sum (P, C, C): the sums over its
+    excluded edge rows and columns, less those over the excluded corners counted twice.
+    ``first`` and ``second`` are the overlap and its shifted partner (C, N, H', W')."""
+    dtype, device = first.dtype, first.device
+    rows = torch.tensor(step.edge_rows, dtype=torch.long, device=device)
+    cols = torch.tensor(step.edge_cols, dtype=torch.long, device=device)
+    pairs = len(step.first)
+    out_rows = torch.tensor(step.excluded_rows, dtype=dtype, device=device).reshape(pairs, -1)
+    out_cols = torch.tensor(step.excluded_cols, dtype=dtype, device=device).reshape(pairs, -1)
+    channels = first.shape[0]
+    total = first.new_zeros(pairs, channels * channels)
+
+    def along(dim: int, index: Tensor) -> Tensor:
+        # (C, N, ..., E, ...) → (E, C, rest) → (E, C·C)
+        a = first.index_select(dim, index).movedim(dim, 0).flatten(2)
+        b = second.index_select(dim, index).movedim(dim, 0).flatten(2)
+        return _products(a, b).flatten(1)
+
+    if len(rows):
+        total += out_rows @ along(2, rows)
+    if len(cols):
+        total += out_cols @ along(3, cols)
+    if len(rows) and len(cols):
+        a = first.index_select(2, rows).index_select(3, cols).permute(2, 3, 0, 1)
+        b = second.index_select(2, rows).index_select(3, cols).permute(2, 3, 0, 1)
+        corners = _products(a, b).reshape(len(rows) * len(cols), -1)  # (E_r·E_c, C·C)
+        both = (out_rows.unsqueeze(2) * out_cols.unsqueeze(1)).reshape(pairs, -1)
+        total -= both @ corners
+    return total.reshape(-1, channels, channels)
