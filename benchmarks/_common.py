@@ -43,6 +43,23 @@ __all__ = [
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
+def mid_cnn() -> nn.Module:
+    """Three convolutions, 32-64-64 channels, for 1×28×28 inputs (P = 61,514)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 3 * 3, 10),
+    )
+
+
 def set_threads(threads: int) -> None:
     """Use ``threads`` intra-op threads (1 is usually fastest for these tiny models)."""
     torch.set_num_threads(threads)

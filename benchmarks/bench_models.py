@@ -1,7 +1,8 @@
 """Measurement cost per sample ÷ training cost per sample, on the models users train.
 
-For the paper's MLP and CNN (on the bundled 7×7 MNIST) and every model of the test zoo at a
-realistic size (random inputs of the right kind; nothing is downloaded), one run times,
+For the paper's MLP and CNN (on the bundled 7×7 MNIST), a mid-size CNN (three 3×3 convolutions
+of 32, 64 and 64 channels on 1×28×28 inputs) and every model of the test zoo at a realistic size
+(random inputs of the right kind; nothing is downloaded), one run times,
 interleaved and repeated:
 
 - a training pass over m samples (train mode, forward, cross-entropy, backward, SGD step with
@@ -32,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from _common import markdown_table, median, mnist7, print_header, set_threads, timed
+from _common import markdown_table, median, mid_cnn, mnist7, print_header, set_threads, timed
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -79,6 +80,8 @@ def model_and_data(name: str, m: int) -> tuple[nn.Module, object, Tensor]:
     if name in ("mlp", "cnn"):
         x, y, _, _ = mnist7(train_size=max(m, 100), val_size=100)
         return build_model(name), x[:m], y[:m]
+    if name == "mid_cnn":
+        return mid_cnn(), _images(m, 28), labels
     if name == "functional_cnn":
         model = zoo.FunctionalCNN()
         model.conv1, model.conv2 = nn.Conv2d(1, 16, 3, padding=1), nn.Conv2d(16, 32, 3)
@@ -166,9 +169,8 @@ def _regularized_steps(model: nn.Module, batches: list) -> tuple[Callable, Calla
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--models", default="mlp,cnn,functional_cnn,resnet,transformer,vit,tied_mlp,compiled"
-    )
+    models = "mlp,cnn,mid_cnn,functional_cnn,resnet,transformer,vit,tied_mlp,compiled"
+    parser.add_argument("--models", default=models)
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)

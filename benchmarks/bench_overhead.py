@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from _common import markdown_table, median, mnist7, print_header, set_threads
+from _common import markdown_table, median, mid_cnn, mnist7, print_header, set_threads
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch import nn
 from torch.nn import functional as F
@@ -41,23 +41,6 @@ from lightning_flatness.lightning.log_options import LogOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import zoo  # the test zoo: its models and synthetic data
-
-
-def mid_cnn() -> nn.Module:
-    """Three convolutions, 32-64-64 channels, for 1×28×28 inputs (P = 61,514)."""
-    return nn.Sequential(
-        nn.Conv2d(1, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(64, 64, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(64 * 3 * 3, 10),
-    )
 
 
 class Classifier(LightningModule):
