@@ -7,6 +7,8 @@ interleaved and repeated:
 
 - a training pass over m samples (train mode, forward, cross-entropy, backward, SGD step with
   weight decay) at the measurement's batch size;
+- the Kronecker measurement's passes alone (an eval-mode forward and two backward passes to
+  the layers' outputs, no factor or norm work): the floor of the hooked pass with two rows;
 - ``measure()`` over the same m samples for the default structure ``kfac`` (layer hooks) with
   exact Fisher rows and exact Tr(F) (``measure()``'s defaults), with one sampled label per
   input for the factors and the trace, and with one Rademacher probe per input
@@ -44,6 +46,8 @@ from lightning_flatness.core.batches import call_model, read_logits
 from lightning_flatness.core.models import build_model
 
 LAM = 1e-3
+#: the column of :func:`_passes_only`
+PASSES_ONLY = "forward + 2 backward only"
 
 #: variant → (structure, measure() keyword arguments)
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -136,6 +140,43 @@ def _training_pass(model: nn.Module, batches: list) -> Callable[[], None]:
     return run
 
 
+def _passes_only(model: nn.Module, batches: list) -> Callable[[], None]:
+    """The hooked pass of the Kronecker measurement with two rows without any of its factor
+    or norm work: an eval-mode forward recording the output of every module that owns
+    parameters, and two backward passes (for the residual and the probe row) to those outputs
+    only (no weight gradients). What the measurement cannot go below."""
+    model = getattr(model, "_orig_mod", model)  # as measure(), the module a compile wraps
+    owners = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+
+    outputs: list[Tensor] = []
+
+    def record(module: nn.Module, args: tuple, output: object) -> None:
+        found = output if isinstance(output, Tensor) else output[0]
+        if found.requires_grad:
+            outputs.append(found)
+
+    def run() -> None:
+        model.eval()
+        for x, _ in batches:
+            outputs.clear()
+            handles = [m.register_forward_hook(record) for m in owners]
+            try:
+                logits = read_logits(call_model(model, x))
+            finally:
+                for handle in handles:
+                    handle.remove()
+            for row in range(2):
+                torch.autograd.grad(
+                    logits,
+                    outputs,
+                    torch.randn_like(logits),
+                    retain_graph=row == 0,
+                    allow_unused=True,
+                )
+
+    return run
+
+
 def _measurement(model: nn.Module, batches: list, variant: str) -> Callable[[], object]:
     structure, kwargs = VARIANTS[variant]
 
@@ -192,6 +233,7 @@ def main() -> None:
         tasks: dict[str, Callable] = {"train": _training_pass(model, batches)}
         if name == "compiled":
             tasks["train"]()  # compile once, outside the timings
+        tasks[PASSES_ONLY] = _passes_only(model, batches)
         for variant in variants:
             tasks[variant] = _measurement(model, batches, variant)
         if args.regularizer:
@@ -214,7 +256,7 @@ def main() -> None:
                 seconds.setdefault(task, []).append(elapsed)
         train = median(seconds["train"])
         row = [name, f"{train / args.samples * 1e3:.3f}"]
-        for variant in variants:
+        for variant in [PASSES_ONLY, *variants]:
             if variant in failures:
                 row.append(f"fails ({failures[variant]})")
             else:
@@ -227,7 +269,7 @@ def main() -> None:
                 row.append(f"{ratio:.2f}×")
         rows.append(row)
         print(" | ".join(row), flush=True)
-    header = ["model", "train ms/sample", *variants]
+    header = ["model", "train ms/sample", PASSES_ONLY, *variants]
     if args.regularizer:
         header.append("regularized ÷ plain step")
     print()
