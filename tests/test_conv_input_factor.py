@@ -1,5 +1,6 @@
 """A stride-1 convolution's input factor from its input's shifted overlaps: equal in float64 to
-the product of the unfolded patches, and ``kfac`` measures the same with it as without it."""
+the product of the unfolded patches, and ``kfac`` measures the same with it (and with the
+per-sample norms from grouped weight gradients that come with it) as without it."""
 
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ def _measured(model, data, overhead: int, monkeypatch) -> tuple[object, list]:
         return original(x, kernel, dilation, padding)
 
     monkeypatch.setattr(layer_rules, "overlap_input_factor", counted)
-    report = measure(model, data, lam=LAM, num_train_samples=100, structure="kfac")
+    report = measure(
+        model, data, lam=LAM, num_train_samples=100, structure="kfac", val_batches=data[:1]
+    )
     return report, taken
 
 
@@ -108,7 +111,9 @@ def test_kfac_measures_the_same_with_the_overlap_factor(batch_size, monkeypatch)
     for name, block in without.blocks.items():
         assert with_overlaps.blocks[name].soft_rank == pytest.approx(block.soft_rank, rel=1e-10)
         assert with_overlaps.blocks[name].trace == pytest.approx(block.trace, rel=1e-10)
-    assert with_overlaps.soft_rank == pytest.approx(without.soft_rank, rel=1e-10)
+    # the norms (Tr(F), Tr(C)) from grouped weight gradients, the others from the patches
+    for field in ("soft_rank", "trace_fisher", "trace_cov", "trace_fisher_val"):
+        assert getattr(with_overlaps, field) == pytest.approx(getattr(without, field), rel=1e-10)
 
 
 def test_a_strided_convolution_never_takes_the_overlap_path(monkeypatch):

@@ -106,8 +106,11 @@ def add_rule(
     if not isinstance(rule, KroneckerRule):
         add_explicit(terms, rule.per_sample_gradients(grads), rows, curvature, structure)
         return
-    a = rule.patches()
     s = rule.output_gradients(grads)
+    # a convolution whose input factor comes from overlaps and whose norms come from grouped
+    # weight gradients needs no unfolded patches
+    grouped = structure == "kfac" and rule.grouped_norms
+    a = None if grouped else rule.patches()
     for attr, name in rule.names.items():
         if attr != "weight":
             s_bias = rule.bias_output_gradients(grads, s)
@@ -115,7 +118,8 @@ def add_rule(
             weight = rule.names.get("weight") if s_bias is s else None
             add_bias(terms, name, s_bias, weight, rows, curvature, structure)
         else:
-            add_weight(terms, name, a, s, rows, curvature, structure, rule)
+            norms = rule.convolution_squared_norms(grads, rows.norms) if grouped else None
+            add_weight(terms, name, a, s, rows, curvature, structure, rule, norms)
 
 
 def add_bias(
@@ -146,19 +150,24 @@ def add_bias(
 def add_weight(
     terms: BatchTerms,
     name: str,
-    a: Tensor,
+    a: Tensor | None,
     s: Tensor,
     rows: FisherRows,
     curvature: bool,
     structure: str,
     rule: KroneckerRule | None = None,
+    norms: Tensor | None = None,
 ) -> None:
     """Add a linear map's weight from its patches ``a`` (N, T, d) and output gradients
     ``s`` (K, N, T, o): norms, traces, and its rows, diagonal or Kronecker factors. A
     :class:`KroneckerRule` gives the layout (an embedding, a weight stored (in, out));
-    without one the weight is (o, d)."""
+    without one the weight is (o, d). ``norms``, the per-sample gradients' squared norms of
+    the rows :attr:`FisherRows.norms` summed over samples, when they are known already (a
+    convolution's under ``kfac`` with its input factor from overlaps, which then has no
+    patches: ``a`` is None)."""
     embedding = rule is not None and rule.is_embedding
-    norms = weight_squared_norms(a, s[rows.norms], embedding)
+    if norms is None:
+        norms = weight_squared_norms(a, s[rows.norms], embedding)
     terms.grad_norm_sq += float(norms[0])
     terms.fisher_trace += float(norms[1:].sum())
     if not curvature:

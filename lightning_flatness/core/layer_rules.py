@@ -49,6 +49,7 @@ __all__ = [
     "weight_rows",
     "weight_square_sums",
     "weight_squared_norms",
+    "grouped_weight_gradients",
 ]
 
 #: numbers per vectorized chunk when per-sample gradients are materialised
@@ -220,12 +221,30 @@ class KroneckerRule(Rule):
         unfolded = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
         return unfolded.transpose(1, 2)
 
+    @property
+    def from_overlaps(self) -> bool:
+        """Every recorded call is a stride-1 convolution whose input factor costs less from
+        its input's shifted overlaps than from its unfolded patches (:func:`_overlap_pays`)."""
+        return bool(self.calls) and all(_overlap_pays(call) for call in self.calls)
+
+    @property
+    def grouped_norms(self) -> bool:
+        """The squared norms come from grouped weight gradients
+        (:meth:`convolution_squared_norms`): a convolution whose input factor comes from
+        overlaps (:attr:`from_overlaps`), so that it has no unfolded patches, where the explicit
+        per-sample gradients are the cheaper way (:func:`explicit_gradients_cheaper`)."""
+        if not self.from_overlaps:
+            return False
+        weight = self.parameters()["weight"]
+        positions = sum(math.prod(call.output.shape[2:]) for call in self.calls)
+        return explicit_gradients_cheaper(weight.shape[0], weight[0].numel(), positions)
+
     def input_factor(self) -> Tensor | None:
         """KFC's ``A = Σ_i Σ_t a_it a_itᵀ`` over all recorded calls from the inputs' shifted
         overlaps (:func:`~lightning_flatness.core.conv_input_factor.overlap_input_factor`),
         when every call is a stride-1 convolution for which that costs less than the product
         of the unfolded patches; else None (the patches' product is cheaper)."""
-        if not self.calls or not all(_overlap_pays(call) for call in self.calls):
+        if not self.from_overlaps:
             return None
         total = None
         for call in self.calls:
@@ -237,6 +256,47 @@ class KroneckerRule(Rule):
                 kernel, dilation, padding = (1, *kernel), (1, *dilation), (0, *padding)
             found = overlap_input_factor(x, kernel, dilation, padding)
             total = found if total is None else total + found
+        return total
+
+    def _convolution_geometry(self, call: LayerCall) -> tuple[Tensor, dict]:
+        """A convolution call's input as (N, C, H, W) and its 2-D keyword arguments (a
+        one-dimensional convolution as one row)."""
+        module = call.module
+        x = call.args[0].movedim(self.batch_dim, 0)
+        geometry = {
+            "kernel": tuple(module.kernel_size),
+            "stride": tuple(module.stride),
+            "dilation": tuple(module.dilation),
+            "padding": _conv_padding(module),
+        }
+        if isinstance(module, nn.Conv1d):
+            x = x.unsqueeze(-2)
+            geometry = {
+                key: (0 if key == "padding" else 1, *value) for key, value in geometry.items()
+            }
+        return x, geometry
+
+    def convolution_squared_norms(self, grads: list[Tensor], rows: list[int]) -> Tensor:
+        """``Σ_i ‖Σ_t s_kit a_itᵀ‖²`` for the cotangents ``rows`` (len(rows),) of a
+        convolution, from each sample's weight gradient computed as a convolution's weight
+        gradient with the samples as groups (:func:`grouped_weight_gradients`), summed over
+        the calls before squaring: no unfolded patches. ``grads`` are the calls' output
+        gradients (K, *output shape)."""
+        geometries = [self._convolution_geometry(call) for call in self.calls]
+        if rows != list(range(grads[0].shape[0])):
+            grads = [grad[rows] for grad in grads]
+        samples = geometries[0][0].shape[0]
+        per_sample = len(rows) * self.parameters()["weight"].numel()
+        total = grads[0].new_zeros(len(rows))
+        for chunk in sample_chunks(samples, max(1, CHUNK_ELEMENTS // per_sample)):
+            summed = None
+            for (x, geometry), grad in zip(geometries, grads, strict=True):
+                grad = grad.movedim(self.batch_dim + 1, 1)
+                if grad.dim() == 4:  # one-dimensional: (K, N, o, L) as one row
+                    grad = grad.unsqueeze(-2)
+                found = grouped_weight_gradients(x[chunk], grad[:, chunk], **geometry)
+                summed = found if summed is None else summed + found
+            total += summed.square().sum((0, 2))
         return total
 
     def output_gradients(self, grads: list[Tensor]) -> Tensor:
@@ -263,6 +323,35 @@ class KroneckerRule(Rule):
         raise NotImplementedError("Kronecker rules never materialise weight gradients.")
 
 
+def grouped_weight_gradients(
+    x: Tensor,
+    grad: Tensor,
+    *,
+    kernel: tuple[int, int],
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+    padding: tuple[int, int],
+) -> Tensor:
+    """Each sample's weight gradient of a 2-D convolution, (N, K, o·C·kh·kw), for the inputs
+    ``x`` (N, C, H, W) and the output gradients ``grad`` (K, N, o, Ho, Wo) of K cotangents:
+    one weight-gradient convolution with the N samples as groups (input (1, N·C, H, W),
+    output gradient (1, N·K·o, Ho, Wo)), the layer's own backward kernel."""
+    rows, samples, outputs = grad.shape[:3]
+    channels = x.shape[1]
+    inputs = x.reshape(1, samples * channels, *x.shape[2:])
+    by_sample = grad.transpose(0, 1).reshape(1, samples * rows * outputs, *grad.shape[3:])
+    found = torch.nn.grad.conv2d_weight(
+        inputs,
+        (samples * rows * outputs, channels, *kernel),
+        by_sample,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=samples,
+    )
+    return found.reshape(samples, rows, -1)
+
+
 def _per_sample_weight_gradients(a: Tensor, s: Tensor) -> Iterator[Tensor]:
     """``Σ_t s_kit a_itᵀ`` for chunks of samples: (chunk, K, o, d) each, one batched matrix
     product per chunk of at most :data:`CHUNK_ELEMENTS` numbers."""
@@ -271,6 +360,12 @@ def _per_sample_weight_gradients(a: Tensor, s: Tensor) -> Iterator[Tensor]:
     for rows in sample_chunks(n, max(1, CHUNK_ELEMENTS // (k * o * d))):
         s_rows = s[:, rows].permute(1, 0, 3, 2).reshape(-1, k * o, t)
         yield torch.bmm(s_rows, a[rows]).reshape(-1, k, o, d)
+
+
+def explicit_gradients_cheaper(outputs: int, inputs: int, positions: int) -> bool:
+    """Whether a per-sample gradient ``Σ_t s_t a_tᵀ`` (o·d numbers from T·o·d multiply-adds)
+    is cheaper to square than the position Gram matrices (T²·(o + d))."""
+    return outputs * inputs <= positions * (outputs + inputs)
 
 
 def weight_squared_norms(a: Tensor, s: Tensor, embedding: bool) -> Tensor:
@@ -289,7 +384,7 @@ def weight_squared_norms(a: Tensor, s: Tensor, embedding: bool) -> Tensor:
         return torch.einsum("kn,n->k", s.square().sum((-1, -2)), a.square().sum((-1, -2)))
     d = a.shape[-1]
     totals = s.new_zeros(k)
-    if o * d <= t * (o + d):
+    if explicit_gradients_cheaper(o, d, t):
         for grads in _per_sample_weight_gradients(a, s):
             totals += grads.square().sum((0, 2, 3))
     else:
