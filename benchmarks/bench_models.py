@@ -12,7 +12,9 @@ interleaved and repeated:
 - ``measure()`` over the same m samples for the default structure ``kfac`` (layer hooks) with
   exact Fisher rows and exact Tr(F) (``measure()``'s defaults), with one sampled label per
   input for the factors and the trace, and with one Rademacher probe per input
-  (``FlatnessMonitor``'s defaults), the exact diagonal
+  (``FlatnessMonitor``'s defaults), the same with every convolution's patches unfolded (no
+  input factor or norms from the input's shifted overlaps: the code before those), the exact
+  diagonal
   ``diag``, ``hutchinson``, and (``--lanczos``) ``lanczos`` at its default options;
 - with ``--regularizer``, one regularized step (``SoftRankPenalty`` added to the loss) ÷ one
   plain step.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import random
 import sys
 import warnings
@@ -42,10 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import zoo
 
 from lightning_flatness import measure
+from lightning_flatness.core import layer_rules
 from lightning_flatness.core.batches import call_model, read_logits
 from lightning_flatness.core.models import build_model
 
 LAM = 1e-3
+#: the monitor's default with every convolution unfolded (as before the overlap factor)
+UNFOLDED = "kfac probe, unfolded patches"
 #: the column of :func:`_passes_only`
 PASSES_ONLY = "forward + 2 backward only"
 
@@ -57,6 +63,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         {"kfac_mode": "sampled", "trace_estimator": "sampled"},
     ),
     "kfac probe (monitor default)": (
+        "kfac",
+        {"kfac_mode": "probe", "trace_estimator": "probe"},
+    ),
+    "kfac probe, unfolded patches": (
         "kfac",
         {"kfac_mode": "probe", "trace_estimator": "probe"},
     ),
@@ -179,11 +189,18 @@ def _passes_only(model: nn.Module, batches: list) -> Callable[[], None]:
 
 def _measurement(model: nn.Module, batches: list, variant: str) -> Callable[[], object]:
     structure, kwargs = VARIANTS[variant]
+    unfolded = variant == UNFOLDED
 
     def run() -> object:
-        return measure(
-            model, batches, lam=LAM, num_train_samples=10_000, structure=structure, **kwargs
-        )
+        kept = layer_rules.OVERLAP_SHIFT_OVERHEAD
+        if unfolded:  # no convolution's input factor or norms from overlaps
+            layer_rules.OVERLAP_SHIFT_OVERHEAD = math.inf
+        try:
+            return measure(
+                model, batches, lam=LAM, num_train_samples=10_000, structure=structure, **kwargs
+            )
+        finally:
+            layer_rules.OVERLAP_SHIFT_OVERHEAD = kept
 
     return run
 
