@@ -116,7 +116,7 @@ def test_kfac_measures_the_same_with_the_overlap_factor(batch_size, monkeypatch)
         assert getattr(with_overlaps, field) == pytest.approx(getattr(without, field), rel=1e-10)
 
 
-def test_a_strided_convolution_never_takes_the_overlap_path(monkeypatch):
+def test_strided_and_unbatched_convolutions_never_take_the_overlap_path(monkeypatch):
     monkeypatch.setattr(layer_rules, "OVERLAP_SHIFT_OVERHEAD", 0)
     conv = nn.Conv2d(4, 4, 3, stride=2)
     x = torch.randn(8, 4, 9, 9)
@@ -124,3 +124,5 @@ def test_a_strided_convolution_never_takes_the_overlap_path(monkeypatch):
     assert not layer_rules._overlap_pays(call)
     conv.stride = (1, 1)
     assert layer_rules._overlap_pays(call)
+    unbatched = layer_rules.LayerCall(conv, (x[0],), {}, conv(x[0]))
+    assert not layer_rules._overlap_pays(unbatched)

@@ -41,6 +41,8 @@ __all__ = [
     "LayerCall",
     "NormRule",
     "Rule",
+    "explicit_gradients_cheaper",
+    "grouped_weight_gradients",
     "is_linear",
     "is_transposed_linear",
     "kronecker_factors",
@@ -49,7 +51,6 @@ __all__ = [
     "weight_rows",
     "weight_square_sums",
     "weight_squared_norms",
-    "grouped_weight_gradients",
 ]
 
 #: numbers per vectorized chunk when per-sample gradients are materialised
@@ -134,6 +135,8 @@ def _overlap_pays(call: LayerCall) -> bool:
     if not isinstance(module, (nn.Conv1d, nn.Conv2d)) or any(s != 1 for s in module.stride):
         return False
     x = call.args[0]
+    if x.dim() != len(module.kernel_size) + 2:  # an unbatched call keeps the patches
+        return False
     samples, channels, positions = x.shape[0], x.shape[1], math.prod(x.shape[2:])
     kernel = math.prod(module.kernel_size)
     shifts = (math.prod(2 * k - 1 for k in module.kernel_size) + 1) // 2
@@ -248,13 +251,10 @@ class KroneckerRule(Rule):
             return None
         total = None
         for call in self.calls:
-            module = call.module
-            x = call.args[0].movedim(self.batch_dim, 0)
-            kernel, dilation, padding = module.kernel_size, module.dilation, _conv_padding(module)
-            if isinstance(module, nn.Conv1d):
-                x = x.unsqueeze(-2)
-                kernel, dilation, padding = (1, *kernel), (1, *dilation), (0, *padding)
-            found = overlap_input_factor(x, kernel, dilation, padding)
+            x, geometry = self._convolution_geometry(call)
+            found = overlap_input_factor(
+                x, geometry["kernel"], geometry["dilation"], geometry["padding"]
+            )
             total = found if total is None else total + found
         return total
 
@@ -454,7 +454,11 @@ def weight_square_sums(a: Tensor, s: Tensor, embedding: bool, num_rows: int) -> 
 
 
 def kronecker_factors(
-    a: Tensor, s: Tensor, embedding: bool, num_rows: int, input_factor: Tensor | None = None
+    a: Tensor | None,
+    s: Tensor,
+    embedding: bool,
+    num_rows: int,
+    input_factor: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """KFC's sums over samples ``Σ_i Σ_t a aᵀ`` (an index count for embeddings; or
     ``input_factor`` when it is given, :meth:`KroneckerRule.input_factor`) and
