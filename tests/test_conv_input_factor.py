@@ -126,3 +126,19 @@ def test_strided_and_unbatched_convolutions_never_take_the_overlap_path(monkeypa
     assert layer_rules._overlap_pays(call)
     unbatched = layer_rules.LayerCall(conv, (x[0],), {}, conv(x[0]))
     assert not layer_rules._overlap_pays(unbatched)
+
+
+@pytest.mark.parametrize(
+    ("channels", "size", "padding", "pays"),
+    [
+        (32, 14, 1, True),  # a mid-size CNN's second layer: the overlaps, by far
+        (24, 16, 1, True),  # the zoo ResNet's blocks at a realistic width
+        (15, 5, 0, False),  # the paper's CNN: the unfolded patches are cheaper
+        (1, 28, 1, False),  # a first layer on one channel
+    ],
+)
+def test_the_default_cost_rule_takes_the_overlaps_where_they_pay(channels, size, padding, pays):
+    conv = nn.Conv2d(channels, channels, 3, padding=padding)
+    x = torch.randn(64, channels, size, size)
+    call = layer_rules.LayerCall(conv, (x,), {}, conv(x))
+    assert layer_rules._overlap_pays(call) is pays
