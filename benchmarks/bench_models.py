@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import zoo
 
 from lightning_flatness import measure
-from lightning_flatness.core import layer_rules
+from lightning_flatness.core import convolution_terms
 from lightning_flatness.core.batches import call_model, read_logits
 from lightning_flatness.core.models import build_model
 
@@ -192,15 +192,15 @@ def _measurement(model: nn.Module, batches: list, variant: str) -> Callable[[], 
     unfolded = variant == UNFOLDED
 
     def run() -> object:
-        kept = layer_rules.OVERLAP_SHIFT_OVERHEAD
+        kept = convolution_terms.OVERLAP_SHIFT_OVERHEAD
         if unfolded:  # no convolution's input factor or norms from overlaps
-            layer_rules.OVERLAP_SHIFT_OVERHEAD = math.inf
+            convolution_terms.OVERLAP_SHIFT_OVERHEAD = math.inf
         try:
             return measure(
                 model, batches, lam=LAM, num_train_samples=10_000, structure=structure, **kwargs
             )
         finally:
-            layer_rules.OVERLAP_SHIFT_OVERHEAD = kept
+            convolution_terms.OVERLAP_SHIFT_OVERHEAD = kept
 
     return run
 

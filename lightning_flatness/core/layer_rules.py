@@ -33,7 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_flatness.core.conv_input_factor import overlap_input_factor
+from lightning_flatness.core.convolution_terms import (
+    grouped_weight_gradients,
+    overlap_input_factor,
+    overlap_pays,
+)
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -42,7 +46,6 @@ __all__ = [
     "NormRule",
     "Rule",
     "explicit_gradients_cheaper",
-    "grouped_weight_gradients",
     "is_linear",
     "is_transposed_linear",
     "kronecker_factors",
@@ -122,33 +125,17 @@ def _conv_padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...]:
     return tuple(padding)
 
 
-#: multiply-adds that the per-shift operations of the overlap factor cost in fixed overhead
-OVERLAP_SHIFT_OVERHEAD = 10_000_000
-
-
 def _overlap_pays(call: LayerCall) -> bool:
-    """Whether a convolution call's input factor costs less from its input's shifted overlaps
-    (about ``(2k−1)²/2`` products of the C-channel input, plus a fixed cost per shift) than
-    from its unfolded patches (``N·T·(C·k²)²``); stride 1 only (module docstring of
-    :mod:`~lightning_flatness.core.conv_input_factor`)."""
+    """Whether a convolution call's input factor comes from its input's shifted overlaps:
+    a batched stride-1 convolution for which that costs less than the unfolded patches
+    (:func:`~lightning_flatness.core.convolution_terms.overlap_pays`)."""
     module = call.module
     if not isinstance(module, (nn.Conv1d, nn.Conv2d)) or any(s != 1 for s in module.stride):
         return False
     x = call.args[0]
     if x.dim() != len(module.kernel_size) + 2:  # an unbatched call keeps the patches
         return False
-    samples, channels, positions = x.shape[0], x.shape[1], math.prod(x.shape[2:])
-    kernel = math.prod(module.kernel_size)
-    shifts = (math.prod(2 * k - 1 for k in module.kernel_size) + 1) // 2
-    outputs = math.prod(
-        size + 2 * pad - dil * (k - 1)
-        for size, pad, dil, k in zip(
-            x.shape[2:], _conv_padding(module), module.dilation, module.kernel_size, strict=True
-        )
-    )
-    unfolded = samples * outputs * (channels * kernel) ** 2
-    overlaps = shifts * (samples * positions * channels**2 + OVERLAP_SHIFT_OVERHEAD)
-    return overlaps < unfolded
+    return overlap_pays(x, tuple(module.kernel_size), tuple(module.dilation), _conv_padding(module))
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -244,7 +231,7 @@ class KroneckerRule(Rule):
 
     def input_factor(self) -> Tensor | None:
         """KFC's ``A = Σ_i Σ_t a_it a_itᵀ`` over all recorded calls from the inputs' shifted
-        overlaps (:func:`~lightning_flatness.core.conv_input_factor.overlap_input_factor`),
+        overlaps (:func:`~lightning_flatness.core.convolution_terms.overlap_input_factor`),
         when every call is a stride-1 convolution for which that costs less than the product
         of the unfolded patches; else None (the patches' product is cheaper)."""
         if not self.from_overlaps:
@@ -279,7 +266,8 @@ class KroneckerRule(Rule):
     def convolution_squared_norms(self, grads: list[Tensor], rows: list[int]) -> Tensor:
         """``Σ_i ‖Σ_t s_kit a_itᵀ‖²`` for the cotangents ``rows`` (len(rows),) of a
         convolution, from each sample's weight gradient computed as a convolution's weight
-        gradient with the samples as groups (:func:`grouped_weight_gradients`), summed over
+        gradient with the samples as groups
+        (:func:`~lightning_flatness.core.convolution_terms.grouped_weight_gradients`), summed over
         the calls before squaring: no unfolded patches. ``grads`` are the calls' output
         gradients (K, *output shape)."""
         geometries = [self._convolution_geometry(call) for call in self.calls]
@@ -321,35 +309,6 @@ class KroneckerRule(Rule):
 
     def per_sample_gradients(self, grads: list[Tensor]) -> dict[str, Tensor]:
         raise NotImplementedError("Kronecker rules never materialise weight gradients.")
-
-
-def grouped_weight_gradients(
-    x: Tensor,
-    grad: Tensor,
-    *,
-    kernel: tuple[int, int],
-    stride: tuple[int, int],
-    dilation: tuple[int, int],
-    padding: tuple[int, int],
-) -> Tensor:
-    """Each sample's weight gradient of a 2-D convolution, (N, K, o·C·kh·kw), for the inputs
-    ``x`` (N, C, H, W) and the output gradients ``grad`` (K, N, o, Ho, Wo) of K cotangents:
-    one weight-gradient convolution with the N samples as groups (input (1, N·C, H, W),
-    output gradient (1, N·K·o, Ho, Wo)), the layer's own backward kernel."""
-    rows, samples, outputs = grad.shape[:3]
-    channels = x.shape[1]
-    inputs = x.reshape(1, samples * channels, *x.shape[2:])
-    by_sample = grad.transpose(0, 1).reshape(1, samples * rows * outputs, *grad.shape[3:])
-    found = torch.nn.grad.conv2d_weight(
-        inputs,
-        (samples * rows * outputs, channels, *kernel),
-        by_sample,
-        stride=stride,
-        padding=padding,
-        dilation=dilation,
-        groups=samples,
-    )
-    return found.reshape(samples, rows, -1)
 
 
 def _per_sample_weight_gradients(a: Tensor, s: Tensor) -> Iterator[Tensor]:

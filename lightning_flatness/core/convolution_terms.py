@@ -1,5 +1,9 @@
-"""KFC's input factor ``A = Σ_i Σ_t a_it a_itᵀ`` of a stride-1 convolution without unfolding
-its input (docs/math.md, "Kronecker factors from layer hooks").
+"""A convolution's terms of the hooked pass without unfolding its input (docs/math.md,
+"Kronecker factors from layer hooks"): KFC's input factor ``A = Σ_i Σ_t a_it a_itᵀ`` of a
+stride-1 convolution from its input's shifted overlaps (:func:`overlap_input_factor`, where
+:func:`overlap_pays`), and every sample's weight gradient from the layer's own weight-gradient
+convolution with the samples as groups (:func:`grouped_weight_gradients`, for the per-sample
+norms).
 
 The patch ``a_t`` of output position ``t`` holds the input at ``t + p`` for the kernel offsets
 ``p``. The block of ``A`` at offsets ``(p, p')`` is therefore a sum of products of the input with
@@ -22,6 +26,7 @@ Pure torch; no Lightning import.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import product
@@ -29,7 +34,38 @@ from itertools import product
 import torch
 from torch import Tensor
 
-__all__ = ["overlap_input_factor"]
+__all__ = [
+    "OVERLAP_SHIFT_OVERHEAD",
+    "grouped_weight_gradients",
+    "overlap_input_factor",
+    "overlap_pays",
+]
+
+#: multiply-adds that the per-shift operations of the overlap factor cost in fixed overhead
+#: (their Python and copies, measured against the unfolded product on one CPU thread)
+OVERLAP_SHIFT_OVERHEAD = 10_000_000
+
+
+def overlap_pays(
+    x: Tensor,
+    kernel_size: tuple[int, ...],
+    dilation: tuple[int, ...],
+    padding: tuple[int, ...],
+) -> bool:
+    """Whether a stride-1 convolution's input factor for the batch ``x`` (N, C, *spatial)
+    costs less from its shifted overlaps (about ``(2k−1)²/2`` products of the C-channel input,
+    plus :data:`OVERLAP_SHIFT_OVERHEAD` per shift) than from its unfolded patches
+    (``N·T·(C·k²)²`` multiply-adds)."""
+    samples, channels, positions = x.shape[0], x.shape[1], math.prod(x.shape[2:])
+    kernel = math.prod(kernel_size)
+    shifts = (math.prod(2 * k - 1 for k in kernel_size) + 1) // 2
+    outputs = math.prod(
+        size + 2 * pad - dil * (k - 1)
+        for size, pad, dil, k in zip(x.shape[2:], padding, dilation, kernel_size, strict=True)
+    )
+    unfolded = samples * outputs * (channels * kernel) ** 2
+    overlaps = shifts * (samples * positions * channels**2 + OVERLAP_SHIFT_OVERHEAD)
+    return overlaps < unfolded
 
 
 def _window(offset: int, shift: int, size: int, padding: int, out_size: int) -> range:
@@ -192,3 +228,32 @@ def _edge_corrections(first: Tensor, second: Tensor, step: _Shift) -> Tensor:
         both = (out_rows.unsqueeze(2) * out_cols.unsqueeze(1)).reshape(pairs, -1)
         total -= both @ corners
     return total.reshape(-1, channels, channels)
+
+
+def grouped_weight_gradients(
+    x: Tensor,
+    grad: Tensor,
+    *,
+    kernel: tuple[int, int],
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+    padding: tuple[int, int],
+) -> Tensor:
+    """Each sample's weight gradient of a 2-D convolution, (N, K, o·C·kh·kw), for the inputs
+    ``x`` (N, C, H, W) and the output gradients ``grad`` (K, N, o, Ho, Wo) of K cotangents:
+    one weight-gradient convolution with the N samples as groups (input (1, N·C, H, W),
+    output gradient (1, N·K·o, Ho, Wo)), the layer's own backward kernel."""
+    rows, samples, outputs = grad.shape[:3]
+    channels = x.shape[1]
+    inputs = x.reshape(1, samples * channels, *x.shape[2:])
+    by_sample = grad.transpose(0, 1).reshape(1, samples * rows * outputs, *grad.shape[3:])
+    found = torch.nn.grad.conv2d_weight(
+        inputs,
+        (samples * rows * outputs, channels, *kernel),
+        by_sample,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=samples,
+    )
+    return found.reshape(samples, rows, -1)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_flatness.core import layer_rules
-from lightning_flatness.core.conv_input_factor import overlap_input_factor
+from lightning_flatness.core import convolution_terms, layer_rules
+from lightning_flatness.core.convolution_terms import overlap_input_factor
 from lightning_flatness.core.measure import measure
 
 LAM = 1e-3
@@ -72,7 +72,7 @@ class Convolutions(nn.Module):
 
 
 def _measured(model, data, overhead: int, monkeypatch) -> tuple[object, list]:
-    monkeypatch.setattr(layer_rules, "OVERLAP_SHIFT_OVERHEAD", overhead)
+    monkeypatch.setattr(convolution_terms, "OVERLAP_SHIFT_OVERHEAD", overhead)
     taken = []
     original = layer_rules.overlap_input_factor
 
@@ -117,7 +117,7 @@ def test_kfac_measures_the_same_with_the_overlap_factor(batch_size, monkeypatch)
 
 
 def test_strided_and_unbatched_convolutions_never_take_the_overlap_path(monkeypatch):
-    monkeypatch.setattr(layer_rules, "OVERLAP_SHIFT_OVERHEAD", 0)
+    monkeypatch.setattr(convolution_terms, "OVERLAP_SHIFT_OVERHEAD", 0)
     conv = nn.Conv2d(4, 4, 3, stride=2)
     x = torch.randn(8, 4, 9, 9)
     call = layer_rules.LayerCall(conv, (x,), {}, conv(x))
