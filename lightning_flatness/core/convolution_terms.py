@@ -17,9 +17,9 @@ the offsets differ from the whole overlap ``O_δ`` of the image with its shifted
 few rows and columns at its edges, so each block is the overlap's sum minus the sums over its
 excluded rows and columns plus those over the excluded corners (inclusion–exclusion). One
 matrix product of the C-channel input per shift, ``(2k−1)²/2`` of them counting ``A_{p',p} =
-A_{p,p'}ᵀ``, replaces the ``k⁴`` blocks of ``C·k²`` patch coordinates per position that the
-unfolded patches cost: a 3×3 convolution's factor takes about a sixth of the multiply-adds, and
-the unfolded copy of the input is not needed for it.
+A_{p,p'}ᵀ``, replaces the ``(C·k²)²`` products per output position (``k⁴`` blocks of C × C)
+that the unfolded patches cost: a 3×3 convolution's factor takes about a sixth of the
+multiply-adds, and the unfolded copy of the input is not needed for it.
 
 Pure torch; no Lightning import.
 """
