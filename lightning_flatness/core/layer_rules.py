@@ -125,6 +125,23 @@ def _conv_padding(module: nn.Conv1d | nn.Conv2d) -> tuple[int, ...]:
     return tuple(padding)
 
 
+def _two_dimensional(
+    module: nn.Conv1d | nn.Conv2d, x: Tensor
+) -> tuple[Tensor, dict[str, tuple[int, int]]]:
+    """A convolution's batch ``x`` (samples first) as (N, C, H, W) and its kernel, stride,
+    dilation and padding as 2-D tuples: a one-dimensional convolution as one row."""
+    geometry = {
+        "kernel": tuple(module.kernel_size),
+        "stride": tuple(module.stride),
+        "dilation": tuple(module.dilation),
+        "padding": _conv_padding(module),
+    }
+    if isinstance(module, nn.Conv1d):
+        x = x.unsqueeze(-2)
+        geometry = {key: (0 if key == "padding" else 1, *value) for key, value in geometry.items()}
+    return x, geometry
+
+
 def _overlap_pays(call: LayerCall) -> bool:
     """Whether a convolution call's input factor comes from its input's shifted overlaps:
     a batched stride-1 convolution for which that costs less than the unfolded patches
@@ -201,14 +218,14 @@ class KroneckerRule(Rule):
             if module.padding_idx is not None:
                 indices = indices.masked_fill(indices == module.padding_idx, -1)
             return indices
-        if isinstance(module, nn.Conv1d):
-            x = x.unsqueeze(-2)
-            kernel, stride = (1, *module.kernel_size), (1, *module.stride)
-            dilation, padding = (1, *module.dilation), (0, *_conv_padding(module))
-        else:
-            kernel, stride = module.kernel_size, module.stride
-            dilation, padding = module.dilation, _conv_padding(module)
-        unfolded = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)
+        x, geometry = _two_dimensional(module, x)
+        unfolded = F.unfold(
+            x,
+            geometry["kernel"],
+            dilation=geometry["dilation"],
+            padding=geometry["padding"],
+            stride=geometry["stride"],
+        )
         return unfolded.transpose(1, 2)
 
     @property
@@ -246,22 +263,9 @@ class KroneckerRule(Rule):
         return total
 
     def _convolution_geometry(self, call: LayerCall) -> tuple[Tensor, dict]:
-        """A convolution call's input as (N, C, H, W) and its 2-D keyword arguments (a
-        one-dimensional convolution as one row)."""
-        module = call.module
-        x = call.args[0].movedim(self.batch_dim, 0)
-        geometry = {
-            "kernel": tuple(module.kernel_size),
-            "stride": tuple(module.stride),
-            "dilation": tuple(module.dilation),
-            "padding": _conv_padding(module),
-        }
-        if isinstance(module, nn.Conv1d):
-            x = x.unsqueeze(-2)
-            geometry = {
-                key: (0 if key == "padding" else 1, *value) for key, value in geometry.items()
-            }
-        return x, geometry
+        """A convolution call's input as (N, C, H, W) and its 2-D geometry
+        (:func:`_two_dimensional`)."""
+        return _two_dimensional(call.module, call.args[0].movedim(self.batch_dim, 0))
 
     def convolution_squared_norms(self, grads: list[Tensor], rows: list[int]) -> Tensor:
         """``Σ_i ‖Σ_t s_kit a_itᵀ‖²`` for the cotangents ``rows`` (len(rows),) of a
