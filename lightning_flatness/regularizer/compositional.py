@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
 from lightning_flatness.core.decay import ParameterDecay
@@ -84,8 +85,11 @@ def probe_gradients(
     constants = constants_of(wrapped.model, selected)
     names = list(selected)
     stacks: dict[str, list[Tensor]] = {name: [] for name in names}
+    own = dict(wrapped.model.named_parameters())
+    # the model's own parameters, all differentiated: its plain forward builds the same graph
+    plain = not constants and all(own.get(name) is p for name, p in selected.items())
     with torch.enable_grad():
-        logits = wrapped.call({**selected, **constants}, leaves)
+        logits = wrapped(*leaves) if plain else wrapped.call({**selected, **constants}, leaves)
         likelihood.check_outputs(logits, num_samples(leaves))
         sources, weights = likelihood.sqrt_rows(logits)
         for index in range(probes):
@@ -110,28 +114,60 @@ def _block_lam(lam: float, decay: ParameterDecay | None, key: str) -> float:
     return lam if decay is None else decay.of(key)
 
 
+class _KnownGradient(torch.autograd.Function):
+    """A scalar whose gradient with respect to each input is a given tensor: ``value``, with
+    ``∂value/∂inputs[j] = directions[j]``. The quadratic form's gradient ``2 h'(F̂) u`` is
+    formed without a graph, so the penalty's backward pass does not retrace the rotations."""
+
+    @staticmethod
+    def forward(ctx, value: Tensor, directions: list[Tensor], *inputs: Tensor) -> Tensor:
+        ctx.directions = directions
+        return value.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        wanted = ctx.needs_input_grad[2:]
+        pairs = zip(ctx.directions, wanted, strict=True)
+        return (None, None, *(grad.to(d.dtype) * d if want else None for d, want in pairs))
+
+
 def _quadratic_form(
     running: RunningFisher,
     gradients: dict[str, Tensor],
     lam: float,
     name: str,
     decay: ParameterDecay | None = None,
-):
-    """``Σ_k u^(k)ᵀ h'(F̂) u^(k)`` (summed in float64, differentiable in the gradients; the
-    rotations run in the gradients' dtype), each block at its own λ_j under ``decay``."""
+) -> Tensor:
+    """``Σ_k u^(k)ᵀ h'(F̂) u^(k)``, float64, differentiable in the gradients, each block at its
+    own λ_j under ``decay``.
+
+    Per block, with ``r = Q_Lᵀ U Q_R`` the coordinates in the eigenbasis and ``w = h'(μ)`` the
+    derivative at the eigenvalues: the form is ``Σ w ⊙ r²`` and its gradient in ``U`` is
+    ``2 Q_L (w ⊙ r) Q_Rᵀ``. Both are computed here without a graph (the rotations run in the
+    gradients' dtype, the sum in float64); :class:`_KnownGradient` hands the gradient to the
+    probe gradients' own graph.
+    """
     derivative = TRACE_FUNCTIONS[name].derivative
     total = torch.zeros((), dtype=torch.float64)
-    for key, spectrum in running.spectra():
-        lam_j = _block_lam(lam, decay, key)
-        matrices = running.blocks[key].as_matrix(gradients[key])
-        rotated = spectrum.rotate(matrices)
-        place = (rotated.device, rotated.dtype)
-        weights = spectrum.cached(
-            ("derivative", name, lam_j, *place),
-            lambda values, place=place, lam_j=lam_j: derivative(values, lam_j).to(*place),
-        )
-        total = total.to(rotated.device) + (weights * rotated.square()).sum().double()
-    return total
+    keys, directions = [], []
+    with torch.no_grad():
+        for key, spectrum in running.spectra():
+            keys.append(key)
+            lam_j = _block_lam(lam, decay, key)
+            gradient = gradients[key]
+            rotated = spectrum.rotate(running.blocks[key].as_matrix(gradient))
+            place = (rotated.device, rotated.dtype)
+            weights = spectrum.cached(
+                ("derivative", name, lam_j, *place),
+                lambda values, place=place, lam_j=lam_j: derivative(values, lam_j).to(*place),
+            )
+            weighted = weights * rotated
+            total = total.to(rotated.device) + (weighted * rotated).sum(dtype=torch.float64)
+            directions.append(2 * spectrum.rotate_back(weighted).reshape(gradient.shape))
+    if not torch.is_grad_enabled():
+        return total
+    return _KnownGradient.apply(total, directions, *(gradients[key] for key in keys))
 
 
 def running_trace_function(

@@ -93,16 +93,30 @@ class KroneckerBlock:
         extra = gradient.shape[: gradient.ndim - len(self.shape)]
         return gradient.reshape(*extra, self.rows, -1)
 
-    def increments(self, probes: Tensor, scale: float) -> list[Tensor]:
-        """``scale · (Σ U Uᵀ, Σ UᵀU, Σ ‖U‖²)`` over the probe gradients ``probes`` (K, m, k),
-        formed in the gradients' dtype and returned in float64."""
+    def increments(self, probes: Tensor) -> list[Tensor]:
+        """``(Σ U Uᵀ, Σ UᵀU, Σ ‖U‖²)`` over the probe gradients ``probes`` (K, m, k), in the
+        gradients' dtype (they are added to the float64 factors, see :meth:`RunningFisher.update`).
+
+        The K probes are laid side by side, so each side is one matrix product: ``Σ_k U_k U_kᵀ``
+        is ``[U_1 … U_K][U_1 … U_K]ᵀ`` and ``Σ_k U_kᵀ U_k`` is the same with the probes stacked.
+        """
         u = self.as_matrix(probes)
         if self.right is None:
-            return [scale * u.square().sum(0).double()]
-        squares = u.square()
-        left = (u @ u.mT).sum(0) if self.left.full else squares.sum((0, 2))
-        right = (u.mT @ u).sum(0) if self.right.full else squares.sum((0, 1))
-        return [scale * left.double(), scale * right.double(), scale * squares.sum().double()]
+            return [u.square().sum(0)]
+        count, rows, cols = u.shape
+        if self.left.full:
+            side_by_side = u.transpose(0, 1).reshape(rows, count * cols)
+            left = side_by_side @ side_by_side.mT
+            trace = left.diagonal().sum()
+        else:
+            left = u.square().sum((0, 2))
+            trace = left.sum()
+        if self.right.full:
+            stacked = u.reshape(count * rows, cols)
+            right = stacked.mT @ stacked
+        else:
+            right = u.square().sum((0, 1))
+        return [left, right, trace]
 
     def tensors(self) -> list[Tensor]:
         if self.right is None:
@@ -142,13 +156,31 @@ class KroneckerSpectrum:
             self.cache[key] = compute(self.values)
         return self.cache[key]
 
+    def _basis(self, side: str, like: Tensor) -> Tensor | None:
+        """``Q_L`` or ``Q_R`` on ``like``'s device and in its dtype (converted once)."""
+        vectors = getattr(self, side)
+        if vectors is None or (vectors.device, vectors.dtype) == (like.device, like.dtype):
+            return vectors
+        key = ("basis", side, like.device, like.dtype)
+        return self.cached(key, lambda _: vectors.to(like.device, like.dtype))
+
     def rotate(self, matrix: Tensor) -> Tensor:
         """``Q_Lᵀ U Q_R``: the coordinates of ``vec U`` in the eigenbasis of the block."""
-        if self.left is not None:
-            matrix = self.left.mT.to(matrix.device, matrix.dtype) @ matrix
-        if self.right is not None:
-            matrix = matrix @ self.right.to(matrix.device, matrix.dtype)
+        left, right = self._basis("left", matrix), self._basis("right", matrix)
+        if left is not None:
+            matrix = left.mT @ matrix
+        if right is not None:
+            matrix = matrix @ right
         return matrix
+
+    def rotate_back(self, coordinates: Tensor) -> Tensor:
+        """``Q_L M Q_Rᵀ``, the inverse of :meth:`rotate`."""
+        left, right = self._basis("left", coordinates), self._basis("right", coordinates)
+        if left is not None:
+            coordinates = left @ coordinates
+        if right is not None:
+            coordinates = coordinates @ right.mT
+        return coordinates
 
 
 def check_decay(decay: object) -> float:
@@ -228,16 +260,21 @@ class RunningFisher:
         """Add one step's probe gradients: ``probe_gradients[name]`` is (K, *shape), K probes of
         ``Σ_{i∈b} V_iᵀ ξ_i`` over a batch of ``batch_size`` samples (detached)."""
         increments = {
-            name: block.increments(
-                probe_gradients[name].detach(), 1.0 / (batch_size * len(probe_gradients[name]))
-            )
+            name: block.increments(probe_gradients[name].detach())
             for name, block in self.blocks.items()
         }
         _average_over_processes(increments)
+        scale = 1.0 / (batch_size * len(next(iter(probe_gradients.values()))))
         keep = self.decay
-        for name, block in self.blocks.items():
-            for tensor, increment in zip(block.tensors(), increments[name], strict=True):
-                tensor.mul_(keep).add_(increment.to(tensor.device), alpha=1.0 - keep)
+        targets = [tensor for block in self.blocks.values() for tensor in block.tensors()]
+        added = [increment for pieces in increments.values() for increment in pieces]
+        # one call for all factors: F ← ρ F + (1 − ρ) · scale · increment (float64 targets)
+        torch._foreach_mul_(targets, keep)
+        torch._foreach_add_(
+            targets,
+            [a.to(t.device) for a, t in zip(added, targets, strict=True)],
+            alpha=(1.0 - keep) * scale,
+        )
         self.weight = keep * self.weight + (1.0 - keep)
         self.updates += 1
 
