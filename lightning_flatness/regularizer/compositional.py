@@ -50,6 +50,12 @@ from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 from lightning_flatness.regularizer.modes import penalty_modes
 from lightning_flatness.regularizer.parameters import constants_of
 from lightning_flatness.regularizer.running_fisher import RunningFisher
+from lightning_flatness.regularizer.small_blocks import (
+    dense_derivative,
+    group_form,
+    group_matrix,
+    small_block_groups,
+)
 
 __all__ = [
     "CompositionalSettings",
@@ -145,17 +151,33 @@ def _quadratic_form(
     Per block, with ``r = Q_Lᵀ U Q_R`` the coordinates in the eigenbasis and ``w = h'(μ)`` the
     derivative at the eigenvalues: the form is ``Σ w ⊙ r²`` and its gradient in ``U`` is
     ``2 Q_L (w ⊙ r) Q_Rᵀ``. Both are computed here without a graph (the rotations run in the
-    gradients' dtype, the sum in float64); :class:`_KnownGradient` hands the gradient to the
-    probe gradients' own graph.
+    gradients' dtype, the sum in float64); small blocks take dense matrices instead, several at
+    a time (:mod:`~lightning_flatness.regularizer.small_blocks`). :class:`_KnownGradient` hands
+    the gradient to the probe gradients' own graph.
     """
     derivative = TRACE_FUNCTIONS[name].derivative
+    spectra = dict(running.spectra())
+    groups, others = small_block_groups({key: block.shape for key, block in running.blocks.items()})
     total = torch.zeros((), dtype=torch.float64)
     keys, directions = [], []
     with torch.no_grad():
-        for key, spectrum in running.spectra():
-            keys.append(key)
-            lam_j = _block_lam(lam, decay, key)
-            gradient = gradients[key]
+        for group in groups:
+            lams = tuple(_block_lam(lam, decay, key) for key in group)
+            matrix = spectra[group[0]].cached(
+                ("dense group", name, tuple(group), lams),
+                lambda _, group=group, lams=lams: group_matrix(
+                    [
+                        dense_derivative(spectra[key], running.blocks[key].shape, derivative, lam_j)
+                        for key, lam_j in zip(group, lams, strict=True)
+                    ]
+                ),
+            )
+            value, pieces = group_form([gradients[key] for key in group], matrix)
+            total = total.to(value.device) + value
+            keys += group
+            directions += pieces
+        for key in others:
+            spectrum, lam_j, gradient = spectra[key], _block_lam(lam, decay, key), gradients[key]
             rotated = spectrum.rotate(running.blocks[key].as_matrix(gradient))
             place = (rotated.device, rotated.dtype)
             weights = spectrum.cached(
@@ -164,6 +186,7 @@ def _quadratic_form(
             )
             weighted = weights * rotated
             total = total.to(rotated.device) + (weighted * rotated).sum(dtype=torch.float64)
+            keys.append(key)
             directions.append(2 * spectrum.rotate_back(weighted).reshape(gradient.shape))
     if not torch.is_grad_enabled():
         return total
