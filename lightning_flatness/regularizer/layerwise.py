@@ -164,18 +164,18 @@ def layerwise_gram(
 
 def _layer_matrices(
     rules: list[KroneckerRule], deltas: list[Tensor]
-) -> list[tuple[Tensor, Tensor, Tensor]]:
+) -> list[tuple[Tensor, Tensor, Tensor | None]]:
     """Per rule, its patches ``A`` (B, T, k) and output gradients ``Δ`` (M, T, o) over all its
     calls (``deltas``: (M, *output shape) per call, in the order of the calls), and ``Δ`` over
-    the calls that add the bias; the per-sample weight gradient of row m is
-    ``Σ_t Δ_mt A_{i(m)t}ᵀ``."""
+    the calls that add the bias (None: every call adds it, so it is the same ``Δ``); the
+    per-sample weight gradient of row m is ``Σ_t Δ_mt A_{i(m)t}ᵀ``."""
     matrices, start = [], 0
     for rule in rules:
         mine = [d.unsqueeze(0) for d in deltas[start : start + len(rule.calls)]]
         start += len(rule.calls)
         every_call = rule.output_gradients(mine)
         bias = rule.bias_output_gradients(mine, every_call) if "bias" in rule.names else every_call
-        matrices.append((rule.patches(), every_call[0], bias[0]))
+        matrices.append((rule.patches(), every_call[0], None if bias is every_call else bias[0]))
     return matrices
 
 
@@ -208,8 +208,13 @@ def _assemble_gram(
     materialize_all = side == "smaller" and num_params <= num_rows
     kernel: Tensor | None = None
     rows: list[Tensor] = []
-    for rule, (a, d, d_bias) in zip(rules, matrices, strict=True):
+    for rule, (a, d, own_bias) in zip(rules, matrices, strict=True):
         positions, fan_in, fan_out = a.shape[1], a.shape[2], d.shape[2]
+        d_bias = d if own_bias is None else own_bias
+        bias_scale = scales.get(rule.names.get("bias", ""), 1.0)
+        #: a one-position layer whose bias every call adds: (G_Δ ∘ G_A)·c_w + G_Δ·c_b is
+        #: G_Δ ∘ (c_w G_A + c_b), one kernel term for both (the input extended by a constant 1)
+        merged = False
         if "weight" in rule.names:
             weight_scale = scales.get(rule.names["weight"], 1.0)
             materialized_cost = num_rows * fan_in * fan_out * (positions + num_rows)
@@ -223,7 +228,12 @@ def _assemble_gram(
                     and num_rows**2 * positions**2 <= _MAX_GHOST_ELEMENTS
                 )
             )
-            if ghost and positions == 1:
+            merged = ghost and positions == 1 and "bias" in rule.names and own_bias is None
+            if merged:  # the scales inside the term
+                inputs = expand_kernel(gram_product(a[:, 0]))
+                inputs = (inputs * weight_scale if weight_scale != 1.0 else inputs) + bias_scale
+                part = gram_product(d[:, 0]) * inputs
+            elif ghost and positions == 1:
                 part = gram_product(d[:, 0]) * expand_kernel(gram_product(a[:, 0]))
             elif ghost:
                 inner_a = expand_kernel(torch.einsum("itk,jsk->ijts", a, a).flatten(2))
@@ -234,10 +244,9 @@ def _assemble_gram(
                 flat = torch.bmm(d.transpose(1, 2), expand_rows(a)).reshape(num_rows, -1)
                 rows.append(flat * weight_scale**0.5 if weight_scale != 1.0 else flat)
             if part is not None:
-                part = part * weight_scale if weight_scale != 1.0 else part
+                part = part * weight_scale if weight_scale != 1.0 and not merged else part
                 kernel = part if kernel is None else kernel + part
-        if "bias" in rule.names:
-            bias_scale = scales.get(rule.names["bias"], 1.0)
+        if "bias" in rule.names and not merged:
             summed = d_bias.sum(dim=1)
             rows.append(summed * bias_scale**0.5 if bias_scale != 1.0 else summed)
     if materialize_all:
