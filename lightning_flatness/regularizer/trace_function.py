@@ -21,14 +21,22 @@ __all__ = ["gram_trace_function"]
 
 
 class _TraceFunction(torch.autograd.Function):
-    """``Σ h(μ)`` of ``s · G`` (G PSD, float64) with its closed-form gradient in ``G``, from the
-    kernel form of the trace function ``h``
-    (:class:`~lightning_flatness.core.trace_functions.KernelForm`)."""
+    """``Σ h(μ)`` of ``s · G`` (G PSD) with its closed-form gradient in ``G``, from the kernel
+    form of the trace function ``h``
+    (:class:`~lightning_flatness.core.trace_functions.KernelForm`).
+
+    The factorisation and the inverse are float64 (``I + sG`` may be ill-conditioned); the
+    gradient's product (``(I + sG)⁻²`` for the soft rank) is formed in ``G``'s dtype, at least
+    float32: it is handed back in that dtype anyway, and a float64 product of B × B matrices
+    costs four times as much on a CPU."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, gram: Tensor, coefficient: float, name: str) -> Tensor:
         kernel = TRACE_FUNCTIONS[name].kernel
         assert kernel is not None
+        ctx.gram_dtype = gram.dtype  # type: ignore[attr-defined]
+        ctx.product_dtype = torch.promote_types(gram.dtype, torch.float32)  # type: ignore[attr-defined]
+        gram = gram.to(torch.float64)
         size = gram.shape[0]
         system = torch.eye(size, dtype=gram.dtype, device=gram.device) + coefficient * gram
         factor, info = torch.linalg.cholesky_ex(0.5 * (system + system.mT))
@@ -47,8 +55,9 @@ class _TraceFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None]:
         (inverse,) = ctx.saved_tensors
+        inverse = inverse.to(ctx.product_dtype)
         gradient = ctx.coefficient * ctx.kernel.gradient(inverse)
-        return grad_output * gradient, None, None
+        return (grad_output.to(inverse.dtype) * gradient).to(ctx.gram_dtype), None, None
 
 
 def gram_trace_function(
@@ -77,4 +86,4 @@ def gram_trace_function(
         raise ValueError(f"gram must be a square matrix, got shape {tuple(gram.shape)}.")
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale!r}.")
-    return _TraceFunction.apply(gram.to(torch.float64), float(scale) / lam, function)
+    return _TraceFunction.apply(gram, float(scale) / lam, function)
