@@ -37,6 +37,7 @@ from lightning_flatness.regularizer import (
     PenaltyOptions,
     SoftRankPenalty,
 )
+from lightning_flatness.regularizer.modes import penalty_modes
 
 #: model name → (builder, input side length)
 MODELS: dict[str, tuple[Callable[[], nn.Module], int]] = {
@@ -67,6 +68,32 @@ def _step_fn(
             loss = loss + every_n_steps * beta * penalty(model, inputs)
         calls[0] += 1
         loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _floor_step_fn(
+    model: nn.Module, inputs: Tensor, targets: Tensor, samples: int, batch_norm: str
+) -> Callable[[], None]:
+    """A training step plus the autograd passes a penalty on ``samples`` samples cannot do
+    without, and nothing else: a forward pass in the penalty's modes, the gradient of a random
+    cotangent (weighted by √p, so it depends on θ as the penalty's does) with its graph, and
+    the backward pass of a fixed linear function of that gradient. What any estimator of this
+    kind adds beyond that is its own bookkeeping."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    directions = [torch.randn_like(p) for p in params]
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(inputs), targets)
+        with penalty_modes(model, batch_norm):
+            logits = model(inputs[:samples])
+        cotangent = torch.randn_like(logits) * logits.softmax(-1).sqrt()
+        gradients = torch.autograd.grad(logits, params, grad_outputs=cotangent, create_graph=True)
+        pairing = sum((d * g).sum() for d, g in zip(directions, gradients, strict=True))
+        (loss + 1e-12 * pairing).backward()
         optimizer.step()
 
     return step
@@ -135,6 +162,12 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="add the penalty (with n·β) on every n-th step only; read the mean ratio then",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="add per model the passes alone (no estimator work) on the compositional "
+        "estimator's 32 samples and on the whole batch, the batched bound's",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)"
@@ -171,6 +204,21 @@ def main(argv: list[str] | None = None) -> None:
     for architecture in args.models:
         build, side = MODELS[architecture]
         inputs = images[side]
+        floors = [("compositional", 32, "batch"), ("batched", args.batch_size, "running")]
+        for estimator, samples, batch_norm in floors if args.floor else []:
+            torch.manual_seed(args.seed)
+            plain = _step_fn(build(), inputs, targets, None, 0.0)
+            torch.manual_seed(args.seed)
+            passes = _floor_step_fn(build(), inputs, targets, samples, batch_norm)
+            timing = _interleaved(plain, passes, args.steps, args.warmup)
+            print(
+                f"| {architecture} | passes only ({estimator}: {samples} samples) | – | – | "
+                f"all | {statistics.median(timing.plain) * 1e3:.2f} | "
+                f"{statistics.median(timing.regularized) * 1e3:.2f} | "
+                f"{timing.median_ratio:.1f}× | {timing.mean_ratio:.1f}× | "
+                f"{timing.min_ratio:.1f}× |",
+                flush=True,
+            )
         for (estimator, labels), function, params in itertools.product(
             rows, FUNCTIONS, ("all", "last_layer")
         ):
