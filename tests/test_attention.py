@@ -38,8 +38,9 @@ class AttentionClassifier(nn.Module):
             keys, mask = memory, None
         else:
             keys = x
-        if not self.batch_first:
-            x, keys = x.transpose(0, 1), keys.transpose(0, 1)
+        if not self.batch_first:  # self-attention: one tensor for query, key and value
+            x, keys = x.transpose(0, 1), (keys.transpose(0, 1) if self.cross else None)
+            keys = x if keys is None else keys
         out, _ = self.attention(x, keys, keys, key_padding_mask=mask)
         out = out if self.batch_first else out.transpose(0, 1)
         return self.head(out.mean(1))
@@ -114,3 +115,57 @@ def test_every_structure_is_exact_where_it_claims_and_batch_size_free(options, k
             first = kfac.soft_rank
         else:
             assert kfac.soft_rank == pytest.approx(first, rel=1e-9)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_projections_read_off_the_pass_equal_a_second_run_of_the_module(batch_first, monkeypatch):
+    """The hooked pass records the projections' own calls and reads their output gradients off
+    its backward rows; forcing the second run of the module per sample instead gives the same
+    kfac numbers at every batch size, and the recorded path is the one taken."""
+    import lightning_flatness.core.module_rules as module_rules
+
+    torch.manual_seed(0)
+    model = AttentionClassifier(batch_first).double().eval()
+    inputs, targets = _data(9)
+    taken = []
+    recorded = module_rules.recorded_projection_maps
+
+    def counting(*args, **kwargs):
+        maps = recorded(*args, **kwargs)
+        taken.append(maps is not None)
+        return maps
+
+    monkeypatch.setattr(module_rules, "recorded_projection_maps", counting)
+    options = {"lam": LAM, "num_train_samples": 100, "structure": "kfac", "kfac_mode": "probe"}
+    for size in (1, 4, 9):
+        data = [(inputs[i : i + size], targets[i : i + size]) for i in range(0, 9, size)]
+        read_off = measure(model, data, **options)
+        assert taken and all(taken)
+        taken.clear()
+        with monkeypatch.context() as forced:
+            forced.setattr(module_rules, "recorded_projection_maps", lambda *a, **k: None)
+            second_run = measure(model, data, **options)
+        assert read_off.coverage["attention.in_proj_weight"] == "kronecker"
+        assert read_off.soft_rank == pytest.approx(second_run.soft_rank, rel=1e-10)
+        assert read_off.trace_fisher == pytest.approx(second_run.trace_fisher, rel=1e-10)
+        assert read_off.trace_cov == pytest.approx(second_run.trace_cov, rel=1e-10)
+    assert torch.nn.functional.linear is torch._C._nn.linear
+
+
+def test_projection_recording_restores_linear_when_the_forward_fails():
+    from lightning_flatness.core.batches import wrap_for_batches
+    from lightning_flatness.core.hooked_pass import HookedPass
+    from lightning_flatness.core.likelihoods import get_likelihood
+
+    model = AttentionClassifier().double().eval()
+    inputs, targets = _data(4)
+    wrapped, _, _ = wrap_for_batches(model, [(inputs, targets)])
+    hooked = HookedPass(wrapped, get_likelihood("cross_entropy"))
+    wrong = nn.Parameter(torch.randn(6, 5, dtype=torch.float64))  # W_out of the wrong shape
+    model.attention.out_proj.weight = wrong
+    try:
+        with pytest.raises(RuntimeError):
+            hooked.forward((inputs,))
+    finally:
+        hooked.close()
+    assert torch.nn.functional.linear is torch._C._nn.linear

@@ -13,15 +13,30 @@ output, and of its bias ``Σ_t s_t`` (docs/math.md, "Kronecker factors from laye
   attention output ``o_t``, which the module itself returns when ``W_out = I`` and ``b_out = 0``.
 
 Everything else of the module (masks, ``batch_first``, the heads) is PyTorch's own forward.
+
+In the measurement's hooked pass the two maps are also read off the forward pass itself:
+:class:`ProjectionCalls` sees the module's own ``F.linear`` calls of ``W_in`` and ``W_out``
+while it runs and records what each was applied to and its output, and the pass's backward
+rows then give ``s_t`` of both at once for every sample (:func:`recorded_projection_maps`),
+with no second run of the module per sample.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.nn import functional as F
 
-__all__ = ["is_self_attention", "projection_maps", "projection_parameters"]
+__all__ = [
+    "ProjectionCalls",
+    "is_self_attention",
+    "projection_maps",
+    "projection_parameters",
+    "recorded_projection_maps",
+]
 
 #: the module's parameters, by attribute: (linear map, "weight" or "bias")
 _PROJECTIONS = {
@@ -110,4 +125,82 @@ def projection_maps(
     return {
         "in_proj": (x.unsqueeze(0), s["in_proj"]),
         "out_proj": (attended.unsqueeze(0), s["out_proj"]),
+    }
+
+
+class ProjectionCalls:
+    """Records the ``F.linear`` calls of one ``nn.MultiheadAttention``'s packed input and
+    output projections while its forward runs (a context manager around that forward):
+    ``{"in_proj": (x, y), "out_proj": (o, y)}`` with the input detached and the output in the
+    graph (downstream gets a copy of it, so its gradient is what the rest of the forward does
+    with it).
+
+    ``F.multi_head_attention_forward`` hands itself to a ``TorchFunctionMode`` as a whole, so
+    the projections it applies inside are invisible to one. It calls them through the name
+    ``linear`` of ``torch.nn.functional``, which is therefore wrapped for the block (and
+    restored on exit): the wrapper calls the original and records the calls whose weight is
+    the module's own ``in_proj_weight`` or ``out_proj.weight`` tensor; every other call passes
+    through unchanged. Separate query/key/value projections and cross-attention's split
+    weights are not recorded, and a map applied twice leaves no record (it cannot be told
+    which call is which)."""
+
+    def __init__(self, module: nn.MultiheadAttention) -> None:
+        self.weights = {
+            id(module.in_proj_weight): "in_proj",
+            id(module.out_proj.weight): "out_proj",
+        }
+        self.records: dict[str, tuple[Tensor, Tensor]] = {}
+        self.repeated: set[str] = set()
+        self._original: Callable | None = None
+
+    def __enter__(self) -> ProjectionCalls:
+        self._original = F.linear
+        F.linear = self._linear
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._original is not None:
+            F.linear = self._original
+            self._original = None
+
+    def _linear(self, input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        assert self._original is not None
+        output = self._original(input, weight, bias)
+        name = self.weights.get(id(weight))
+        if name is None:
+            return output
+        if name in self.records:
+            self.repeated.add(name)
+        self.records[name] = (input.detach(), output)
+        return output.clone()
+
+    def complete(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """Both maps' records, or none when either is missing or was applied twice."""
+        if self.repeated or set(self.records) != {"in_proj", "out_proj"}:
+            return {}
+        return dict(self.records)
+
+
+def recorded_projection_maps(
+    records: dict[str, tuple[Tensor, Tensor]], grads: dict[str, Tensor], batch: int
+) -> dict[str, tuple[Tensor, Tensor]] | None:
+    """``{"in_proj": (a (N, T, d), s (K, N, T, o)), "out_proj": ...}`` from the records of
+    :class:`ProjectionCalls` and the K rows' gradients of the recorded outputs, or None when
+    their shapes are not the ones ``F.multi_head_attention_forward`` gives ``batch`` samples
+    (the input projection applied to (T, N, d), the output projection to (T·N, d))."""
+    x, _ = records["in_proj"]
+    attended, _ = records["out_proj"]
+    if x.dim() != 3 or x.shape[1] != batch or attended.dim() != 2:
+        return None
+    steps = x.shape[0]
+    if attended.shape[0] != steps * batch:
+        return None
+    s_in, s_out = grads["in_proj"], grads["out_proj"]
+    rows = s_in.shape[0]
+    return {
+        "in_proj": (x.movedim(1, 0), s_in.movedim(2, 1)),
+        "out_proj": (
+            attended.reshape(steps, batch, -1).movedim(1, 0),
+            s_out.reshape(rows, steps, batch, -1).movedim(2, 1),
+        ),
     }

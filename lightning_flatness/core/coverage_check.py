@@ -22,7 +22,7 @@ from lightning_flatness.core.layer_rules import (
     weight_squared_norms,
 )
 from lightning_flatness.core.module_rules import LocalRule, RecurrentRule
-from lightning_flatness.core.row_gradients import output_gradients, recorded_outputs
+from lightning_flatness.core.row_gradients import call_gradients, output_gradients, recorded_outputs
 
 __all__ = ["CoverageVerdict", "check_coverage"]
 
@@ -80,7 +80,7 @@ def check_coverage(
     by_output = dict(zip(outputs, grads[len(covered) : len(covered) + len(outputs)], strict=True))
     tap_grads = grads[len(covered) + len(outputs) :]
     kept = _check_taps(model, tapped, logits, single, samples, inputs, tap_grads)
-    row_grads = {id(rule): [by_output[id(call.output)] for call in rule.calls] for rule in rules}
+    row_grads = call_gradients(rules, by_output)
     wrong: set[str] = set()
     for rule in rules:
         dim = _samples_dimension(rule, row_grads.get(id(rule)), samples, batch)
@@ -179,8 +179,12 @@ def _disagreeing(
 ) -> set[str]:
     """The ``names`` whose rule's one-sample gradient facts disagree with autograd's."""
     wrong = set()
+    calls = {id(call): call for rule in rules for call in rule.calls}
+    inner = {key: dict(call.inner_grads) for key, call in calls.items()}
     for row in range(rows):
         one_row = {key: [g[row : row + 1] for g in value] for key, value in row_grads.items()}
+        for key, call in calls.items():  # the same row of the maps recorded inside a call
+            call.inner_grads = {name: g[row : row + 1] for name, g in inner[key].items()}
         try:
             found = _rule_gradient_facts(rules, one_row)
         except Exception:  # a rule that cannot run on this model: its parameters fall back

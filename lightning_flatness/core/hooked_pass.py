@@ -51,6 +51,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from lightning_flatness.core.attention import ProjectionCalls
 from lightning_flatness.core.batch_terms import BatchTerms, add_explicit, add_rule
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
 from lightning_flatness.core.cotangent_rows import fisher_cotangents
@@ -58,10 +59,11 @@ from lightning_flatness.core.coverage_check import check_coverage
 from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.layer_rules import KroneckerRule, Rule
 from lightning_flatness.core.likelihoods import Likelihood
-from lightning_flatness.core.module_rules import LocalRule
+from lightning_flatness.core.module_rules import AttentionRule, LocalRule
 from lightning_flatness.core.outside_calls import outside_calls_where_found
 from lightning_flatness.core.remembered_plan import apply_plan, remember_plan
 from lightning_flatness.core.row_gradients import (
+    call_gradients,
     output_gradients,
     recorded_outputs,
     whole_model_gradients,
@@ -152,6 +154,15 @@ class HookedPass:
             module.register_forward_hook(self._hook(rules), with_kwargs=True)
             for module, rules in by_module.values()
         ]
+        #: per attention module (by ``id``), the recorder of its projections' calls while its
+        #: forward runs (:class:`~lightning_flatness.core.attention.ProjectionCalls`)
+        self._projections: dict[int, ProjectionCalls] = {}
+        for module, rules in by_module.values():
+            if any(isinstance(rule, AttentionRule) for rule in rules):
+                self._handles.append(module.register_forward_pre_hook(self._enter_projections))
+                self._handles.append(
+                    module.register_forward_hook(self._leave_projections, always_call=True)
+                )
         if self.last_layer is not None:
             self._handles.append(self.last_layer.register_forward_hook(self._feature_hook))
 
@@ -159,9 +170,23 @@ class HookedPass:
         def record(module: nn.Module, args: tuple, kwargs: dict, output):
             if not self._recording:
                 return None
-            return record_call(rules, module, args, kwargs, output, self._batch)
+            returned = record_call(rules, module, args, kwargs, output, self._batch)
+            projections = self._projections.get(id(module))
+            if projections is not None and returned is not None:
+                rules[0].calls[-1].inner = projections.complete()
+            return returned
 
         return record
+
+    def _enter_projections(self, module: nn.Module, args: tuple) -> None:
+        if self._recording:
+            projections = self._projections[id(module)] = ProjectionCalls(module)
+            projections.__enter__()
+
+    def _leave_projections(self, module: nn.Module, args: tuple, output: object) -> None:
+        projections = self._projections.pop(id(module), None)
+        if projections is not None:
+            projections.__exit__(None, None, None)
 
     def _feature_hook(self, module: nn.Module, args: tuple, output: Tensor) -> None:
         if self._recording:
@@ -264,10 +289,10 @@ class HookedPass:
         terms = BatchTerms()
         tap_grads = dict(zip(self.tapped, grads[len(outputs) :], strict=True))
         add_explicit(terms, tap_grads, rows, curvature, self.structure)
+        by_rule = call_gradients(self.rules, by_output)
         for rule in self.rules:
             if rule.calls:
-                rule_grads = [by_output[id(call.output)] for call in rule.calls]
-                add_rule(terms, rule, rule_grads, rows, curvature, self.structure)
+                add_rule(terms, rule, by_rule[id(rule)], rows, curvature, self.structure)
         if self.fallback:
             fallback_grads = whole_model_gradients(self.model, self.fallback, inputs, cotangents)
             add_explicit(terms, fallback_grads, rows, curvature, self.structure)

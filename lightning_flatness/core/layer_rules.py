@@ -71,6 +71,11 @@ class LayerCall:
     #: the module's weight applied outside its forward without its bias
     #: (:mod:`~lightning_flatness.core.outside_calls`): positions of the weight only
     weight_only: bool = False
+    #: linear maps applied inside the module's forward, read off the pass
+    #: (:class:`~lightning_flatness.core.attention.ProjectionCalls`): ``{map: (input, output)}``
+    inner: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    #: the K rows' gradients of :attr:`inner`'s outputs, once the pass has them
+    inner_grads: dict[str, Tensor] = field(default_factory=dict)
 
 
 @dataclass

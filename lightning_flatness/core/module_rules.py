@@ -26,6 +26,7 @@ from lightning_flatness.core.attention import (
     is_self_attention,
     projection_maps,
     projection_parameters,
+    recorded_projection_maps,
 )
 from lightning_flatness.core.functional_linear import (
     linear_maps_of_sample,
@@ -249,6 +250,14 @@ class AttentionRule(LocalRule):
         return is_self_attention(call.args, call.kwargs)
 
     def _call_maps(self, call: LayerCall, grad: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        """Read off the pass where its projections were recorded with their rows' gradients
+        (:func:`~lightning_flatness.core.attention.recorded_projection_maps`), else from a
+        second run of the module per sample."""
+        if call.inner and set(call.inner_grads) == set(call.inner):
+            batch = grad.shape[2 if self._sequence_first else 1]
+            maps = recorded_projection_maps(call.inner, call.inner_grads, batch)
+            if maps is not None:
+                return maps
         module = self.module
         params = {attr: p.detach() for attr, p in module.named_parameters()}
         seq_first = self._sequence_first

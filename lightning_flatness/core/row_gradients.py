@@ -14,12 +14,28 @@ from lightning_flatness.core.batches import Leaves, LogitsModule, take_rows, uns
 from lightning_flatness.core.layer_rules import CHUNK_ELEMENTS, Rule
 from lightning_flatness.core.per_sample import map_samples
 
-__all__ = ["output_gradients", "recorded_outputs", "whole_model_gradients"]
+__all__ = ["call_gradients", "output_gradients", "recorded_outputs", "whole_model_gradients"]
 
 
 def recorded_outputs(rules: list[Rule]) -> dict[int, Tensor]:
-    """Every recorded layer output once (a call can belong to two rules), by ``id``."""
-    return {id(call.output): call.output for rule in rules for call in rule.calls}
+    """Every recorded layer output once (a call can belong to two rules), and the outputs of
+    the linear maps recorded inside a call (:attr:`LayerCall.inner`), by ``id``."""
+    outputs = {}
+    for rule in rules:
+        for call in rule.calls:
+            outputs[id(call.output)] = call.output
+            outputs.update((id(output), output) for _, output in call.inner.values())
+    return outputs
+
+
+def call_gradients(rules: list[Rule], by_output: dict[int, Tensor]) -> dict[int, list[Tensor]]:
+    """Each rule's calls' output gradients, by the rule's ``id``, from the gradients of
+    :func:`recorded_outputs` (``by_output``); each call's :attr:`LayerCall.inner_grads` is set
+    on the way."""
+    for rule in rules:
+        for call in rule.calls:
+            call.inner_grads = {name: by_output[id(out)] for name, (_, out) in call.inner.items()}
+    return {id(rule): [by_output[id(call.output)] for call in rule.calls] for rule in rules}
 
 
 def output_gradients(
