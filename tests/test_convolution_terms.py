@@ -81,6 +81,13 @@ def _measured(model, data, overhead: int, monkeypatch) -> tuple[object, list]:
         return original(x, kernel, dilation, padding)
 
     monkeypatch.setattr(layer_rules, "overlap_input_factor", counted)
+    grouped = layer_rules.grouped_weight_gradients
+
+    def counted_grouped(x, grad, **geometry):
+        taken.append("grouped")
+        return grouped(x, grad, **geometry)
+
+    monkeypatch.setattr(layer_rules, "grouped_weight_gradients", counted_grouped)
     report = measure(
         model, data, lam=LAM, num_train_samples=100, structure="kfac", val_batches=data[:1]
     )
@@ -100,6 +107,10 @@ def test_kfac_measures_the_same_with_the_overlap_factor(batch_size, monkeypatch)
     assert not not_taken
     # every stride-1 convolution (the one-dimensional one as one row), the twice-applied one
     # once per call, never the strided one
+    # the norms of the layers with at least GROUPED_MIN_POSITIONS outputs from grouped
+    # weight gradients
+    assert taken.count("grouped") >= len(data)
+    taken = [entry for entry in taken if entry != "grouped"]
     assert len(taken) == 5 * len(data)
     assert set(taken) == {
         ((2, 7, 5), (3, 3), (1, 1)),
@@ -121,24 +132,35 @@ def test_strided_and_unbatched_convolutions_never_take_the_overlap_path(monkeypa
     conv = nn.Conv2d(4, 4, 3, stride=2)
     x = torch.randn(8, 4, 9, 9)
     call = layer_rules.LayerCall(conv, (x,), {}, conv(x))
-    assert not layer_rules._overlap_pays(call)
+    assert not layer_rules._overlap_pays(call, False)
     conv.stride = (1, 1)
-    assert layer_rules._overlap_pays(call)
+    assert layer_rules._overlap_pays(call, False)
     unbatched = layer_rules.LayerCall(conv, (x[0],), {}, conv(x[0]))
-    assert not layer_rules._overlap_pays(unbatched)
+    assert not layer_rules._overlap_pays(unbatched, False)
 
 
 @pytest.mark.parametrize(
-    ("channels", "size", "padding", "pays"),
+    ("channels", "out", "size", "padding", "overlaps", "grouped"),
     [
-        (32, 14, 1, True),  # a mid-size CNN's second layer: the overlaps, by far
-        (24, 16, 1, True),  # the zoo ResNet's blocks at a realistic width
-        (15, 5, 0, False),  # the paper's CNN: the unfolded patches are cheaper
-        (1, 28, 1, False),  # a first layer on one channel
+        # a mid-size CNN's second layer and the zoo ResNet's blocks at a realistic width: no
+        # patches at all
+        (32, 64, 14, 1, True, True),
+        (24, 24, 16, 1, True, True),
+        # a first layer on one channel: the patches' copy costs more than the shifts
+        (1, 32, 28, 1, True, True),
+        # a mid-size CNN's last layer: its norms need the patches (T·(o + d) < o·d), and the
+        # overlaps still beat their product
+        (64, 64, 7, 1, True, False),
+        # the paper's CNN: 3 × 3 outputs, the patches' way for both
+        (15, 20, 5, 0, False, False),
     ],
 )
-def test_the_default_cost_rule_takes_the_overlaps_where_they_pay(channels, size, padding, pays):
-    conv = nn.Conv2d(channels, channels, 3, padding=padding)
+def test_the_default_cost_rule_takes_the_overlaps_where_they_pay(
+    channels, out, size, padding, overlaps, grouped
+):
+    conv = nn.Conv2d(channels, out, 3, padding=padding)
     x = torch.randn(64, channels, size, size)
-    call = layer_rules.LayerCall(conv, (x,), {}, conv(x))
-    assert layer_rules._overlap_pays(call) is pays
+    rule = layer_rules.KroneckerRule([conv], {"weight": "weight"})
+    rule.calls.append(layer_rules.LayerCall(conv, (x,), {}, conv(x)))
+    assert rule.grouped_norms is grouped
+    assert rule.from_overlaps is overlaps

@@ -19,7 +19,9 @@ excluded rows and columns plus those over the excluded corners (inclusion–excl
 matrix product of the C-channel input per shift, ``(2k−1)²/2`` of them counting ``A_{p',p} =
 A_{p,p'}ᵀ``, replaces the ``(C·k²)²`` products per output position (``k⁴`` blocks of C × C)
 that the unfolded patches cost: a 3×3 convolution's factor takes about a sixth of the
-multiply-adds, and the unfolded copy of the input is not needed for it.
+multiply-adds, and the unfolded copy of the input is not needed for it. The overlap's sum is
+one matrix product of two views of the input laid out as a zero-separated line
+(:func:`_padded_line`), with no copy per shift.
 
 Pure torch; no Lightning import.
 """
@@ -39,11 +41,15 @@ __all__ = [
     "grouped_weight_gradients",
     "overlap_input_factor",
     "overlap_pays",
+    "UNFOLD_COPY_COST",
 ]
 
 #: multiply-adds that the per-shift operations of the overlap factor cost in fixed overhead
-#: (their Python and copies, measured against the unfolded product on one CPU thread)
-OVERLAP_SHIFT_OVERHEAD = 10_000_000
+#: (their Python and small tensors, measured against the unfolded product on one CPU thread)
+OVERLAP_SHIFT_OVERHEAD = 4_000_000
+#: multiply-adds that writing and reading one number of the unfolded patches costs (the copy
+#: dominates the unfolded product of a convolution with few input channels)
+UNFOLD_COPY_COST = 200
 
 
 def overlap_pays(
@@ -51,20 +57,28 @@ def overlap_pays(
     kernel_size: tuple[int, ...],
     dilation: tuple[int, ...],
     padding: tuple[int, ...],
+    unfolded_anyway: bool = False,
 ) -> bool:
     """Whether a stride-1 convolution's input factor for the batch ``x`` (N, C, *spatial)
-    costs less from its shifted overlaps (about ``(2k−1)²/2`` products of the C-channel input,
-    plus :data:`OVERLAP_SHIFT_OVERHEAD` per shift) than from its unfolded patches
-    (``N·T·(C·k²)²`` multiply-adds)."""
-    samples, channels, positions = x.shape[0], x.shape[1], math.prod(x.shape[2:])
+    costs less from its shifted overlaps (about ``(2k−1)²/2`` products of the C-channel input
+    laid out with ``(k−1)·dilation`` zeros after each row and sample, plus
+    :data:`OVERLAP_SHIFT_OVERHEAD` per shift) than from its unfolded patches (``N·T·(C·k²)²``
+    multiply-adds plus :data:`UNFOLD_COPY_COST` per unfolded number, unless the patches are
+    ``unfolded_anyway`` for something else)."""
+    samples, channels = x.shape[0], x.shape[1]
     kernel = math.prod(kernel_size)
     shifts = (math.prod(2 * k - 1 for k in kernel_size) + 1) // 2
     outputs = math.prod(
         size + 2 * pad - dil * (k - 1)
         for size, pad, dil, k in zip(x.shape[2:], padding, dilation, kernel_size, strict=True)
     )
-    unfolded = samples * outputs * (channels * kernel) ** 2
-    overlaps = shifts * (samples * positions * channels**2 + OVERLAP_SHIFT_OVERHEAD)
+    padded = math.prod(
+        size + dil * (k - 1)
+        for size, dil, k in zip(x.shape[2:], dilation, kernel_size, strict=True)
+    )
+    copy = 0 if unfolded_anyway else UNFOLD_COPY_COST
+    unfolded = samples * outputs * channels * kernel * (channels * kernel + copy)
+    overlaps = shifts * (samples * padded * channels**2 + OVERLAP_SHIFT_OVERHEAD)
     return overlaps < unfolded
 
 
@@ -176,18 +190,22 @@ def overlap_input_factor(
     kh, kw = kernel_size
     offsets = kh * kw
     plan = _plan(tuple(x.shape[2:]), tuple(kernel_size), tuple(dilation), tuple(padding))
-    by_channel = x.transpose(0, 1).contiguous()  # (C, N, H, W)
+    flat, by_channel, start, row_length = _padded_line(x, kernel_size, dilation)
+    length = by_channel.shape[1] * by_channel.stride(1)  # the samples' stretch of the line
     blocks = x.new_zeros(offsets, offsets, channels, channels)
     for step in plan:
         rows, cols, (sh, sw) = step.rows, step.cols, step.shift
-        # the overlap (C, N, H', W') and its partner shifted by δ
-        first = by_channel[:, :, rows.start : rows.stop, cols.start : cols.stop]
-        second = by_channel[
-            :, :, rows.start + sh : rows.stop + sh, cols.start + sw : cols.stop + sw
-        ]
-        whole = _products(first.reshape(channels, -1), second.reshape(channels, -1))
+        # the whole overlap's sum: the line against itself shifted by δ (the zeros between rows
+        # and samples make every product that leaves the image vanish); no copy
+        partner = start + sh * row_length + sw
+        whole = _products(flat[:, start : start + length], flat[:, partner : partner + length])
         found = whole.expand(len(step.first), channels, channels)
         if step.edge_rows or step.edge_cols:
+            # the overlap (C, N, H', W') and its partner shifted by δ, for their edges
+            first = by_channel[:, :, rows.start : rows.stop, cols.start : cols.stop]
+            second = by_channel[
+                :, :, rows.start + sh : rows.stop + sh, cols.start + sw : cols.stop + sw
+            ]
             found = found - _edge_corrections(first, second, step)
         p = torch.tensor(step.first, device=x.device)
         q = torch.tensor(step.second, device=x.device)
@@ -196,6 +214,27 @@ def overlap_input_factor(
     # (p, q, C, C') → (C, p, C', q): F.unfold's coordinate is channel-major
     blocks = blocks.permute(2, 0, 3, 1).reshape(channels * offsets, channels * offsets)
     return blocks
+
+
+def _padded_line(
+    x: Tensor, kernel_size: tuple[int, int], dilation: tuple[int, int]
+) -> tuple[Tensor, Tensor, int, int]:
+    """The input (N, C, H, W) laid out as one line per channel, ``flat`` (C, L): every image
+    row followed by ``(kw − 1)·dw`` zeros and every sample by ``(kh − 1)·dh`` zero rows, with
+    zero margins before and after. A shift δ = (δh, δw) of the image is then the offset
+    ``δh·row_length + δw`` along the line, and the products of the image with its shifted
+    copy are one matrix product of two views of ``flat``. Also the image inside it as a view
+    ``by_channel`` (C, N, H, W), and the line's first image position ``start``."""
+    samples, channels, height, width = x.shape
+    pad_h, pad_w = (kernel_size[0] - 1) * dilation[0], (kernel_size[1] - 1) * dilation[1]
+    row_length, sample_rows = width + pad_w, height + pad_h
+    start, end = pad_w, pad_h * row_length + pad_w  # the most a shift reaches either way
+    body = samples * sample_rows * row_length
+    flat = x.new_zeros(channels, start + body + end)
+    padded = flat[:, start : start + body].view(channels, samples, sample_rows, row_length)
+    by_channel = padded[:, :, :height, :width]
+    by_channel.copy_(x.transpose(0, 1))
+    return flat, by_channel, start, row_length
 
 
 def _edge_corrections(first: Tensor, second: Tensor, step: _Shift) -> Tensor:

@@ -58,6 +58,11 @@ __all__ = [
 
 #: numbers per vectorized chunk when per-sample gradients are materialised
 CHUNK_ELEMENTS = 2**24
+#: numbers (inputs, output gradients and weight gradients) per grouped weight-gradient
+#: convolution: beyond a few MB its time per sample grows (up to 3× at 256 samples)
+GROUPED_CHUNK_ELEMENTS = 2**21
+#: the fewest output positions at which grouped weight gradients beat the patches' way
+GROUPED_MIN_POSITIONS = 32
 
 
 @dataclass
@@ -147,17 +152,19 @@ def _two_dimensional(
     return x, geometry
 
 
-def _overlap_pays(call: LayerCall) -> bool:
+def _overlap_pays(call: LayerCall, unfolded_anyway: bool) -> bool:
     """Whether a convolution call's input factor comes from its input's shifted overlaps:
     a batched stride-1 convolution for which that costs less than the unfolded patches
-    (:func:`~lightning_flatness.core.convolution_terms.overlap_pays`)."""
+    (:func:`~lightning_flatness.core.convolution_terms.overlap_pays`; ``unfolded_anyway``: the
+    norms need the patches, so only their product is saved)."""
     module = call.module
     if not isinstance(module, (nn.Conv1d, nn.Conv2d)) or any(s != 1 for s in module.stride):
         return False
     x = call.args[0]
     if x.dim() != len(module.kernel_size) + 2:  # an unbatched call keeps the patches
         return False
-    return overlap_pays(x, tuple(module.kernel_size), tuple(module.dilation), _conv_padding(module))
+    geometry = (tuple(module.kernel_size), tuple(module.dilation), _conv_padding(module))
+    return overlap_pays(x, *geometry, unfolded_anyway=unfolded_anyway)
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -236,20 +243,26 @@ class KroneckerRule(Rule):
     @property
     def from_overlaps(self) -> bool:
         """Every recorded call is a stride-1 convolution whose input factor costs less from
-        its input's shifted overlaps than from its unfolded patches (:func:`_overlap_pays`)."""
-        return bool(self.calls) and all(_overlap_pays(call) for call in self.calls)
+        its input's shifted overlaps than from its unfolded patches (:func:`_overlap_pays`;
+        the patches' copy counts only where the norms do not need them either)."""
+        unfolded_anyway = not self.grouped_norms
+        return bool(self.calls) and all(_overlap_pays(c, unfolded_anyway) for c in self.calls)
 
     @property
     def grouped_norms(self) -> bool:
         """The squared norms come from grouped weight gradients
-        (:meth:`convolution_squared_norms`): a convolution whose input factor comes from
-        overlaps (:attr:`from_overlaps`), so that it has no unfolded patches, where the explicit
-        per-sample gradients are the cheaper way (:func:`explicit_gradients_cheaper`)."""
-        if not self.from_overlaps:
+        (:meth:`convolution_squared_norms`), so that the layer has no unfolded patches: a
+        convolution whose explicit per-sample gradients are the cheaper way to its norms
+        (:func:`explicit_gradients_cheaper`), with at least :data:`GROUPED_MIN_POSITIONS`
+        output positions (on smaller images a grouped call costs up to 3× the patches' way),
+        and whose input factor then costs less from overlaps than from unfolded patches."""
+        if not self.calls or not all(_overlap_pays(c, False) for c in self.calls):
             return False
         weight = self.parameters()["weight"]
         positions = sum(math.prod(call.output.shape[2:]) for call in self.calls)
-        return explicit_gradients_cheaper(weight.shape[0], weight[0].numel(), positions)
+        return positions >= GROUPED_MIN_POSITIONS and explicit_gradients_cheaper(
+            weight.shape[0], weight[0].numel(), positions
+        )
 
     def input_factor(self) -> Tensor | None:
         """KFC's ``A = Σ_i Σ_t a_it a_itᵀ`` over all recorded calls from the inputs' shifted
@@ -283,9 +296,12 @@ class KroneckerRule(Rule):
         if rows != list(range(grads[0].shape[0])):
             grads = [grad[rows] for grad in grads]
         samples = geometries[0][0].shape[0]
-        per_sample = len(rows) * self.parameters()["weight"].numel()
+        per_sample = len(rows) * self.parameters()["weight"].numel() + sum(
+            x[0].numel() + grad[0].numel() // samples * len(rows)
+            for (x, _), grad in zip(geometries, grads, strict=True)
+        )
         total = grads[0].new_zeros(len(rows))
-        for chunk in sample_chunks(samples, max(1, CHUNK_ELEMENTS // per_sample)):
+        for chunk in sample_chunks(samples, max(1, GROUPED_CHUNK_ELEMENTS // per_sample)):
             summed = None
             for (x, geometry), grad in zip(geometries, grads, strict=True):
                 grad = grad.movedim(self.batch_dim + 1, 1)
