@@ -21,7 +21,8 @@ Prop. 6.1) — except for the Kronecker factorisation itself, which is an approx
 
 The sums are kept in float64; the eigenvalues are computed in float32 when the model is below
 float64 and :func:`~lightning_flatness.core.spectral.factorisation_dtype` says it is accurate
-enough (for ``G ⊗ A`` with the bound ``‖G ⊗ A‖ ≤ Tr(G)·‖A‖``).
+enough (for ``G ⊗ A`` with the bound ``‖G ⊗ A‖ ≤ Tr(G)·‖A‖``, or ``‖G‖·Tr(A)`` when G is the
+smaller factor: the smaller one is always decomposed in float64, and gives the norm).
 """
 
 from __future__ import annotations
@@ -122,12 +123,7 @@ class KFACFisher(CurvatureAccumulator):
         module docstring)."""
         result: dict[str, list[Tensor]] = {}
         for name, (g, a) in self.kronecker.items():
-            a_values = a / num_samples if a.dim() == 1 else psd_eigenvalues(a / num_samples)
-            a_values = clean_eigenvalues(a_values)
-            a_max = float(a_values.max()) if a_values.numel() else 0.0
-            bound = float(g.diagonal().sum()) / num_samples * a_max  # ≥ ‖G ⊗ A‖
-            dtype = factorisation_dtype(bound, lam, self.precision)
-            result[name] = [psd_eigenvalues(g / num_samples, dtype), a_values]
+            result[name] = self._factor_eigenvalues(g, a, num_samples, lam)
         for name, block in self.blocks.items():
             dtype = factorisation_dtype(
                 float(block.diagonal().sum()) / num_samples, lam, self.precision
@@ -138,6 +134,27 @@ class KFACFisher(CurvatureAccumulator):
         for name, diagonal in self.diagonal.items():
             result[name] = [clean_eigenvalues(diagonal / num_samples)]
         return result
+
+    def _factor_eigenvalues(
+        self, g: Tensor, a: Tensor, num_samples: int, lam: float
+    ) -> list[Tensor]:
+        """``[g, a]``: the smaller factor (or an embedding's diagonal A) in float64, its
+        largest eigenvalue times the other's trace bounding ‖G ⊗ A‖, which decides the other's
+        precision (module docstring): a dense layer's 1,152 × 1,152 input factor in float32
+        takes 40% of the float64 time."""
+        if a.dim() == 1 or a.shape[0] <= g.shape[0]:
+            a_values = clean_eigenvalues(
+                a / num_samples if a.dim() == 1 else psd_eigenvalues(a / num_samples)
+            )
+            a_max = float(a_values.max()) if a_values.numel() else 0.0
+            bound = float(g.diagonal().sum()) / num_samples * a_max  # ≥ ‖G ⊗ A‖
+            dtype = factorisation_dtype(bound, lam, self.precision)
+            return [psd_eigenvalues(g / num_samples, dtype), a_values]
+        g_values = psd_eigenvalues(g / num_samples)
+        g_max = float(g_values.max()) if g_values.numel() else 0.0
+        bound = float(a.diagonal().sum()) / num_samples * g_max  # ≥ ‖G ⊗ A‖
+        dtype = factorisation_dtype(bound, lam, self.precision)
+        return [g_values, psd_eigenvalues(a / num_samples, dtype)]
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         """The spectral summary, with per-parameter blocks in :attr:`order`."""
