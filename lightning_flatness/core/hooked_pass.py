@@ -258,6 +258,11 @@ class HookedPass:
                 tap.requires_grad_(True)
             return self.model.call(self._taps, inputs)
 
+    def recorded_numbers(self) -> int:
+        """How many numbers the latest :meth:`forward` recorded as layer outputs (what the
+        backward rows and the terms then read, about in proportion to the batch)."""
+        return sum(output.numel() for output in recorded_outputs(self.rules).values())
+
     def features(self) -> Tensor | None:
         """The input of :attr:`last_layer` in the latest :meth:`forward` (its last call)."""
         return self._features[-1] if self._features else None

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from lightning_flatness.core.batch_terms import BatchTerms
-from lightning_flatness.core.batches import Leaves, LogitsModule
+from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples, take_rows
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
@@ -35,7 +36,20 @@ from lightning_flatness.core.options import DiagOptions, KernelOptions, KFACOpti
 from lightning_flatness.core.pipeline import Backend, model_device_dtype
 from lightning_flatness.core.statistics import StatisticSums, output_sums
 
-__all__ = ["HookBackend"]
+__all__ = ["CHUNK_NUMBERS", "FIRST_CHUNK", "HookBackend"]
+
+#: recorded layer-output numbers per pass at which the hooked pass's time per sample is
+#: lowest on one CPU thread: larger batches are split into passes of about this many (the
+#: small ResNet's and the mid-size CNN's passes of 256 samples cost 1.2–1.4× their passes of
+#: 64; an MLP's are cheapest whole; docs/RESULTS.md)
+CHUNK_NUMBERS = 3 * 2**20
+#: the samples of the first pass, which measures how many numbers one sample records
+FIRST_CHUNK = 16
+
+
+class _Chunk(NamedTuple):
+    inputs: Leaves
+    targets: Tensor
 
 
 class HookBackend(Backend):
@@ -98,6 +112,8 @@ class HookBackend(Backend):
         self.hooked: HookedPass | None = None
         self.num_outputs: int | None = None
         self.num_parameters = 0
+        #: samples per pass (:data:`CHUNK_NUMBERS`), known after the first pass
+        self.chunk: int | None = None
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -124,8 +140,32 @@ class HookBackend(Backend):
                 self.hooked.close()
 
     def batch(self, inputs: Leaves, targets: Tensor, split: str, index: int) -> StatisticSums:
+        """The batch's sums, in passes of about :data:`CHUNK_NUMBERS` recorded numbers each (the
+        probes and sampled labels are keyed by position, so the split changes no number)."""
+        total = None
+        for chunk in self._chunks(inputs, targets):
+            sums = self._pass(chunk.inputs, chunk.targets, split, index)
+            total = sums if total is None else total + sums
+        return total
+
+    def _chunks(self, inputs: Leaves, targets: Tensor) -> Iterator[_Chunk]:
+        """The batch whole, or consecutive parts of :attr:`chunk` samples (before that is
+        known, the first :data:`FIRST_CHUNK` samples alone)."""
+        samples, start = num_samples(inputs), 0
+        if samples <= (self.chunk or FIRST_CHUNK):
+            yield _Chunk(inputs, targets)
+            return
+        while start < samples:
+            rows = slice(start, min(samples, start + (self.chunk or FIRST_CHUNK)))
+            yield _Chunk(take_rows(inputs, rows), targets[rows])
+            start = rows.stop
+
+    def _pass(self, inputs: Leaves, targets: Tensor, split: str, index: int) -> StatisticSums:
         hooked = self.hooked
         logits = hooked.forward(inputs)
+        if self.chunk is None:
+            per_sample = hooked.recorded_numbers() / max(num_samples(inputs), 1)
+            self.chunk = max(FIRST_CHUNK, int(CHUNK_NUMBERS // max(per_sample, 1.0)))
         targets = self.likelihood.prepare_targets(targets, logits)
         sums = output_sums(self.likelihood, logits, targets, hooked.last_layer, hooked.features())
         check_finite_loss(sums.loss, split, index)

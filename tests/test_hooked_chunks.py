@@ -1,0 +1,94 @@
+"""The layer-hook backend splits a large batch into passes of about ``CHUNK_NUMBERS`` recorded
+layer-output numbers (lightning_flatness/core/backends/hooks.py). The probes and sampled labels
+are keyed by each sample's position, so the split must not change any number: checked in
+float64 against the same measurement with every batch in one pass, for each hooked structure,
+on the paper's CNN and the zoo's BatchNorm ResNet (train-mode BatchNorm is measured in eval
+mode, so a pass's samples do not see each other)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from conftest import random_data, tiny_model
+
+from lightning_flatness.core import measure
+from lightning_flatness.core.backends import hooks
+from lightning_flatness.core.hooked_pass import HookedPass
+
+pytestmark = pytest.mark.filterwarnings("ignore:structure='.*' reports a soft rank")
+
+LAM = 1e-3
+#: the pass's own forward, before any test wraps it
+FORWARD = HookedPass.forward
+FIELDS = (
+    "soft_rank",
+    "logdet",
+    "trace_fisher",
+    "trace_cov",
+    "trace_fisher_val",
+    "train_nll",
+    "val_nll",
+    "train_accuracy",
+    "relative_flatness",
+)
+
+
+def _model(name: str) -> torch.nn.Module:
+    if name == "resnet":
+        torch.manual_seed(0)
+        return zoo.ResNet(width=3, classes=10).to(torch.float64)
+    return tiny_model(name)
+
+
+def _measured(model, data, structure: str, monkeypatch, first: int, numbers: float):
+    monkeypatch.setattr(hooks, "FIRST_CHUNK", first)
+    monkeypatch.setattr(hooks, "CHUNK_NUMBERS", numbers)
+    passes = []
+
+    def counted(self, inputs):
+        passes.append(inputs[0].shape[0])
+        return FORWARD(self, inputs)
+
+    monkeypatch.setattr(HookedPass, "forward", counted)
+    report = measure(
+        model,
+        data,
+        lam=LAM,
+        num_train_samples=100,
+        structure=structure,
+        val_batches=data[:1],
+        kfac_mode="sampled" if structure == "kfac" else "exact",
+        trace_estimator="probe",
+        seed=3,
+    )
+    return report, passes
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet"])
+@pytest.mark.parametrize("structure", ["kfac", "diag", "probe_kernel"])
+def test_a_batch_split_into_passes_measures_the_same(name, structure, monkeypatch):
+    model = _model(name).eval()
+    inputs, targets = random_data(37)
+    data = [(inputs[:30], targets[:30]), (inputs[30:], targets[30:])]
+    whole, whole_passes = _measured(model, data, structure, monkeypatch, 10**6, 1e18)
+    split, split_passes = _measured(model, data, structure, monkeypatch, 3, 1.0)
+    assert whole_passes == [30, 7, 30]  # two training batches, one held-out
+    # the first pass learns the size: every later pass has FIRST_CHUNK samples here
+    assert split_passes[:2] == [3, 3] and sum(split_passes) == 67 and max(split_passes) == 3
+    for field in FIELDS:
+        assert getattr(split, field) == pytest.approx(
+            getattr(whole, field), rel=1e-10, nan_ok=True
+        ), field
+
+
+def test_the_pass_size_follows_the_recorded_numbers(monkeypatch):
+    """A model recording r numbers per sample is measured in passes of CHUNK_NUMBERS // r
+    samples after its first pass (and never fewer than FIRST_CHUNK)."""
+    model = tiny_model("mlp").eval()
+    inputs, targets = random_data(50)
+    recorded = sum(m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
+    _, passes = _measured(model, [(inputs, targets)], "kfac", monkeypatch, 4, 9.5 * recorded)
+    assert passes[:3] == [4, 9, 9] and sum(passes) == 100  # 50 training, 50 held-out
+    _, passes = _measured(model, [(inputs, targets)], "kfac", monkeypatch, 4, 2.0)
+    assert max(passes) == 4 and sum(passes) == 100
