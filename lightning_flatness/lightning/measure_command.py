@@ -25,6 +25,7 @@ from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.measure import measure
 from lightning_flatness.lightning.figures import summary_table
 from lightning_flatness.lightning.monitor import FlatnessMonitor
+from lightning_flatness.lightning.monitor_measurement import MEASUREMENT_BATCH_SIZE
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
 from lightning_flatness.lightning.trainer_facts import (
     first_dataloader,
@@ -94,7 +95,7 @@ def _batches(
                 "lightning-flatness measure: the training data has no length, so n is unknown; "
                 "set num_train_samples in the config's FlatnessMonitor."
             ) from None
-    seed, batch_size = monitor.seed, monitor.batch_size
+    seed, batch_size = monitor.seed, monitor.batch_size or MEASUREMENT_BATCH_SIZE
     train_batches = fixed_subset_batches(train, monitor.max_samples, batch_size, seed)
     if not monitor.use_val:
         return train_batches, None, size

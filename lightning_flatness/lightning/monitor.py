@@ -121,7 +121,9 @@ class FlatnessMonitor(
         val_dataloader: which validation dataloader the held-out numbers (trace ratio,
             observed gap) use; ``None``: none.
         num_train_samples: n for the predicted gap; default ``len(train dataset)``.
-        batch_size: batch size of the measurement passes (does not change any number).
+        batch_size: batch size of the measurement passes (does not change any number);
+            ``None``: 256 for the exact-quality measurement, and the fill-in's 1,024 samples
+            in one batch, which the layer hooks split into passes by their own size rule.
         reading: how batches and outputs are read: the likelihood ``loss``,
             ``unpack_batch`` and ``logits_fn``
             (:class:`~lightning_flatness.core.reading.BatchReading`; default: cross-entropy on
@@ -153,7 +155,7 @@ class FlatnessMonitor(
         max_val_samples: int | None = DEFAULT_MAX_VAL_SAMPLES,
         val_dataloader: int | None = 0,
         num_train_samples: int | None = None,
-        batch_size: int = 256,
+        batch_size: int | None = None,
         reading: BatchReading | None = None,
         log_options: LogOptions | None = None,
         regularize: bool | SoftRankRegularizer = False,
@@ -167,7 +169,7 @@ class FlatnessMonitor(
         check_count("max_samples", max_samples, allow_none=True)
         check_count("max_val_samples", max_val_samples, allow_none=True)
         check_count("num_train_samples", num_train_samples, allow_none=True)
-        check_count("batch_size", batch_size)
+        check_count("batch_size", batch_size, allow_none=True)
         check_count("val_dataloader", val_dataloader, 0, allow_none=True)
         reading = reading if reading is not None else BatchReading()
         log_options = log_options if log_options is not None else LogOptions()

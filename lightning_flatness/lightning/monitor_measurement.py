@@ -31,13 +31,16 @@ from lightning_flatness.lightning.trainer_facts import (
     select_dataloader,
 )
 
-__all__ = ["FALLBACK", "MONITOR_DEFAULTS", "MonitorMeasurement"]
+__all__ = ["FALLBACK", "MEASUREMENT_BATCH_SIZE", "MONITOR_DEFAULTS", "MonitorMeasurement"]
 
 #: what a structure named by a string is measured with: Tr(F) from probe rows (no extra
 #: backward pass), and ``kfac``'s output factors from one probe per input (docs/RESULTS.md)
 MONITOR_DEFAULTS = {"trace_estimator": "probe", "kfac_mode": "probe"}
 #: the structure measured when BackPACK cannot extend the model for ``dense`` or ``gram``
 FALLBACK = "lanczos"
+#: the measurement's batch size when the user gives none (the fill-in reads its whole subset
+#: in one batch instead: the layer hooks split it into passes of the size they run fastest at)
+MEASUREMENT_BATCH_SIZE = 256
 
 
 class MonitorMeasurement:
@@ -61,10 +64,13 @@ class MonitorMeasurement:
             return []
         if not is_sized(loader):
             return list(self._streams[split].batches)
+        batch_size = self.batch_size or (
+            FILL_IN_SAMPLES if limit is not None else MEASUREMENT_BATCH_SIZE
+        )
         return fixed_subset_batches(
             loader,
             max_samples,
-            self.batch_size,
+            batch_size,
             self.seed,
             rank=trainer.global_rank,
             world_size=trainer.world_size,
