@@ -7,17 +7,20 @@ from __future__ import annotations
 import copy
 import math
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import quiet_trainer
 from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
 from lightning_flatness.lightning.budget import (
     CHEAP,
     EXACT,
+    FILL_IN_SAMPLES,
     SKIP,
     OverheadBudget,
     fill_in_record,
@@ -212,3 +215,21 @@ def test_a_fit_end_measurement_follows_the_budget_too(tmp_path):
     monitor.budget.cheap_seconds = 1e-3
     _fit(tmp_path, [monitor])
     assert [(r["epoch"], r["fill_in"]) for r in monitor.history] == [(1.0, 1.0), (2.0, 1.0)]
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "exact", "fill_in"),
+    [(None, [256] * 11 + [184], [1024]), (100, [100] * 30, [100] * 10 + [24])],
+)
+def test_measurement_batches_by_default_and_as_asked(batch_size, exact, fill_in):
+    """By default the exact measurement reads batches of 256 and the fill-in its whole subset
+    of at most FILL_IN_SAMPLES in one batch (the hooks split it into passes); a batch size the
+    user gives is used for both."""
+    data = TensorDataset(torch.randn(3000, 3), torch.zeros(3000, dtype=torch.long))
+    loader = DataLoader(data, batch_size=64)
+    trainer = SimpleNamespace(global_rank=0, world_size=1)
+    monitor = FlatnessMonitor(batch_size=batch_size)
+    sizes = [len(y) for _, y in monitor._batches(trainer, loader, "training")]
+    assert sizes == exact
+    sizes = [len(y) for _, y in monitor._batches(trainer, loader, "training", FILL_IN_SAMPLES)]
+    assert sizes == fill_in
