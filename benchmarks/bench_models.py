@@ -12,7 +12,10 @@ interleaved and repeated:
 - ``measure()`` over the same m samples for the default structure ``kfac`` (layer hooks) with
   exact Fisher rows and exact Tr(F) (``measure()``'s defaults), with one sampled label per
   input for the factors and the trace, and with one Rademacher probe per input
-  (``FlatnessMonitor``'s defaults), the same with every convolution's patches unfolded (no
+  (``FlatnessMonitor``'s defaults), the same in the monitor's batches (the fill-in reads up to
+  1,024 samples per batch and the hooks split them into passes of the size they run fastest
+  at; still ÷ the training pass at the batch size above), the same with every convolution's
+  patches unfolded (no
   input factor or norms from the input's shifted overlaps: the code before those), the exact
   diagonal
   ``diag``, ``hutchinson``, and (``--lanczos``) ``lanczos`` at its default options;
@@ -48,12 +51,16 @@ from lightning_flatness import measure
 from lightning_flatness.core import convolution_terms
 from lightning_flatness.core.batches import call_model, read_logits
 from lightning_flatness.core.models import build_model
+from lightning_flatness.lightning.budget import FILL_IN_SAMPLES
 
 LAM = 1e-3
 #: the monitor's default with every convolution unfolded (as before the overlap factor)
 UNFOLDED = "kfac probe, unfolded patches"
 #: the column of :func:`_passes_only`
 PASSES_ONLY = "forward + 2 backward only"
+#: the monitor's default as the monitor runs its fill-in: the samples in batches of
+#: FILL_IN_SAMPLES, which the hooks split into passes by their own size rule
+MONITOR_BATCHES = "kfac probe, the monitor's batches"
 
 #: variant → (structure, measure() keyword arguments)
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -63,6 +70,10 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         {"kfac_mode": "sampled", "trace_estimator": "sampled"},
     ),
     "kfac probe (monitor default)": (
+        "kfac",
+        {"kfac_mode": "probe", "trace_estimator": "probe"},
+    ),
+    MONITOR_BATCHES: (
         "kfac",
         {"kfac_mode": "probe", "trace_estimator": "probe"},
     ),
@@ -251,8 +262,10 @@ def main() -> None:
         if name == "compiled":
             tasks["train"]()  # compile once, outside the timings
         tasks[PASSES_ONLY] = _passes_only(model, batches)
+        monitor_batches = _batches(inputs, targets, FILL_IN_SAMPLES)
         for variant in variants:
-            tasks[variant] = _measurement(model, batches, variant)
+            chosen = monitor_batches if variant == MONITOR_BATCHES else batches
+            tasks[variant] = _measurement(model, chosen, variant)
         # the first measurement of a model checks its rules against autograd once (remembered
         # for the others): outside the timings, so that no variant pays it
         with warnings.catch_warnings():
