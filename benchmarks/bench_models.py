@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import random
 import sys
 import warnings
@@ -48,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import zoo
 
 from lightning_flatness import measure
-from lightning_flatness.core import convolution_terms
+from lightning_flatness.core import layer_rules
 from lightning_flatness.core.batches import call_model, read_logits
 from lightning_flatness.core.models import build_model
 from lightning_flatness.lightning.budget import FILL_IN_SAMPLES
@@ -203,15 +202,15 @@ def _measurement(model: nn.Module, batches: list, variant: str) -> Callable[[], 
     unfolded = variant == UNFOLDED
 
     def run() -> object:
-        kept = convolution_terms.OVERLAP_SHIFT_OVERHEAD
+        kept = layer_rules.overlap_pays
         if unfolded:  # no convolution's input factor or norms from overlaps
-            convolution_terms.OVERLAP_SHIFT_OVERHEAD = math.inf
+            layer_rules.overlap_pays = lambda *args, **kwargs: False
         try:
             return measure(
                 model, batches, lam=LAM, num_train_samples=10_000, structure=structure, **kwargs
             )
         finally:
-            convolution_terms.OVERLAP_SHIFT_OVERHEAD = kept
+            layer_rules.overlap_pays = kept
 
     return run
 

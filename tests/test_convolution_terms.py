@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_flatness.core import convolution_terms, layer_rules
+from lightning_flatness.core import layer_rules
 from lightning_flatness.core.convolution_terms import overlap_input_factor
 from lightning_flatness.core.measure import measure
 
@@ -71,8 +71,9 @@ class Convolutions(nn.Module):
         return self.head(torch.cat([h.flatten(1), line.flatten(1)], dim=1))
 
 
-def _measured(model, data, overhead: int, monkeypatch) -> tuple[object, list]:
-    monkeypatch.setattr(convolution_terms, "OVERLAP_SHIFT_OVERHEAD", overhead)
+def _measured(model, data, overlaps: bool, monkeypatch) -> tuple[object, list]:
+    """The measurement with the cost rule answering ``overlaps`` for every stride-1 call."""
+    monkeypatch.setattr(layer_rules, "overlap_pays", lambda *args, **kwargs: overlaps)
     taken = []
     original = layer_rules.overlap_input_factor
 
@@ -102,8 +103,8 @@ def test_kfac_measures_the_same_with_the_overlap_factor(batch_size, monkeypatch)
     x = torch.randn(9, 2, 7, 5, generator=generator, dtype=torch.float64)
     y = torch.arange(9) % 3
     data = [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, 9, batch_size)]
-    with_overlaps, taken = _measured(model, data, 0, monkeypatch)
-    without, not_taken = _measured(model, data, 10**18, monkeypatch)
+    with_overlaps, taken = _measured(model, data, True, monkeypatch)
+    without, not_taken = _measured(model, data, False, monkeypatch)
     assert not not_taken
     # every stride-1 convolution (the one-dimensional one as one row), the twice-applied one
     # once per call, never the strided one
@@ -128,7 +129,7 @@ def test_kfac_measures_the_same_with_the_overlap_factor(batch_size, monkeypatch)
 
 
 def test_strided_and_unbatched_convolutions_never_take_the_overlap_path(monkeypatch):
-    monkeypatch.setattr(convolution_terms, "OVERLAP_SHIFT_OVERHEAD", 0)
+    monkeypatch.setattr(layer_rules, "overlap_pays", lambda *args, **kwargs: True)
     conv = nn.Conv2d(4, 4, 3, stride=2)
     x = torch.randn(8, 4, 9, 9)
     call = layer_rules.LayerCall(conv, (x,), {}, conv(x))
@@ -153,6 +154,10 @@ def test_strided_and_unbatched_convolutions_never_take_the_overlap_path(monkeypa
         (64, 64, 7, 1, True, False),
         # the paper's CNN: 3 × 3 outputs, the patches' way for both
         (15, 20, 5, 0, False, False),
+        # unpadded convolutions on small images: four times the edge rows and columns, more
+        # than the patches cost
+        (16, 32, 8, 0, False, False),
+        (1, 16, 16, 0, False, False),
     ],
 )
 def test_the_default_cost_rule_takes_the_overlaps_where_they_pay(

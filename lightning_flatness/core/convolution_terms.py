@@ -41,12 +41,19 @@ __all__ = [
     "grouped_weight_gradients",
     "overlap_input_factor",
     "overlap_pays",
+    "EDGE_COPY_COST",
+    "EDGE_LINE_OVERHEAD",
     "UNFOLD_COPY_COST",
 ]
 
 #: multiply-adds that the per-shift operations of the overlap factor cost in fixed overhead
 #: (their Python and small tensors, measured against the unfolded product on one CPU thread)
 OVERLAP_SHIFT_OVERHEAD = 4_000_000
+#: the same for one edge row or column of a shift's correction, and per number of it copied
+#: (the gathers of a strided line): an unpadded convolution has four times as many edge lines
+#: as a padded one, and on small images they cost more than the unfolded patches
+EDGE_LINE_OVERHEAD = 1_000_000
+EDGE_COPY_COST = 350
 #: multiply-adds that writing and reading one number of the unfolded patches costs (the copy
 #: dominates the unfolded product of a convolution with few input channels)
 UNFOLD_COPY_COST = 200
@@ -62,23 +69,33 @@ def overlap_pays(
     """Whether a stride-1 convolution's input factor for the batch ``x`` (N, C, *spatial)
     costs less from its shifted overlaps (about ``(2k−1)²/2`` products of the C-channel input
     laid out with ``(k−1)·dilation`` zeros after each row and sample, plus
-    :data:`OVERLAP_SHIFT_OVERHEAD` per shift) than from its unfolded patches (``N·T·(C·k²)²``
-    multiply-adds plus :data:`UNFOLD_COPY_COST` per unfolded number, unless the patches are
-    ``unfolded_anyway`` for something else)."""
+    :data:`OVERLAP_SHIFT_OVERHEAD` per shift, and the edge corrections' rows and columns,
+    :data:`EDGE_LINE_OVERHEAD` each plus :data:`EDGE_COPY_COST` per number and their products)
+    than from its unfolded patches (``N·T·(C·k²)²`` multiply-adds plus
+    :data:`UNFOLD_COPY_COST` per unfolded number, unless the patches are ``unfolded_anyway``
+    for something else). A one-dimensional convolution counts as one row."""
     samples, channels = x.shape[0], x.shape[1]
+    geometry = [tuple(value) for value in (x.shape[2:], kernel_size, dilation, padding)]
+    if len(geometry[0]) == 1:
+        geometry = [(fill, *value) for fill, value in zip((1, 1, 1, 0), geometry, strict=True)]
+    sizes, kernel_size, dilation, padding = geometry
     kernel = math.prod(kernel_size)
-    shifts = (math.prod(2 * k - 1 for k in kernel_size) + 1) // 2
     outputs = math.prod(
         size + 2 * pad - dil * (k - 1)
-        for size, pad, dil, k in zip(x.shape[2:], padding, dilation, kernel_size, strict=True)
+        for size, pad, dil, k in zip(sizes, padding, dilation, kernel_size, strict=True)
     )
     padded = math.prod(
-        size + dil * (k - 1)
-        for size, dil, k in zip(x.shape[2:], dilation, kernel_size, strict=True)
+        size + dil * (k - 1) for size, dil, k in zip(sizes, dilation, kernel_size, strict=True)
     )
     copy = 0 if unfolded_anyway else UNFOLD_COPY_COST
     unfolded = samples * outputs * channels * kernel * (channels * kernel + copy)
-    overlaps = shifts * (samples * padded * channels**2 + OVERLAP_SHIFT_OVERHEAD)
+    plan = _plan(*geometry)
+    overlaps = len(plan) * (samples * padded * channels**2 + OVERLAP_SHIFT_OVERHEAD)
+    line = samples * channels * (EDGE_COPY_COST + channels)  # per position of an edge line
+    for step in plan:
+        positions = len(step.edge_rows) * len(step.cols) + len(step.edge_cols) * len(step.rows)
+        edges = len(step.edge_rows) + len(step.edge_cols)
+        overlaps += edges * EDGE_LINE_OVERHEAD + positions * line
     return overlaps < unfolded
 
 
