@@ -92,3 +92,17 @@ def test_the_pass_size_follows_the_recorded_numbers(monkeypatch):
     assert passes[:3] == [4, 9, 9] and sum(passes) == 100  # 50 training, 50 held-out
     _, passes = _measured(model, [(inputs, targets)], "kfac", monkeypatch, 4, 2.0)
     assert max(passes) == 4 and sum(passes) == 100
+
+
+def test_a_recurrent_model_is_measured_in_passes_of_at_most_recurrent_chunk(monkeypatch):
+    torch.manual_seed(0)
+    model = zoo.build("lstm").to(torch.float64).eval()
+    inputs, targets = zoo.zoo_data("lstm", 23)
+    data = [(inputs, targets)]
+    monkeypatch.setattr(hooks, "RECURRENT_CHUNK", 5)
+    whole, _ = _measured(model, data, "kfac", monkeypatch, 10**6, 1e18)
+    monkeypatch.setattr(hooks, "RECURRENT_CHUNK", 5)
+    split, passes = _measured(model, data, "kfac", monkeypatch, 2, 1e18)
+    assert passes[:2] == [2, 5] and max(passes) == 5 and sum(passes) == 46
+    for field in FIELDS:
+        assert getattr(split, field) == pytest.approx(getattr(whole, field), rel=1e-10, nan_ok=True)
