@@ -26,7 +26,7 @@ from lightning_flatness.lightning.budget import (
     fill_in_record,
 )
 from lightning_flatness.lightning.log_options import LogOptions
-from lightning_flatness.lightning.monitor_measurement import MONITOR_DEFAULTS
+from lightning_flatness.lightning.monitor_measurement import MONITOR_DEFAULTS, tensor_numbers
 
 
 class FakeClock:
@@ -233,3 +233,17 @@ def test_measurement_batches_by_default_and_as_asked(batch_size, exact, fill_in)
     assert sizes == exact
     sizes = [len(y) for _, y in monitor._batches(trainer, loader, "training", FILL_IN_SAMPLES)]
     assert sizes == fill_in
+
+
+@pytest.mark.parametrize(
+    ("numbers", "expected"), [(4, 1024), (2**15, 1024), (2**16, 512), (2**20, 256)]
+)
+def test_the_fill_in_batch_is_bounded_by_the_numbers_it_holds(numbers, expected, monkeypatch):
+    """The fill-in reads its subset whole unless that batch would hold more than
+    FILL_IN_BATCH_NUMBERS numbers (the first training batch tells one sample's), never fewer
+    than 256 samples per batch."""
+    monitor = FlatnessMonitor()
+    monitor._sample_numbers = numbers
+    assert monitor._fill_in_batch_size() == expected
+    batch = (torch.zeros(8, 3, 4, 4), torch.zeros(8, dtype=torch.long), {"mask": torch.ones(8, 2)})
+    assert tensor_numbers(batch) == 8 * (48 + 1 + 2)

@@ -123,7 +123,8 @@ class FlatnessMonitor(
         num_train_samples: n for the predicted gap; default ``len(train dataset)``.
         batch_size: batch size of the measurement passes (does not change any number);
             ``None``: 256 for the exact-quality measurement, and the fill-in's 1,024 samples
-            in one batch, which the layer hooks split into passes by their own size rule.
+            in one batch (fewer, down to 256, when that batch would hold over 2²⁵ numbers),
+            which the layer hooks split into passes by their own size rule.
         reading: how batches and outputs are read: the likelihood ``loss``,
             ``unpack_batch`` and ``logits_fn``
             (:class:`~lightning_flatness.core.reading.BatchReading`; default: cross-entropy on
@@ -228,6 +229,8 @@ class FlatnessMonitor(
         self._check_on_first_batch = False
         #: the training batch the fit-start check read, for the trial measurement
         self._first_batch: Any = None
+        #: the numbers one training sample's batch entry holds (read at fit start)
+        self._sample_numbers: float | None = None
 
     @property
     def state_key(self) -> str:

@@ -33,7 +33,11 @@ from lightning_flatness.lightning.budget import (
     TRIAL_SAMPLES,
     trial_settings,
 )
-from lightning_flatness.lightning.monitor_measurement import FALLBACK, MONITOR_DEFAULTS
+from lightning_flatness.lightning.monitor_measurement import (
+    FALLBACK,
+    MONITOR_DEFAULTS,
+    tensor_numbers,
+)
 from lightning_flatness.lightning.monitor_schedule import quiet_fill_in
 from lightning_flatness.lightning.trainer_facts import (
     all_dataloaders,
@@ -104,6 +108,7 @@ class FitStartChecks:
                     samples, _ = self._check_batch(pl_module, batch)
                     if split == "training":
                         self._trial_samples = samples
+                        self._sample_numbers = tensor_numbers(batch) / max(samples, 1)
                 if split == "training":
                     self._first_batch = batch
         except Exception as error:

@@ -31,7 +31,14 @@ from lightning_flatness.lightning.trainer_facts import (
     select_dataloader,
 )
 
-__all__ = ["FALLBACK", "MEASUREMENT_BATCH_SIZE", "MONITOR_DEFAULTS", "MonitorMeasurement"]
+__all__ = [
+    "FALLBACK",
+    "FILL_IN_BATCH_NUMBERS",
+    "MEASUREMENT_BATCH_SIZE",
+    "MONITOR_DEFAULTS",
+    "MonitorMeasurement",
+    "tensor_numbers",
+]
 
 #: what a structure named by a string is measured with: Tr(F) from probe rows (no extra
 #: backward pass), and ``kfac``'s output factors from one probe per input (docs/RESULTS.md)
@@ -41,6 +48,20 @@ FALLBACK = "lanczos"
 #: the measurement's batch size when the user gives none (the fill-in reads its whole subset
 #: in one batch instead: the layer hooks split it into passes of the size they run fastest at)
 MEASUREMENT_BATCH_SIZE = 256
+#: the most numbers a fill-in batch holds when it has more than MEASUREMENT_BATCH_SIZE samples
+#: (1,024 images of 224 × 224 × 3 would be 600 MB of float32 inputs)
+FILL_IN_BATCH_NUMBERS = 2**25
+
+
+def tensor_numbers(batch: Any) -> int:
+    """How many numbers the tensors of a batch (nested tuples, lists, dicts) hold."""
+    if isinstance(batch, torch.Tensor):
+        return batch.numel()
+    if isinstance(batch, dict):
+        return sum(tensor_numbers(value) for value in batch.values())
+    if isinstance(batch, list | tuple):
+        return sum(tensor_numbers(value) for value in batch)
+    return 0
 
 
 class MonitorMeasurement:
@@ -65,7 +86,7 @@ class MonitorMeasurement:
         if not is_sized(loader):
             return list(self._streams[split].batches)
         batch_size = self.batch_size or (
-            FILL_IN_SAMPLES if limit is not None else MEASUREMENT_BATCH_SIZE
+            self._fill_in_batch_size() if limit is not None else MEASUREMENT_BATCH_SIZE
         )
         return fixed_subset_batches(
             loader,
@@ -75,6 +96,13 @@ class MonitorMeasurement:
             rank=trainer.global_rank,
             world_size=trainer.world_size,
         )
+
+    def _fill_in_batch_size(self) -> int:
+        """All :data:`FILL_IN_SAMPLES` in one batch, or as many as hold
+        :data:`FILL_IN_BATCH_NUMBERS` numbers (at least :data:`MEASUREMENT_BATCH_SIZE`)."""
+        per_sample = self._sample_numbers or 0.0
+        fitting = int(FILL_IN_BATCH_NUMBERS // per_sample) if per_sample > 0 else FILL_IN_SAMPLES
+        return max(MEASUREMENT_BATCH_SIZE, min(FILL_IN_SAMPLES, fitting))
 
     def _shard(self, trainer: Trainer) -> tuple[int, int] | None:
         """``(rank, world_size)`` when the ranks split one fixed subset of a sized dataset
