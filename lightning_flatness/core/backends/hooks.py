@@ -44,8 +44,10 @@ __all__ = ["CHUNK_NUMBERS", "FIRST_CHUNK", "RECURRENT_CHUNK", "HookBackend"]
 #: small ResNet's and the mid-size CNN's passes of 256 samples cost 1.2–1.4× their passes of
 #: 64; an MLP's are cheapest whole; docs/RESULTS.md)
 CHUNK_NUMBERS = 3 * 2**20
-#: the samples of the first pass, which measures how many numbers one sample records
-FIRST_CHUNK = 16
+#: the samples of the first pass, which measures how many numbers one sample records (a batch
+#: of at most this many is one pass, so that timing a measurement of a few samples, as the
+#: monitor does at fit start to predict its cost, times one pass)
+FIRST_CHUNK = 32
 #: the most samples per pass of a model with a recurrent layer: its step-by-step recursion
 #: under ``vmap`` costs more per sample beyond (the zoo LSTM's 1,024 samples: 0.09 s in passes
 #: of 256, 0.10 s in passes of 512, 0.14 s in one)
