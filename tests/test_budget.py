@@ -238,7 +238,7 @@ def test_measurement_batches_by_default_and_as_asked(batch_size, exact, fill_in)
 @pytest.mark.parametrize(
     ("numbers", "expected"), [(4, 1024), (2**15, 1024), (2**16, 512), (2**20, 256)]
 )
-def test_the_fill_in_batch_is_bounded_by_the_numbers_it_holds(numbers, expected, monkeypatch):
+def test_the_fill_in_batch_is_bounded_by_the_numbers_it_holds(numbers, expected):
     """The fill-in reads its subset whole unless that batch would hold more than
     FILL_IN_BATCH_NUMBERS numbers (the first training batch tells one sample's), never fewer
     than 256 samples per batch."""

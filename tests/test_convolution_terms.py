@@ -106,12 +106,12 @@ def test_kfac_measures_the_same_with_the_overlap_factor(batch_size, monkeypatch)
     with_overlaps, taken = _measured(model, data, True, monkeypatch)
     without, not_taken = _measured(model, data, False, monkeypatch)
     assert not not_taken
-    # every stride-1 convolution (the one-dimensional one as one row), the twice-applied one
-    # once per call, never the strided one
     # the norms of the layers with at least GROUPED_MIN_POSITIONS outputs from grouped
     # weight gradients
     assert taken.count("grouped") >= len(data)
     taken = [entry for entry in taken if entry != "grouped"]
+    # every stride-1 convolution (the one-dimensional one as one row), the twice-applied one
+    # once per call, never the strided one
     assert len(taken) == 5 * len(data)
     assert set(taken) == {
         ((2, 7, 5), (3, 3), (1, 1)),
