@@ -49,11 +49,12 @@ __all__ = [
 #: multiply-adds that the per-shift operations of the overlap factor cost in fixed overhead
 #: (their Python and small tensors, measured against the unfolded product on one CPU thread)
 OVERLAP_SHIFT_OVERHEAD = 4_000_000
-#: the same for one edge row or column of a shift's correction, and per number of it copied
-#: (the gathers of a strided line): an unpadded convolution has four times as many edge lines
-#: as a padded one, and on small images they cost more than the unfolded patches
-EDGE_LINE_OVERHEAD = 1_000_000
-EDGE_COPY_COST = 350
+#: the same for one edge row or column of a shift's correction, and per number of it (its
+#: copy into a line of its own, :class:`_EdgeLines`, and the product's reads): an unpadded
+#: convolution has four times as many edge lines as a padded one, and on small images they
+#: cost more than the unfolded patches
+EDGE_LINE_OVERHEAD = 1_500_000
+EDGE_COPY_COST = 100
 #: multiply-adds that writing and reading one number of the unfolded patches costs (the copy
 #: dominates the unfolded product of a convolution with few input channels)
 UNFOLD_COPY_COST = 200
@@ -209,21 +210,18 @@ def overlap_input_factor(
     plan = _plan(tuple(x.shape[2:]), tuple(kernel_size), tuple(dilation), tuple(padding))
     flat, by_channel, start, row_length = _padded_line(x, kernel_size, dilation)
     length = by_channel.shape[1] * by_channel.stride(1)  # the samples' stretch of the line
+    pad_h, pad_w = (kh - 1) * dilation[0], (kw - 1) * dilation[1]
+    lines = _EdgeLines(by_channel, pad_w, pad_h)
     blocks = x.new_zeros(offsets, offsets, channels, channels)
     for step in plan:
-        rows, cols, (sh, sw) = step.rows, step.cols, step.shift
+        sh, sw = step.shift
         # the whole overlap's sum: the line against itself shifted by δ (the zeros between rows
         # and samples make every product that leaves the image vanish); no copy
         partner = start + sh * row_length + sw
         whole = _products(flat[:, start : start + length], flat[:, partner : partner + length])
         found = whole.expand(len(step.first), channels, channels)
         if step.edge_rows or step.edge_cols:
-            # the overlap (C, N, H', W') and its partner shifted by δ, for their edges
-            first = by_channel[:, :, rows.start : rows.stop, cols.start : cols.stop]
-            second = by_channel[
-                :, :, rows.start + sh : rows.stop + sh, cols.start + sw : cols.stop + sw
-            ]
-            found = found - _edge_corrections(first, second, step)
+            found = found - _edge_corrections(lines, step)
         p = torch.tensor(step.first, device=x.device)
         q = torch.tensor(step.second, device=x.device)
         blocks[p, q] = found
@@ -254,35 +252,88 @@ def _padded_line(
     return flat, by_channel, start, row_length
 
 
-def _edge_corrections(first: Tensor, second: Tensor, step: _Shift) -> Tensor:
+class _EdgeLines:
+    """Single rows and columns of the image, each copied once per factor into a line of its
+    own with its padding zeros and zero margins (a row followed by the ``(kw − 1)·dw`` zeros
+    of the padded layout, a column by the ``(kh − 1)·dh`` zero rows after each sample): the
+    sums of one edge row (or column) against its partner shifted by δ are then one matrix
+    product of two views, and each row or column is copied once for all shifts.
+
+    Args:
+        image: the image inside the padded layout, (C, N, H, W), a view of it.
+        pad_w, pad_h: the zeros after each row and the zero rows after each sample.
+    """
+
+    def __init__(self, image: Tensor, pad_w: int, pad_h: int) -> None:
+        self.image = image
+        self.pad_w, self.pad_h = pad_w, pad_h
+        self._rows: dict[int, Tensor] = {}
+        self._cols: dict[int, Tensor] = {}
+
+    @staticmethod
+    def _line(part: Tensor, pad: int) -> Tensor:
+        """``part`` (C, N, M) as (C, pad + N·(M + pad) + pad), each sample's M numbers followed
+        by ``pad`` zeros."""
+        channels, samples, size = part.shape
+        line = part.new_zeros(channels, pad + samples * (size + pad) + pad)
+        body = line[:, pad : pad + samples * (size + pad)].view(channels, samples, size + pad)
+        body[:, :, :size].copy_(part)
+        return line
+
+    def row(self, index: int) -> Tensor:
+        if index not in self._rows:
+            self._rows[index] = self._line(self.image[:, :, index, :], self.pad_w)
+        return self._rows[index]
+
+    def column(self, index: int) -> Tensor:
+        if index not in self._cols:
+            self._cols[index] = self._line(self.image[:, :, :, index], self.pad_h)
+        return self._cols[index]
+
+    def row_sum(self, row: int, shift: tuple[int, int]) -> Tensor:
+        """``Σ_i Σ_u x_i[row, u] x_i[row + δh, u + δw]ᵀ`` (C × C), ``u`` over the columns where
+        both are in the image (the zeros take care of the rest)."""
+        first, second = self.row(row), self.row(row + shift[0])
+        pad, length = self.pad_w, first.shape[1] - 2 * self.pad_w
+        return _products(
+            first[:, pad : pad + length], second[:, pad + shift[1] : pad + shift[1] + length]
+        )
+
+    def column_sum(self, column: int, shift: tuple[int, int]) -> Tensor:
+        """``Σ_i Σ_u x_i[u, column] x_i[u + δh, column + δw]ᵀ`` (C × C)."""
+        first, second = self.column(column), self.column(column + shift[1])
+        pad, length = self.pad_h, first.shape[1] - 2 * self.pad_h
+        return _products(
+            first[:, pad : pad + length], second[:, pad + shift[0] : pad + shift[0] + length]
+        )
+
+    def corner_sum(self, row: int, column: int, shift: tuple[int, int]) -> Tensor:
+        """``Σ_i x_i[row, column] x_i[row + δh, column + δw]ᵀ`` (C × C)."""
+        partner = self.image[:, :, row + shift[0], column + shift[1]]
+        return _products(self.image[:, :, row, column], partner)
+
+
+def _edge_corrections(lines: _EdgeLines, step: _Shift) -> Tensor:
     """What each pair's region lacks of the whole overlap's sum (P, C, C): the sums over its
-    excluded edge rows and columns, less those over the excluded corners counted twice.
-    ``first`` and ``second`` are the overlap and its shifted partner (C, N, H', W')."""
-    dtype, device = first.dtype, first.device
-    rows = torch.tensor(step.edge_rows, dtype=torch.long, device=device)
-    cols = torch.tensor(step.edge_cols, dtype=torch.long, device=device)
+    excluded edge rows and columns, less those over the excluded corners counted twice."""
+    dtype, device = lines.image.dtype, lines.image.device
     pairs = len(step.first)
     out_rows = torch.tensor(step.excluded_rows, dtype=dtype, device=device).reshape(pairs, -1)
     out_cols = torch.tensor(step.excluded_cols, dtype=dtype, device=device).reshape(pairs, -1)
-    channels = first.shape[0]
-    total = first.new_zeros(pairs, channels * channels)
-
-    def along(dim: int, index: Tensor) -> Tensor:
-        # (C, N, ..., E, ...) → (E, C, rest) → (E, C·C)
-        a = first.index_select(dim, index).movedim(dim, 0).flatten(2)
-        b = second.index_select(dim, index).movedim(dim, 0).flatten(2)
-        return _products(a, b).flatten(1)
-
-    if len(rows):
-        total += out_rows @ along(2, rows)
-    if len(cols):
-        total += out_cols @ along(3, cols)
-    if len(rows) and len(cols):
-        a = first.index_select(2, rows).index_select(3, cols).permute(2, 3, 0, 1)
-        b = second.index_select(2, rows).index_select(3, cols).permute(2, 3, 0, 1)
-        corners = _products(a, b).reshape(len(rows) * len(cols), -1)  # (E_r·E_c, C·C)
+    channels = lines.image.shape[0]
+    total = lines.image.new_zeros(pairs, channels * channels)
+    rows = [step.rows.start + r for r in step.edge_rows]
+    cols = [step.cols.start + c for c in step.edge_cols]
+    if rows:
+        sums = torch.stack([lines.row_sum(r, step.shift) for r in rows])  # (E_r, C, C)
+        total += out_rows @ sums.flatten(1)
+    if cols:
+        sums = torch.stack([lines.column_sum(c, step.shift) for c in cols])  # (E_c, C, C)
+        total += out_cols @ sums.flatten(1)
+    if rows and cols:
+        corners = torch.stack([lines.corner_sum(r, c, step.shift) for r in rows for c in cols])
         both = (out_rows.unsqueeze(2) * out_cols.unsqueeze(1)).reshape(pairs, -1)
-        total -= both @ corners
+        total -= both @ corners.flatten(1)
     return total.reshape(-1, channels, channels)
 
 
