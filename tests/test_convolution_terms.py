@@ -154,8 +154,8 @@ def test_strided_and_unbatched_convolutions_never_take_the_overlap_path(monkeypa
         (64, 64, 7, 1, True, False),
         # the paper's CNN: 3 × 3 outputs, the patches' way for both
         (15, 20, 5, 0, False, False),
-        # unpadded convolutions on small images: four times the edge rows and columns, more
-        # than the patches cost
+        # unpadded convolutions on small images: four times the edge rows and columns, as
+        # much as the patches cost or more
         (16, 32, 8, 0, False, False),
         (1, 16, 16, 0, False, False),
     ],
