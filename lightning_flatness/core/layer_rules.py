@@ -244,9 +244,11 @@ class KroneckerRule(Rule):
     def from_overlaps(self) -> bool:
         """Every recorded call is a stride-1 convolution whose input factor costs less from
         its input's shifted overlaps than from its unfolded patches (:func:`_overlap_pays`;
-        the patches' copy counts only where the norms do not need them either)."""
-        unfolded_anyway = not self.grouped_norms
-        return bool(self.calls) and all(_overlap_pays(c, unfolded_anyway) for c in self.calls)
+        the patches' copy counts only where the norms do not need them either: with
+        :attr:`grouped_norms`, which has weighed the overlaps with it)."""
+        if self.grouped_norms:
+            return True
+        return bool(self.calls) and all(_overlap_pays(c, True) for c in self.calls)
 
     @property
     def grouped_norms(self) -> bool:
