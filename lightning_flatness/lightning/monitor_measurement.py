@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils._pytree import tree_leaves
 
 from lightning_flatness.core.curvature import describe_coverage
 from lightning_flatness.core.decay import ParameterDecay
@@ -55,13 +56,7 @@ FILL_IN_BATCH_NUMBERS = 2**25
 
 def tensor_numbers(batch: Any) -> int:
     """How many numbers the tensors of a batch (nested tuples, lists, dicts) hold."""
-    if isinstance(batch, torch.Tensor):
-        return batch.numel()
-    if isinstance(batch, dict):
-        return sum(tensor_numbers(value) for value in batch.values())
-    if isinstance(batch, list | tuple):
-        return sum(tensor_numbers(value) for value in batch)
-    return 0
+    return sum(leaf.numel() for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor))
 
 
 class MonitorMeasurement:
