@@ -6,7 +6,10 @@ and with ``FlatnessMonitor()`` (every default: ``structure="auto"``, every epoch
 ``overhead_budget=0.3``), and prints the fit's median wall time both ways, their ratio, what
 the monitor says it added at the end (its seconds ÷ the training seconds, as
 ``flatness/overhead`` is logged), how many scheduled epochs got the exact-quality measurement,
-the scaled fill-in or nothing, and whether the last value is exact.
+the scaled fill-in or nothing, and whether the last value is exact. With ``--idle`` a third fit
+per repeat has a monitor scheduled past the last epoch (``every_n_epochs`` > ``max_epochs``), so
+it measures once, at fit end: the fit time the callback's presence and its fit-start check add
+without the measurements.
 
 Setups: the paper's MLP and CNN on the bundled 7×7 MNIST; a mid-size CNN (three 3×3
 convolutions of 32, 64 and 64 channels with max pooling, 1×28×28 inputs: the bundled images
@@ -15,7 +18,7 @@ upsampled); n = 4,000 (the bundled training set) and n = 20,000 (the 4,000 and n
 transformer (dict batches) and LSTM on their synthetic data (``tests/zoo.py``, in float32).
 Adam, lr 1e-3, λ = 1/n, batch 64. Usage::
 
-    python benchmarks/bench_overhead.py [--threads 2] [--repeats 2] [--quick]
+    python benchmarks/bench_overhead.py [--threads 2] [--repeats 2] [--quick] [--idle]
 """
 
 from __future__ import annotations
@@ -128,6 +131,11 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=2, help="fits each way, alternating; medians reported"
     )
+    parser.add_argument(
+        "--idle",
+        action="store_true",
+        help="add fits with a monitor that measures only at fit end (its presence's cost)",
+    )
     args = parser.parse_args()
     set_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -147,9 +155,15 @@ def main() -> None:
     print_header(f"FlatnessMonitor() at its defaults ({args.threads} threads)")
     rows = []
     for setup in setups:
-        plains, watcheds = [], []
+        plains, watcheds, idles = [], [], []
         for _ in range(args.repeats):  # alternating: drifts of a busy machine hit both alike
             plains.append(_fit(setup, None)[0])
+            if args.idle:
+                idle = FlatnessMonitor(
+                    every_n_epochs=setup.epochs + 1,
+                    log_options=LogOptions(summary=False, spectrum=False),
+                )
+                idles.append(_fit(setup, idle)[0])
             monitor = FlatnessMonitor(log_options=LogOptions(summary=False, spectrum=False))
             seconds, trainer = _fit(setup, monitor)
             watcheds.append(seconds)
@@ -169,6 +183,7 @@ def main() -> None:
                 f"{plain:.1f}",
                 f"{watched:.1f}",
                 f"{watched / plain:.2f}",
+                *([f"{median(idles) / plain:.2f}"] if args.idle else []),
                 f"{share:.0%}",
                 f"{exact} / {fill_ins} / {setup.epochs - exact - fill_ins}",
                 ("fill-in" if last.get("fill_in") else "exact") if last else "none",
@@ -185,6 +200,7 @@ def main() -> None:
         "fit without, s",
         "fit with, s",
         "ratio",
+        *(["ratio, monitor measuring at fit end only"] if args.idle else []),
         "overhead (the monitor's own account)",
         "epochs exact / fill-in / none",
         "last value",

@@ -22,6 +22,7 @@ from lightning_flatness.lightning.budget import (
     EXACT,
     FILL_IN_SAMPLES,
     SKIP,
+    UNTIMED_SHARE,
     OverheadBudget,
     fill_in_record,
 )
@@ -37,9 +38,11 @@ class FakeClock:
         return self.now
 
 
-def _budget(share=0.3) -> tuple[OverheadBudget, FakeClock]:
+def _budget(share=0.3, untimed=0.0) -> tuple[OverheadBudget, FakeClock]:
+    """A budget on a fake clock; ``untimed=0`` (no part left for unseen work) keeps the
+    arithmetic of the decision tests plain."""
     clock = FakeClock()
-    budget = OverheadBudget(share, clock=clock)
+    budget = OverheadBudget(share, clock=clock, untimed=untimed)
     budget.start()
     return budget, clock
 
@@ -70,6 +73,19 @@ def test_the_budget_prefers_exact_then_the_fill_in_then_nothing():
     assert budget.decide(10, 10, last=True, cheap=False) == SKIP
     clock.now = 235.0  # 200 s of training: 35 + 10 ≤ 60
     assert budget.decide(10, 10, last=True, cheap=True) == EXACT
+
+
+def test_the_decisions_leave_the_untimed_share_of_the_budget_unspent():
+    budget, clock = _budget(0.3, untimed=UNTIMED_SHARE)
+    clock.now = 100.0  # the last epoch after 100 s of training: 30 s allowed, 24 s to spend
+    budget.exact_seconds, budget.cheap_seconds = 20.0, 1.0
+    budget.charge(4.0)
+    clock.now = 104.0
+    assert 0 < UNTIMED_SHARE < 1
+    assert budget.decide(10, 10, last=True, cheap=True) == EXACT  # 4 + 20 ≤ 24
+    budget.exact_seconds = 20.5
+    assert budget.decide(10, 10, last=True, cheap=True) == CHEAP  # 4 + 20.5 > 24
+    assert OverheadBudget(0.3).untimed == UNTIMED_SHARE  # the monitor's default
 
 
 def test_an_unmeasured_fill_in_is_taken_to_cost_one_epoch():
