@@ -73,9 +73,9 @@ FILL_IN = "kfac"
 FILL_IN_SAMPLES = 1024
 #: the part of the budget the decisions leave unspent. The monitor times its own work, but a fit
 #: with it also pays for what that clock does not see: Lightning calling its hooks at every step,
-#: its set-up before the training clock starts, training steps slowed for a while after a
-#: measurement has used the caches. On the 2–3 s fits of ``benchmarks/bench_overhead.py`` that
-#: was 3–8% of the training time beyond the monitor's own account (docs/RESULTS.md, "The
+#: its set-up before the training clock starts, training epochs a few percent slower for a while
+#: after a measurement. On the 2–25 s fits of ``benchmarks/bench_overhead.py`` that
+#: was up to 10% of the training time beyond the monitor's own account (docs/RESULTS.md, "The
 #: budget's untimed share"); a fifth of a 30% budget covers it
 UNTIMED_SHARE = 0.2
 #: the decisions of :meth:`OverheadBudget.decide`
