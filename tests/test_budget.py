@@ -194,6 +194,52 @@ def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path,
     assert any(len(x) == 64 for x in measured)
 
 
+class CountingDataset(TensorDataset):
+    """A TensorDataset that counts the samples read from it."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        super().__init__(*tensors)
+        self.reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+def _fill_in_fit(tmp_path, monkeypatch, kept: bool) -> tuple[FlatnessMonitor, int]:
+    """Three epochs with a fill-in at each (of 16 training and 16 held-out samples); the
+    monitor's history and the samples read from both datasets."""
+    for module in ("monitor_measurement", "monitor_checks"):
+        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    if not kept:
+        monkeypatch.setattr(
+            "lightning_flatness.lightning.monitor_measurement.KEPT_SUBSET_NUMBERS", -1
+        )
+    data = MNIST7DataModule(train_size=64, val_size=32, batch_size=16)
+    data.setup("fit")
+    train, val = CountingDataset(*data.train_set.tensors), CountingDataset(*data.val_set.tensors)
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
+    script = [CHEAP, CHEAP, CHEAP]
+    monitor.budget.decide = lambda *args: script.pop(0)
+    seed_everything(0)
+    trainer = quiet_trainer(tmp_path, [monitor], max_epochs=3, deterministic=True)
+    loaders = DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=32)
+    trainer.fit(FlatnessClassifier(weight_decay=1e-3), *loaders)
+    return monitor, train.reads + val.reads
+
+
+def test_the_fill_in_reads_its_fixed_subset_once_per_fit(tmp_path, monkeypatch):
+    """The fill-in's subset does not change between measurements: it is read from the
+    dataset at the first fill-in only, and the values are those of reading it every time."""
+    kept, kept_reads = _fill_in_fit(tmp_path / "kept", monkeypatch, kept=True)
+    again, reads = _fill_in_fit(tmp_path / "again", monkeypatch, kept=False)
+    assert [r["fill_in"] for r in kept.history] == [1.0, 1.0, 1.0]
+    assert reads - kept_reads == 2 * (16 + 16)  # the second and third fill-ins' reads
+    for record, reference in zip(kept.history, again.history, strict=True):
+        for name in ("soft_rank", "trace_ratio_train", "trace_ratio_val", "val_nll"):
+            assert record[name] == pytest.approx(reference[name], rel=1e-12), name
+
+
 def test_an_early_stopping_on_a_flatness_value_gets_one_every_epoch(tmp_path, caplog):
     """No exact measurement fits (it is said to cost 1e9 s): the fill-in runs every epoch,
     unscaled, and the monitor says at fit end that the last values are not exact."""

@@ -231,6 +231,8 @@ class FlatnessMonitor(
         self._first_batch: Any = None
         #: the numbers one training sample's batch entry holds (read at fit start)
         self._sample_numbers: float | None = None
+        #: the fill-in's subsets by split, read once per fit: (dataset, settings, batches)
+        self._kept_subsets: dict[str, tuple[Any, tuple, list]] = {}
 
     @property
     def state_key(self) -> str:
@@ -251,6 +253,7 @@ class FlatnessMonitor(
             self.regularizer.load_state_dict(state_dict)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._kept_subsets = {}
         refusal = sharding_refusal(trainer.strategy, pl_module)
         if refusal is not None:
             self._refuse(pl_module, ValueError(refusal))
