@@ -13,12 +13,14 @@ without the measurements.
 
 Setups: the paper's MLP and CNN on the bundled 7×7 MNIST; a mid-size CNN (three 3×3
 convolutions of 32, 64 and 64 channels with max pooling, 1×28×28 inputs: the bundled images
-upsampled); n = 4,000 (the bundled training set) and n = 20,000 (the 4,000 and noisy copies,
-``x + 0.5·N(0, 1)``); and, at n = 4,000, the test zoo's BatchNorm ResNet, ViT, token
-transformer (dict batches) and LSTM on their synthetic data (``tests/zoo.py``, in float32).
+upsampled); n = 4,000 (the bundled training set) and, by default, n = 20,000 (the 4,000 and
+noisy copies, ``x + 0.5·N(0, 1)``; ``--sizes`` picks others); and, at n = 4,000, the test
+zoo's BatchNorm ResNet, ViT, token transformer (dict batches) and LSTM on their synthetic data
+(``tests/zoo.py``, in float32).
 Adam, lr 1e-3, λ = 1/n, batch 64. Usage::
 
     python benchmarks/bench_overhead.py [--threads 2] [--repeats 2] [--quick] [--idle]
+        [--sizes 4000 20000 50000]
 """
 
 from __future__ import annotations
@@ -132,6 +134,14 @@ def main() -> None:
         "--repeats", type=int, default=2, help="fits each way, alternating; medians reported"
     )
     parser.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        default=[4000, 20_000],
+        help="training-set sizes n (the zoo's fits at n = 4,000 only; 30 epochs at n ≤ 4,000, "
+        "else 10)",
+    )
+    parser.add_argument(
         "--idle",
         action="store_true",
         help="add fits with a monitor that measures only at fit end (its presence's cost)",
@@ -142,9 +152,10 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     paper = {"mlp": lambda: build_model("mlp"), "cnn": lambda: build_model("cnn")}
     setups = []
-    for n, epochs in ((4000, 10 if args.quick else 30), (20_000, 10)):
+    for n in args.sizes:
         if args.quick and n > 4000:
             continue
+        epochs = (10 if args.quick else 30) if n <= 4000 else 10
         setups += [Setup(name, build, 7, n, epochs) for name, build in paper.items()]
         setups.append(Setup("mid-size CNN", mid_cnn, 28, n, max(epochs // 3, 3)))
         if n == 4000:

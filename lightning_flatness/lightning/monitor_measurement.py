@@ -95,8 +95,10 @@ class MonitorMeasurement:
         shard = (trainer.global_rank, trainer.world_size)
         settings = (len(loader.dataset), max_samples, batch_size, *shard)
         kept = self._kept_subsets.get(split)
-        if limit is not None and kept is not None and kept[:2] == (loader.dataset, settings):
-            return kept[2]
+        if limit is not None and kept is not None:
+            dataset, kept_settings, batches = kept
+            if dataset is loader.dataset and kept_settings == settings:
+                return batches
         batches = fixed_subset_batches(
             loader, max_samples, batch_size, self.seed, rank=shard[0], world_size=shard[1]
         )
