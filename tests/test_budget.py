@@ -235,6 +235,7 @@ def test_the_fill_in_reads_its_fixed_subset_once_per_fit(tmp_path, monkeypatch):
     again, reads = _fill_in_fit(tmp_path / "again", monkeypatch, kept=False)
     assert [r["fill_in"] for r in kept.history] == [1.0, 1.0, 1.0]
     assert reads - kept_reads == 2 * (16 + 16)  # the second and third fill-ins' reads
+    assert kept._kept_subsets == {}  # not held beyond the fit
     for record, reference in zip(kept.history, again.history, strict=True):
         for name in ("soft_rank", "trace_ratio_train", "trace_ratio_val", "val_nll"):
             assert record[name] == pytest.approx(reference[name], rel=1e-12), name

@@ -175,6 +175,7 @@ class MeasurementSchedule:
             and not any(record["epoch"] >= last_epoch for record in self.history)
         ):
             self._fit_end_measurement(trainer, pl_module, last_epoch)
+        self._kept_subsets = {}  # the fill-in's samples are not held beyond the fit
         self._draw_gap_figure(trainer)
         last = self.history[-1] if self.history else None
         if last is None and self.budget.share is not None and self.disabled_reason is None:
