@@ -290,22 +290,25 @@ class _EdgeLines:
             self._cols[index] = self._line(self.image[:, :, :, index], self.pad_h)
         return self._cols[index]
 
+    @staticmethod
+    def _shifted_sum(first: Tensor, second: Tensor, pad: int, offset: int) -> Tensor:
+        """``first``'s body against ``second``'s moved by ``offset`` along the line (two lines
+        of :meth:`_line` with ``pad`` zeros), summed: one product of two views."""
+        length = first.shape[1] - 2 * pad
+        return _products(
+            first[:, pad : pad + length], second[:, pad + offset : pad + offset + length]
+        )
+
     def row_sum(self, row: int, shift: tuple[int, int]) -> Tensor:
         """``Σ_i Σ_u x_i[row, u] x_i[row + δh, u + δw]ᵀ`` (C × C), ``u`` over the columns where
         both are in the image (the zeros take care of the rest)."""
-        first, second = self.row(row), self.row(row + shift[0])
-        pad, length = self.pad_w, first.shape[1] - 2 * self.pad_w
-        return _products(
-            first[:, pad : pad + length], second[:, pad + shift[1] : pad + shift[1] + length]
-        )
+        second = self.row(row + shift[0])
+        return self._shifted_sum(self.row(row), second, self.pad_w, shift[1])
 
     def column_sum(self, column: int, shift: tuple[int, int]) -> Tensor:
         """``Σ_i Σ_u x_i[u, column] x_i[u + δh, column + δw]ᵀ`` (C × C)."""
-        first, second = self.column(column), self.column(column + shift[1])
-        pad, length = self.pad_h, first.shape[1] - 2 * self.pad_h
-        return _products(
-            first[:, pad : pad + length], second[:, pad + shift[0] : pad + shift[0] + length]
-        )
+        second = self.column(column + shift[1])
+        return self._shifted_sum(self.column(column), second, self.pad_h, shift[0])
 
     def corner_sum(self, row: int, column: int, shift: tuple[int, int]) -> Tensor:
         """``Σ_i x_i[row, column] x_i[row + δh, column + δw]ᵀ`` (C × C)."""
