@@ -162,7 +162,7 @@ class HookBackend(Backend):
         if samples <= (self.chunk or FIRST_CHUNK):
             yield _Chunk(inputs, targets)
             return
-        while start < samples:
+        while start < samples:  # self.chunk read for each part: the first pass sets it
             rows = slice(start, min(samples, start + (self.chunk or FIRST_CHUNK)))
             yield _Chunk(take_rows(inputs, rows), targets[rows])
             start = rows.stop
