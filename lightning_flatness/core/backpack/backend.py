@@ -84,12 +84,17 @@ class BackpackBackend(Backend):
             "validation": SampleStatistics(trace_estimator, loss),
         }
         self.extended: ExtendedModel | None = None
+        #: P, the trainable parameters measured (known once the session has made the copy)
+        self.num_parameters = 0
+        #: C, the model's outputs (known after the first batch)
+        self.num_outputs: int | None = None
 
     @contextmanager
     def session(self) -> Iterator[None]:
         with torch.random.fork_rng(devices=rng_devices(self.model)):
             torch.manual_seed(self.seed)
             self.extended = measurement_copy(self.model)
+            self.num_parameters = sum(p.numel() for p in self.extended.parameters)
             try:
                 yield
             finally:
@@ -103,6 +108,7 @@ class BackpackBackend(Backend):
         model = self.extended
         logits = model.module(*inputs)
         targets = self.likelihood.prepare_targets(targets, logits)
+        self.num_outputs = int(logits.shape[1])
         loss = self.loss_fn(logits, targets)
         check_finite_loss(float(loss.detach()), split, index)
         backward_with(model, loss, extensions, self.estimator.name if training else "statistics")
@@ -120,8 +126,13 @@ class BackpackBackend(Backend):
         return self.estimator.summable_states()
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        """The estimate at ``lam``; with per-parameter decays, of the scaled Fisher at λ = 1."""
-        return self.estimator.estimate(num_samples, 1.0 if self.decay is not None else lam)
+        """The estimate at ``lam``; with per-parameter decays, of the scaled Fisher at λ = 1
+        (``D^{-1/2} F D^{-1/2}`` has the rank of F, so the rank bound is the same)."""
+        curvature = self.estimator.estimate(num_samples, 1.0 if self.decay is not None else lam)
+        curvature.rank_bound = self.likelihood.fisher_rank_bound(
+            self.num_parameters, num_samples, self.num_outputs or 0
+        )
+        return curvature
 
 
 def make_estimator(

@@ -36,7 +36,9 @@ class CurvatureEstimate:
             (``"kronecker"``, ``"exact block"`` or ``"diagonal"``).
         rank_bound: the largest rank the Fisher being estimated can have, ``min(P, m·r)``
             with r the rank of one sample's output Fisher (C − 1 for softmax, C for bce and
-            mse); a soft rank above it is impossible. Infinite where the structure does not know.
+            mse); a soft rank above it is impossible. Every backend sets it
+            (:meth:`~lightning_flatness.core.likelihoods.Likelihood.fisher_rank_bound`);
+            infinite, so never checked, on an estimate made outside one.
     """
 
     summary: SpectralSummary
