@@ -13,7 +13,9 @@ import pytest
 import torch
 from conftest import assert_records_equal
 
-from lightning_flatness import FlatnessClassifier, MNIST7DataModule, measure
+from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness.lightning.monitor import DEFAULT_MAX_VAL_SAMPLES
+from lightning_flatness.lightning.monitor_measurement import MEASUREMENT_BATCH_SIZE
 from lightning_flatness.lightning.trainer_facts import fixed_subset_batches
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_fit.py"
@@ -77,6 +79,52 @@ def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure, mod
         # cg's float32 products, summed in another order, move its stopping step: ~1e-3
         tolerance = 2e-3 if structure == "cg" and key in ("soft_rank", "predicted_gap") else 1e-4
         assert rank0[key] == pytest.approx(single[key], rel=tolerance), key
+
+
+#: the record's entries that are no measured quantity, or that one process does not report
+NOT_MEASURED = ("epoch", "seconds", "fill_in", "calibration")
+#: the jackknife's standard errors: half the difference of two leave-one-group-out soft ranks
+#: (log-dets), each factorised in float32, so a last-bit difference in the summed P × P matrix
+#: moves them by ~1e-4 relative (the same on one process between the kernel's two sides)
+STANDARD_ERRORS = ("soft_rank_stderr", "logdet_stderr")
+
+
+def union_measurement(weights: dict, structure: str) -> dict:
+    """What one process measures, with the monitor's arguments for ``structure``, on the union
+    of the two ranks' samples (the whole training set, the held-out set) at ``weights``."""
+    model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3)
+    model.load_state_dict(weights)
+    data = MNIST7DataModule(train_size=256, val_size=128, batch_size=32)
+    data.setup("fit")
+    size = MEASUREMENT_BATCH_SIZE
+    return measure(
+        model,
+        fixed_subset_batches(data.train_dataloader(), None, size, seed=0),
+        lam=1e-3,
+        num_train_samples=256,
+        val_batches=fixed_subset_batches(data.val_dataloader(), DEFAULT_MAX_VAL_SAMPLES, size, 0),
+        **FlatnessMonitor().measure_arguments(structure),
+    ).as_dict()
+
+
+@pytest.mark.ddp
+def test_the_default_monitor_over_two_processes_equals_one_process(tmp_path):
+    """``FlatnessMonitor()`` (auto: the probe kernel, Tr(F) from its probe rows, the held-out
+    set): every number of the last record equals one process's on the union to 1e-5."""
+    rank0, rank1 = run_ddp(tmp_path, "auto", "defaults")
+    assert_records_equal(rank0, rank1)
+    single = union_measurement(torch.load(tmp_path / "weights0.pt", weights_only=True), "auto")
+    assert single["structure"] == "probe_kernel"
+    assert (rank0["fill_in"], rank0["calibration"]) == (0.0, 1.0)  # the exact measurement
+    assert rank0["num_samples"] == 256 and rank0["num_val_samples"] == 128
+    measured = [key for key in rank0 if key not in NOT_MEASURED]
+    assert {"trace_fisher", "trace_fisher_val", "predicted_gap"} <= set(measured) <= set(single)
+    for key in measured:
+        if math.isnan(single[key]):
+            assert math.isnan(rank0[key]), key
+            continue
+        tolerance = 1e-3 if key in STANDARD_ERRORS else 1e-5
+        assert rank0[key] == pytest.approx(single[key], rel=tolerance, abs=1e-12), key
 
 
 @pytest.mark.ddp
