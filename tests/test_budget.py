@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
 from lightning_flatness.lightning.budget import (
+    ALLOWANCE_SECONDS,
     CHEAP,
     EXACT,
     FILL_IN_SAMPLES,
@@ -27,6 +28,7 @@ from lightning_flatness.lightning.budget import (
     fill_in_record,
 )
 from lightning_flatness.lightning.log_options import LogOptions
+from lightning_flatness.lightning.monitor_checks import cost_line, predicted_exact_seconds
 from lightning_flatness.lightning.monitor_measurement import MONITOR_DEFAULTS, tensor_numbers
 
 
@@ -38,11 +40,12 @@ class FakeClock:
         return self.now
 
 
-def _budget(share=0.3, untimed=0.0) -> tuple[OverheadBudget, FakeClock]:
-    """A budget on a fake clock; ``untimed=0`` (no part left for unseen work) keeps the
-    arithmetic of the decision tests plain."""
+def _budget(share=0.3, untimed=0.0, allowance=0.0) -> tuple[OverheadBudget, FakeClock]:
+    """A budget on a fake clock; ``untimed=0`` (no part left for unseen work) and
+    ``allowance=0`` (no seconds granted whatever the fit's length) keep the arithmetic of the
+    decision tests plain."""
     clock = FakeClock()
-    budget = OverheadBudget(share, clock=clock, untimed=untimed)
+    budget = OverheadBudget(share, clock=clock, untimed=untimed, allowance=allowance)
     budget.start()
     return budget, clock
 
@@ -57,8 +60,12 @@ def test_the_budget_prefers_exact_then_the_fill_in_then_nothing():
     assert budget.decide(2, 10, last=False, cheap=True) == EXACT  # 10 + 10 + 10 ≤ 30
     budget.charge(10.0)
     clock.now = 50.0  # 30 s of training after 3 epochs
-    assert budget.decide(3, 10, last=False, cheap=True) == CHEAP  # 40 > 30, 21 ≤ 30
+    # 20 + 10 + 10 > 30; the fill-in would leave no room for the fit-end one: 20 + 1 + 10 > 30
+    assert budget.decide(3, 10, last=False, cheap=True) == SKIP
+    budget.exact_seconds = 15.0  # now the fit-end one cannot fit anyway (20 + 15 > 30)
+    assert budget.decide(3, 10, last=False, cheap=True) == CHEAP  # 20 + 1 ≤ 30
     assert budget.decide(3, 10, last=False, cheap=False) == SKIP
+    budget.exact_seconds = 10.0
     budget.charge(15.0)
     clock.now = 65.0  # 35 spent, 30 s of training after 3 epochs: nothing fits
     assert budget.decide(3, 10, last=False, cheap=True) == SKIP
@@ -105,12 +112,16 @@ def test_no_budget_measures_exactly_and_bad_shares_are_refused():
             OverheadBudget(share)
 
 
-def test_the_first_exact_cost_is_predicted_from_the_trial_per_sample():
+def test_the_first_exact_cost_is_predicted_from_the_trial_and_kept_until_measured():
+    # the smaller run's cost per sample, scaled; never below the larger run's own time
+    assert predicted_exact_seconds({8: 0.16, 32: 1.3}, 400) == pytest.approx(8.0)
+    assert predicted_exact_seconds({8: 0.16, 32: 1.3}, 40) == pytest.approx(1.3)
+    assert predicted_exact_seconds({1: 0.5}, 100) == pytest.approx(50.0)
+    assert cost_line({8: 0.2, 32: 0.5}) == pytest.approx((0.1, 0.0125))
     budget, _ = _budget()
-    budget.predict_exact(0.5, 100, 4000)
-    assert budget.exact_seconds == pytest.approx(20.0)
-    budget.predict_exact(9.0, 100, 4000)  # only before one is known
-    assert budget.exact_seconds == pytest.approx(20.0)
+    budget.predict_exact(21.5)
+    budget.predict_exact(9.0)  # only before one is known
+    assert budget.exact_seconds == pytest.approx(21.5)
 
 
 def test_a_fill_in_scales_the_soft_rank_and_the_gaps_by_the_last_exact_ratio():
@@ -121,6 +132,81 @@ def test_a_fill_in_scales_the_soft_rank_and_the_gaps_by_the_last_exact_ratio():
     assert scaled["fill_in"] == 1.0 and scaled["calibration"] == 0.5
     raw = fill_in_record(record, math.nan)  # before any exact measurement: unscaled
     assert raw["soft_rank"] == 100.0 and math.isnan(raw["calibration"])
+
+
+def test_a_short_fit_may_always_spend_the_allowance():
+    """A 3-epoch fit of 0.4 s of training: 30% of it is 0.12 s, but any fit may spend
+    ALLOWANCE_SECONDS. An exact measurement of 2.2 s runs at every epoch; one of 13 s (two do
+    not fit) leaves the first epochs to the fill-in and runs at the last."""
+    assert OverheadBudget(0.3).allowance == ALLOWANCE_SECONDS == 20.0
+    budget, clock = _budget(0.3, allowance=20.0)
+    budget.exact_seconds, budget.cheap_seconds = 2.2, 0.1
+    for epoch in (1, 2, 3):
+        clock.now += 0.13  # an epoch of training
+        assert budget.decide(epoch, 3, last=epoch == 3, cheap=True) == EXACT
+        budget.charge(2.2)
+        clock.now += 2.2
+    budget, clock = _budget(0.3, allowance=20.0)
+    budget.exact_seconds, budget.cheap_seconds = 13.0, 0.5
+    clock.now = 0.13
+    assert budget.decide(1, 3, last=False, cheap=True) == CHEAP  # 13 + 13 > 20; 0.5 + 13 ≤ 20
+    budget.charge(0.5)
+    clock.now = 0.76
+    assert budget.decide(2, 3, last=False, cheap=True) == CHEAP
+    budget.charge(6.0)  # a fill-in that took longer: 6.5 + 13 ≤ 20 still
+    clock.now = 6.89
+    assert budget.decide(3, 3, last=True, cheap=True) == EXACT
+    budget.exact_seconds = 14.0  # 6.5 + 14 > 20, but it alone costs under the allowance
+    assert budget.decide(3, 3, last=True, cheap=True) == EXACT
+    budget.exact_seconds = 21.0  # over the allowance alone: the last value is the fill-in's
+    assert budget.decide(3, 3, last=True, cheap=True) == CHEAP
+    budget.exact_seconds = 14.0
+    budget.charge(14.0)  # 20.5 spent before the last epoch: no second allowance, no room left
+    assert budget.decide(3, 3, last=True, cheap=True) == SKIP
+
+
+def test_the_quickstart_fit_at_the_defaults_logs_every_epoch_and_ends_exact(tmp_path, caplog):
+    """README's quickstart kind of fit: 3 epochs of 400 samples, ``FlatnessMonitor()``. Its
+    training takes well under a second, yet every epoch gets the curves, the last one exact, and
+    one line at fit end says what was measured how."""
+    seed_everything(0)
+    data = MNIST7DataModule(train_size=400, val_size=200, batch_size=32)
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False, spectrum=False))
+    trainer = quiet_trainer(tmp_path, [monitor], max_epochs=3)
+    with caplog.at_level("INFO"):
+        trainer.fit(FlatnessClassifier(weight_decay=1e-3), data)
+    assert [r["epoch"] for r in monitor.history] == [0.0, 1.0, 2.0]
+    assert monitor.history[-1]["fill_in"] == 0.0
+    for name in ("soft_rank", "predicted_gap", "trace_ratio_val"):
+        assert all(math.isfinite(r[name]) for r in monitor.history), name
+        assert math.isfinite(float(trainer.callback_metrics[f"flatness/{name}"]))
+    said = [r.getMessage() for r in caplog.records if "FlatnessMonitor measured" in r.getMessage()]
+    assert len(said) == 1 and "exact (probe_kernel) at epochs" in said[0], said
+
+
+def test_the_fill_in_keeps_room_for_the_last_exact_measurement_while_it_can_fit():
+    budget, clock = _budget(0.3, allowance=20.0)
+    budget.exact_seconds, budget.cheap_seconds = 15.0, 3.0
+    budget.charge(3.0)
+    clock.now = 3.5
+    # 3 + 3 + 15 > 20: a fill-in now would leave no room for the fit's exact number
+    assert budget.decide(2, 10, last=False, cheap=True) == SKIP
+    assert budget.fits_beside_fill_in(0.0, 2, 10, last=False) is False
+    budget.exact_seconds = 30.0  # the exact number cannot fit anyway: the curve goes on
+    assert budget.decide(2, 10, last=False, cheap=True) == CHEAP
+    assert budget.fits_beside_fill_in(14.0, 2, 10, last=False)  # 3 + 3 + 14 ≤ 20
+    assert not budget.fits_beside_fill_in(14.5, 2, 10, last=False)
+
+
+def test_a_fill_in_is_never_above_its_rank_bound():
+    record = {"soft_rank": 900.0, "predicted_gap": 0.9, "rank_bound": 576.0, "tic": 1.0}
+    raw = fill_in_record(record, math.nan)  # unscaled: capped at its own samples' bound
+    assert raw["soft_rank"] == 576.0 and raw["predicted_gap"] == pytest.approx(0.576)
+    assert raw["tic"] == 1.0
+    scaled = fill_in_record(record, 2.0, rank_bound=5000.0)  # stands for the whole set's
+    assert scaled["soft_rank"] == 1800.0 and scaled["rank_bound"] == 5000.0
+    capped = fill_in_record(record, 2.0, rank_bound=1000.0)
+    assert capped["soft_rank"] == 1000.0 and capped["predicted_gap"] == pytest.approx(1.0)
 
 
 class WeightsAtEpochEnd(Callback):
@@ -194,6 +280,40 @@ def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path,
     assert any(len(x) == 64 for x in measured)
 
 
+def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_samples(
+    tmp_path, monkeypatch
+):
+    """The whole set's exact measurement does not fit before the last epoch, the one on the
+    fill-in's 16 samples does: the fill-ins are scaled by exact ÷ kfac on those samples (a
+    lower estimate, said so), taken once, not the unscaled kfac."""
+    for module in ("monitor_measurement", "monitor_checks", "monitor_schedule"):
+        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
+    script = [CHEAP, CHEAP, EXACT]
+    monitor.budget.decide = lambda *args: script.pop(0)
+    reports = []
+    original = monitor._call_measure
+
+    def recording(*args, **kwargs):
+        report = original(*args, **kwargs)
+        reports.append(report)
+        return report
+
+    monitor._call_measure = recording
+    _fit(tmp_path, [monitor])
+    assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 0.0]
+    # epoch 0: the exact structure and the fill-in on the subset; epoch 1: the fill-in alone
+    on_subset = [r for r in reports if r.num_samples == 16]
+    assert [r.structure for r in on_subset] == ["probe_kernel", "kfac", "kfac"]
+    exact, kfac = on_subset[:2]
+    ratio = exact.soft_rank / kfac.soft_rank
+    first, second = monitor.history[:2]
+    assert first["calibration"] == second["calibration"] == pytest.approx(ratio, rel=1e-12)
+    assert first["soft_rank"] == pytest.approx(exact.soft_rank, rel=1e-12)
+    assert first["soft_rank"] <= first["rank_bound"] == exact.rank_bound
+    assert "on its 16 samples at epoch 0: a lower estimate" in monitor._calibration.describe()
+
+
 class CountingDataset(TensorDataset):
     """A TensorDataset that counts the samples read from it."""
 
@@ -252,7 +372,7 @@ def test_an_early_stopping_on_a_flatness_value_gets_one_every_epoch(tmp_path, ca
     assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 1.0]
     assert all(math.isnan(r["calibration"]) for r in monitor.history)  # no exact ratio
     said = [
-        r.getMessage() for r in caplog.records if "did not fit overhead_budget" in r.getMessage()
+        r.getMessage() for r in caplog.records if "did not fit what this fit may" in r.getMessage()
     ]
     assert len(said) == 1 and "overhead_budget=None" in said[0] and "unscaled" in said[0]
 

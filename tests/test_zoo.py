@@ -450,6 +450,21 @@ def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
     assert all(math.isfinite(record[k]) for k in ("soft_rank", "trace_fisher", "trace_cov"))
 
 
+@pytest.mark.parametrize("name", ["functional_cnn", "resnet", "transformer", "vit", "gpt2"])
+def test_a_short_fit_at_the_defaults_logs_every_epoch_and_ends_exact(name):
+    """A 2-epoch fit of a few seconds, the monitor at its defaults: a value at every epoch
+    (the budget's allowance, not its share of a fit this short, decides), the last one exact
+    with the held-out trace ratio."""
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False, spectrum=False))
+    _zoo_fit(name, monitor)
+    assert [r["epoch"] for r in monitor.history] == [0.0, 1.0]
+    assert monitor.history[-1]["fill_in"] == 0.0
+    for record in monitor.history:
+        for key in ("soft_rank", "predicted_gap", "trace_ratio_val"):
+            assert math.isfinite(record[key]), (key, record)
+        assert record["soft_rank"] <= record["rank_bound"]
+
+
 @pytest.mark.parametrize(
     ("name", "params", "estimator"),
     [

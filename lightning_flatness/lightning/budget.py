@@ -1,37 +1,49 @@
 """The monitor's overhead budget: which scheduled measurement runs, so that the monitor adds at
-most ``overhead_budget`` (a fraction: 0.3 is 30%) to the fit's training time.
+most ``overhead_budget`` (a fraction: 0.3 is 30%) to the fit's training time — or, in a short
+fit, at most :data:`ALLOWANCE_SECONDS`.
 
 An exact-quality measurement (the probe kernel, ``cg``) costs tens of training epochs of a small
 model: its sums grow like m·P² while an epoch costs m·P. So the monitor does not run it at every
-scheduled epoch. At each scheduled epoch it runs, in this order of preference, whatever keeps
+scheduled epoch. It may spend, over the whole fit,
 
-    (monitor seconds so far + this measurement + the fit-end measurement still to come)
-        ≤ (1 − u) · budget · projected training seconds of the whole fit
+    allowed = max((1 − u) · budget · projected training seconds of the whole fit, A)
 
 (the training seconds so far scaled to ``max_epochs``; u = :data:`UNTIMED_SHARE`, the part of
-the budget left for what the monitor's clock does not see):
+the budget left for what the monitor's clock does not see; A = :data:`ALLOWANCE_SECONDS`, the
+seconds any fit may spend, so that a fit of a few seconds is not left without a number to save
+two of them). At each scheduled epoch it runs, in this order of preference, whatever keeps
+
+    monitor seconds so far + this measurement + the fit-end measurement still to come ≤ allowed:
 
 1. the exact-quality measurement;
 2. else the cheap one, :data:`FILL_IN` (the Kronecker factors of the layer hooks on at most
    :data:`FILL_IN_SAMPLES` training samples: 1–4 training epochs of those samples, its cost
    predicted at fit start), its soft rank scaled by the ratio
    exact ÷ cheap of the last exact measurement (both are measured then) and logged with
-   ``fill_in = 1``; the reserve for the fit-end measurement does not count against it, so that
-   a fit whose one exact measurement alone exceeds the budget still gets its curves;
+   ``fill_in = 1``. Before any exact measurement of the whole set has run, the ratio is taken
+   on the fill-in's own samples (the exact structure on that subset: a lower estimate of the
+   whole set's soft rank, which grows with the samples measured) whenever that fits; the
+   reserve for the fit-end measurement counts against a fill-in only while that measurement
+   can still fit, so that a fit whose one exact measurement alone exceeds what it may spend
+   still gets its curves;
 3. else nothing — unless another callback reads the values every scheduled epoch
    (``EarlyStopping`` or ``ModelCheckpoint`` monitoring one of them): then the cheapest one runs,
    over the budget if need be.
 
-The fit's last epoch (or the fit end) gets the exact-quality measurement whenever the fit's
-training time allows it: it is the number the summary reports, so its cost is reserved from the
-start (the intermediate exact measurements must leave room for it). When even that one does not
-fit — one exact measurement of a large model can cost a hundred epochs of a short fit — the last
-value is the fill-in, and the monitor says so once, with the cost and the two ways to get the
-exact number (``overhead_budget=None``, or :func:`~lightning_flatness.core.measure` on the
-trained model); when not even the fill-in fits, the last epoch gets nothing, and that is said
-too. Before the first exact measurement its cost is predicted from the fit-start trial
-(:func:`trial_settings`: a few samples, and few steps for the matrix-free structures), per
-sample and step; afterwards it is the last one's. This module has no Lightning import.
+A fill-in is never logged above its rank bound (:func:`fill_in_record`). The fit's last epoch
+(or the fit end) gets the exact-quality measurement whenever what the fit may spend allows it,
+and in a fit that has spent at most A whenever that measurement alone costs at most A (so a
+measurement earlier in the fit that took longer than predicted does not take the last number's
+place; a fit spends at most 2A beyond its share):
+it is the number the summary reports, so its cost is reserved from the start (the intermediate
+measurements must leave room for it). When even that one does not fit — one exact measurement of
+a large model can cost a hundred epochs of a short fit — the last value is the fill-in, and the
+monitor says so once, with the cost and the two ways to get the exact number
+(``overhead_budget=None``, or :func:`~lightning_flatness.core.measure` on the trained model);
+when not even the fill-in fits, the last epoch gets nothing, and that is said too. Before the
+first exact measurement its cost is predicted from the fit-start trial
+(:func:`trial_settings`: a few samples, and few steps for the matrix-free structures), timed on
+two sample counts); afterwards it is the last one's. This module has no Lightning import.
 """
 
 from __future__ import annotations
@@ -49,7 +61,9 @@ from lightning_flatness.core.options import (
 )
 
 __all__ = [
+    "ALLOWANCE_SECONDS",
     "CHEAP",
+    "Calibration",
     "EXACT",
     "FILL_IN",
     "FILL_IN_SAMPLES",
@@ -60,6 +74,7 @@ __all__ = [
     "UNTIMED_SHARE",
     "cost_message",
     "fill_in_record",
+    "measured_line",
     "not_exact_message",
     "trial_settings",
 ]
@@ -78,6 +93,13 @@ FILL_IN_SAMPLES = 1024
 #: was up to 10% of the training time beyond the monitor's own account (docs/RESULTS.md, "The
 #: budget's untimed share"); a fifth of a 30% budget covers it
 UNTIMED_SHARE = 0.2
+#: the monitor seconds any fit may spend, whatever its length: about three times what importing
+#: torch and Lightning takes on a two-core machine (6 s), so a short fit pays for its numbers
+#: about what it pays to start; enough for an exact measurement of the zoo's models on 1,000
+#: samples (1–6 s) at each epoch of a 3-epoch fit (docs/RESULTS.md, "The budget's allowance").
+#: At the default share it decides fits of under 20 s ÷ ((1 − u) · 0.3) ≈ 83 s of training;
+#: longer fits keep the share
+ALLOWANCE_SECONDS = 20.0
 #: the decisions of :meth:`OverheadBudget.decide`
 EXACT, CHEAP, SKIP = "exact", "cheap", "skip"
 #: the fit-start trial measures at most this many samples, and a matrix-free structure with
@@ -98,11 +120,14 @@ class OverheadBudget:
         clock: seconds (``time.perf_counter``; a test may pass its own).
         untimed: the part of the budget left for work the clock does not see
             (:data:`UNTIMED_SHARE`); the decisions spend at most ``(1 − untimed) · share``.
+        allowance: the seconds any fit may spend (:data:`ALLOWANCE_SECONDS`), whatever its
+            share of the training time.
     """
 
     share: float | None
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
     untimed: float = UNTIMED_SHARE
+    allowance: float = ALLOWANCE_SECONDS
     started: float | None = None
     #: monitor seconds charged so far
     spent: float = 0.0
@@ -141,11 +166,11 @@ class OverheadBudget:
         training = self.training_seconds() - pending
         return (self.spent + pending) / training if training > 0 else math.inf
 
-    def predict_exact(self, trial_seconds: float, trial_samples: int, samples: int) -> None:
-        """The exact measurement's cost before one has run: the fit-start trial's, per sample
-        (its fixed costs make this a lower estimate; the first real one replaces it)."""
-        if self.exact_seconds is None and trial_samples > 0:
-            self.exact_seconds = trial_seconds * max(samples, trial_samples) / trial_samples
+    def predict_exact(self, seconds: float) -> None:
+        """The exact measurement's cost before one has run (a prediction from the fit-start
+        trial; the first real one replaces it)."""
+        if self.exact_seconds is None:
+            self.exact_seconds = float(seconds)
 
     def _projected_training(self, epochs_done: int, max_epochs: int | None) -> float:
         training = self.training_seconds()
@@ -153,9 +178,52 @@ class OverheadBudget:
             return training * max_epochs / epochs_done
         return training
 
+    def allowed(self, projected: float) -> float:
+        """The monitor seconds a fit of ``projected`` training seconds may spend: its share
+        (less the untimed part), or the allowance when that is more."""
+        return max((1.0 - self.untimed) * float(self.share) * projected, self.allowance)
+
     def _fits(self, cost: float, reserve: float, projected: float) -> bool:
-        allowed = (1.0 - self.untimed) * float(self.share) * projected
-        return self.spent + cost + reserve <= allowed
+        return self.spent + cost + reserve <= self.allowed(projected)
+
+    def _horizon(self, epochs_done: int, max_epochs: int | None, last: bool) -> tuple[float, float]:
+        """The training seconds a decision weighs against (the whole fit projected from the
+        epochs so far; at the last epoch the fit's own) and the exact measurement still to
+        come at the fit's end (none at the last epoch)."""
+        if last:  # the summary's number: exact if the whole fit's allowance takes it
+            return self.training_seconds(), 0.0
+        return self._projected_training(epochs_done, max_epochs), self.exact_seconds or 0.0
+
+    def _fill_in_seconds(self, epochs_done: int) -> float:
+        """The fill-in's cost; before it has run or been predicted, about one training epoch."""
+        if self.cheap_seconds is not None:
+            return self.cheap_seconds
+        return self.training_seconds() / max(epochs_done, 1)
+
+    def fits_beside_fill_in(
+        self, seconds: float, epochs_done: int, max_epochs: int | None, last: bool
+    ) -> bool:
+        """Whether ``seconds`` more work (the fill-in's calibration on its own samples) fits
+        beside a fill-in, with the reserve for the fit-end exact measurement while it can still
+        run (the rule of :meth:`decide` for the fill-in)."""
+        if self.share is None:
+            return True
+        projected, reserve = self._horizon(epochs_done, max_epochs, last)
+        cost = self._fill_in_seconds(epochs_done) + seconds
+        return self._fits(cost, self._live_reserve(reserve, projected), projected)
+
+    def _last_within_allowance(self) -> bool:
+        """The fit's last exact measurement runs whenever it alone costs at most the allowance
+        and the fit has spent no more than that before it: a short fit's last number is exact
+        even when an earlier measurement took longer than predicted (at most twice the
+        allowance in all)."""
+        exact = self.exact_seconds or 0.0
+        return exact <= self.allowance and self.spent <= self.allowance
+
+    def _live_reserve(self, reserve: float, projected: float) -> float:
+        """The fit-end reserve while the exact measurement can still fit, else none (so that a
+        fit whose one exact measurement exceeds what it may spend still gets fill-ins)."""
+        return reserve if self._fits(reserve, 0.0, projected) else 0.0
 
     def decide(
         self,
@@ -167,39 +235,98 @@ class OverheadBudget:
     ) -> str:
         """:data:`EXACT`, :data:`CHEAP` or :data:`SKIP` for a scheduled measurement after
         ``epochs_done`` epochs; ``last``: the fit's last epoch or its end (exact when the fit's
-        training time so far allows it, no reserve left to keep); ``cheap``: a
+        allowance takes it, no reserve left to keep); ``cheap``: a
         fill-in structure exists (the measured structure is not cheap itself); ``required``:
         another callback reads the values every scheduled epoch (EarlyStopping,
         ModelCheckpoint), so the cheapest measurement runs even over the budget, never none."""
         if self.share is None:
             return EXACT
         exact = self.exact_seconds or 0.0
-        training = self.training_seconds()
-        # the fill-in's cost before it has run: about one training epoch
-        fill_in = self.cheap_seconds if self.cheap_seconds is not None else training / epochs_done
-        if last:  # the summary's number: exact if the whole fit's budget allows it
-            projected, reserve = training, 0.0
-        else:
-            projected, reserve = self._projected_training(epochs_done, max_epochs), exact
-        if self._fits(exact, reserve, projected):
+        projected, reserve = self._horizon(epochs_done, max_epochs, last)
+        if self._fits(exact, reserve, projected) or (last and self._last_within_allowance()):
             return EXACT
-        if cheap and (required or self._fits(fill_in, 0.0, projected)):
+        fill_in = self._fill_in_seconds(epochs_done)
+        reserve = self._live_reserve(reserve, projected)
+        if cheap and (required or self._fits(fill_in, reserve, projected)):
             return CHEAP
         return EXACT if required else SKIP
 
 
-def fill_in_record(record: dict[str, float], calibration: float) -> dict[str, float]:
+def fill_in_record(
+    record: dict[str, float], calibration: float, rank_bound: float | None = None
+) -> dict[str, float]:
     """A fill-in measurement's record: the soft rank and the gaps it predicts (Eq. 13 is linear
     in it) times ``calibration``, the ratio exact ÷ fill-in of the last exact measurement;
-    before the first one (``calibration`` NaN) the fill-in's own values, unscaled. Marked
-    ``fill_in = 1``; its ``trusted`` is the fill-in structure's own (0: it is not of exact
-    quality)."""
+    before the first one (``calibration`` NaN) the fill-in's own values, unscaled. The soft
+    rank is then capped at its rank bound, the gaps with it: ``rank_bound`` (that of the
+    measurement whose soft rank the calibrated value stands for), else the record's own (the
+    largest rank the Fisher of the fill-in's samples can have). Marked ``fill_in = 1``; its
+    ``trusted`` is the fill-in structure's own (0: it is not of exact quality)."""
     scaled = dict(record)
+    factor = calibration if math.isfinite(calibration) else 1.0
+    bound = scaled.get("rank_bound", math.inf) if rank_bound is None else rank_bound
+    soft_rank = scaled.get("soft_rank", math.nan) * factor
+    if math.isfinite(soft_rank) and soft_rank > bound > 0:
+        factor *= bound / soft_rank
     for name in SCALED_FIELDS:
-        if name in scaled and math.isfinite(calibration):
-            scaled[name] = scaled[name] * calibration
+        if name in scaled:
+            scaled[name] = scaled[name] * factor
     scaled.update(fill_in=1.0, calibration=calibration)
+    if math.isfinite(bound):
+        scaled["rank_bound"] = bound
     return scaled
+
+
+@dataclass
+class Calibration:
+    """The ratio exact ÷ fill-in soft rank that scales the fill-in, and where it was taken: at
+    an exact measurement of the whole measured set (``samples`` None), or, before any, the
+    exact structure on the fill-in's own ``samples`` (a lower estimate of the whole set's soft
+    rank, which grows with the samples measured)."""
+
+    ratio: float = math.nan
+    epoch: float = math.nan
+    samples: int | None = None
+    #: the rank bound of the measurement the ratio came from (caps the scaled values)
+    rank_bound: float | None = None
+
+    def describe(self) -> str:
+        """How a fill-in value is made, for the per-epoch line and the summary."""
+        if not math.isfinite(self.ratio):
+            return f"{FILL_IN}, unscaled: an upper estimate"
+        where = (
+            f"at epoch {int(self.epoch)}"
+            if self.samples is None
+            else f"on its {self.samples:,} samples at epoch {int(self.epoch)}: a lower estimate"
+        )
+        return f"{FILL_IN} × {self.ratio:.3g}, the exact ÷ {FILL_IN} ratio {where}"
+
+
+def measured_line(
+    history: list[dict[str, float]], skipped: list[int], structure: str, budget: OverheadBudget
+) -> str:
+    """The fit-end line that says what was measured how: the epochs measured exactly, those
+    filled in, those skipped, and what the monitor spent against what it may."""
+
+    def epochs(values: list[float] | list[int]) -> str:
+        return ", ".join(str(int(value)) for value in values) or "none"
+
+    exact = [r["epoch"] for r in history if not r.get("fill_in")]
+    filled = [r["epoch"] for r in history if r.get("fill_in")]
+    parts = [f"exact ({structure}) at epochs {epochs(exact)}"] if exact else []
+    if filled:
+        parts.append(f"the {FILL_IN} fill-in at {epochs(filled)}")
+    if skipped:
+        parts.append(f"nothing at {epochs(skipped)} (over the budget)")
+    line = "FlatnessMonitor measured " + "; ".join(parts)
+    if budget.share is None:
+        return line + f"; {budget.spent:.1f} s in all (overhead_budget=None)."
+    allowed = budget.allowed(budget.training_seconds())
+    return line + (
+        f"; {budget.spent:.1f} s of the {allowed:.1f} s it may spend "
+        f"(overhead_budget={budget.share:g} of {budget.training_seconds():.1f} s of training, "
+        f"or {budget.allowance:g} s when that is more)."
+    )
 
 
 def cost_message(
@@ -219,24 +346,21 @@ def cost_message(
         )
     return (
         head + f"It runs while the monitor adds at most overhead_budget={budget.share:g} of the "
-        f"training time (the last epoch's whenever the whole fit allows it); {FILL_IN!r} scaled "
-        "by the last exact ratio fills in between (flatness/fill_in = 1). overhead_budget=None "
-        "measures exactly at every scheduled epoch."
+        f"training time, or {budget.allowance:g} s in a fit where that is more (the last "
+        f"epoch's whenever the whole fit allows it); {FILL_IN!r} scaled by the last exact ratio "
+        "fills in between (flatness/fill_in = 1). overhead_budget=None measures exactly at "
+        "every scheduled epoch."
     )
 
 
-def not_exact_message(budget: OverheadBudget, structure: str, calibrated_at: float) -> str:
+def not_exact_message(budget: OverheadBudget, structure: str, calibration: Calibration) -> str:
     """Said once when the fit's last value is the fill-in, not the exact measurement."""
     training = budget.training_seconds()
-    how = (
-        f"scaled by the exact ÷ {FILL_IN} ratio measured at epoch {int(calibrated_at)}"
-        if calibrated_at == calibrated_at  # not NaN
-        else "unscaled (no exact measurement fitted the budget): an upper estimate, not trusted"
-    )
     return (
         f"FlatnessMonitor: the {structure} measurement (about {budget.exact_seconds or 0:.1f} s) "
-        f"did not fit overhead_budget={budget.share:g} of this fit's {training:.1f} s of "
-        f"training, so the last values are {FILL_IN!r}, {how}. For the exact number pass "
+        f"did not fit what this fit may spend (overhead_budget={budget.share:g} of its "
+        f"{training:.1f} s of training, or {budget.allowance:g} s), so the last values are "
+        f"{calibration.describe()}, not trusted. For the exact number pass "
         "overhead_budget=None (or a larger share), or measure the trained model with "
         "lightning_flatness.measure()."
     )

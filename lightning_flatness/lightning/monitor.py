@@ -24,7 +24,6 @@ that epoch; training goes on.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -43,9 +42,7 @@ from lightning_flatness.core.options import (
 from lightning_flatness.core.reading import BatchReading
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.core.spectral import check_lam
-from lightning_flatness.lightning.budget import (
-    OverheadBudget,
-)
+from lightning_flatness.lightning.budget import Calibration, OverheadBudget
 from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.monitor_checks import FitStartChecks
 from lightning_flatness.lightning.monitor_logging import MonitorLogging
@@ -193,9 +190,12 @@ class FlatnessMonitor(
         self.every_n_epochs = every_n_epochs
         self.overhead_budget = overhead_budget
         self.budget = OverheadBudget(overhead_budget)
-        self._calibration = math.nan  # exact ÷ fill-in soft rank at the last exact measurement
-        self._calibrated_at = math.nan  # and its epoch
+        #: exact ÷ fill-in soft rank at the last exact measurement (or on the fill-in's samples)
+        self._calibration = Calibration()
         self._fill_in_failed = False
+        self._subset_failed = False
+        #: scheduled epochs the budget left without a value
+        self._skipped: list[int] = []
         self._cost_told = False
         self._trial_samples = 0
         self.max_samples = max_samples
@@ -254,6 +254,8 @@ class FlatnessMonitor(
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._kept_subsets = {}
+        self._skipped = []
+        self._calibration = Calibration()  # a ratio of this fit's weights only
         refusal = sharding_refusal(trainer.strategy, pl_module)
         if refusal is not None:
             self._refuse(pl_module, ValueError(refusal))

@@ -49,6 +49,30 @@ from lightning_flatness.lightning.trainer_facts import (
 __all__ = ["FitStartChecks"]
 
 
+def cost_line(times: dict[int, float]) -> tuple[float, float]:
+    """(fixed seconds, seconds per sample) through two timed sample counts (one: all of it per
+    sample). A recurrent model's per-sample loop makes the fill-in many epochs; a small MLP's
+    is mostly the fixed part."""
+    sizes = sorted(times)
+    if len(sizes) == 1:
+        return 0.0, times[sizes[0]] / sizes[0]
+    small, large = sizes[0], sizes[-1]
+    per_sample = max(times[large] - times[small], 0.0) / (large - small)
+    return max(times[small] - small * per_sample, 0.0), per_sample
+
+
+def predicted_exact_seconds(times: dict[int, float], samples: int) -> float:
+    """The first exact measurement's predicted cost on ``samples``: the smaller timed run's
+    cost per sample, scaled (its fixed part makes this an upper estimate of the pass), and never
+    below the larger run's own time. Not the line through both: the larger run may have taken a
+    costlier path that then does not grow with the samples (the probe kernel's P × P sums and
+    eigendecomposition, once the rows outnumber the parameters: the paper's MLP measured
+    0.16 s on 8 samples, 1.3 s on 32, and 1.5 s on 400, which the line put at 19 s)."""
+    sizes = sorted(times)
+    small, large = sizes[0], sizes[-1]
+    return max(times[large], times[small] * samples / small)
+
+
 class FitStartChecks:
     """The fit-start checks of :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` (a
     part of it: these methods read the monitor's settings and state)."""
@@ -149,46 +173,59 @@ class FitStartChecks:
         self._streams["training"].add(batch)
 
     def _timed_trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
-        """The fit-start trial, charged to the budget; its cost per sample predicts the first
-        exact measurement's."""
+        """The fit-start trial, charged to the budget. The trial's structure is timed once more
+        on a quarter of its samples, to predict the first exact measurement's cost
+        (:func:`predicted_exact_seconds`: the budget's decisions, and the line announcing a long
+        one); with a budget the fill-in is timed on both sample counts too."""
         started = time.perf_counter()
         self._trial(trainer, pl_module, batch)
         seconds = time.perf_counter() - started
         self.budget.charge(seconds)
-        samples = min(self.resolved_num_train_samples or 0, self.max_samples or math.inf)
-        _, work = trial_settings(self.measure_arguments(self._active_structure))
-        trial_samples = min(self._trial_samples, TRIAL_SAMPLES)
-        self.budget.predict_exact(seconds * work, trial_samples, int(samples))
-        if self.budget.share is not None and self._has_fill_in() and self.disabled_reason is None:
-            started = time.perf_counter()
-            fill_in_samples = min(int(samples), FILL_IN_SAMPLES)
+        if self.disabled_reason is not None:
+            return
+        started = time.perf_counter()
+        samples = int(min(self.resolved_num_train_samples or 0, self.max_samples or math.inf))
+        arguments, work = trial_settings(self.measure_arguments(self._active_structure))
+        trial_samples = max(min(self._trial_samples, TRIAL_SAMPLES), 1)
+        times = self._timed_runs(pl_module, batch, arguments, trial_samples, seconds)
+        if times is not None:
+            self.budget.predict_exact(work * predicted_exact_seconds(times, samples))
+        if self.budget.share is not None and self._has_fill_in():
+            fill_in_samples = min(samples, FILL_IN_SAMPLES)
             val_samples = min(self.max_val_samples or FILL_IN_SAMPLES, FILL_IN_SAMPLES)
             val_samples = val_samples if self.use_val else 0
-            self._predict_fill_in(pl_module, batch, fill_in_samples + val_samples)
-            self.budget.charge(time.perf_counter() - started)
+            arguments = self.measure_arguments(FILL_IN)
+            times = self._timed_runs(pl_module, batch, arguments, trial_samples)
+            if times is not None:
+                fixed, per_sample = cost_line(times)
+                self.budget.cheap_seconds = fixed + per_sample * (fill_in_samples + val_samples)
+        self.budget.charge(time.perf_counter() - started)
 
-    def _predict_fill_in(self, pl_module: LightningModule, batch: Any, samples: int) -> None:
-        """The fill-in's cost on ``samples`` samples, from two timed runs on 8 and 32 samples
-        of the trial batch (a fixed cost plus one per sample: a recurrent model's per-sample
-        loop makes it many epochs, a small MLP's is mostly the fixed part)."""
-        available = max(self._trial_samples, 1)
-        sizes = sorted({min(TRIAL_SAMPLES // 4, available), min(TRIAL_SAMPLES, available)})
-        times = []
-        for size in sizes:
-            arguments = {**self.measure_arguments(FILL_IN), "max_samples": size}
+    def _timed_runs(
+        self,
+        pl_module: LightningModule,
+        batch: Any,
+        arguments: dict[str, Any],
+        samples: int,
+        seconds: float | None = None,
+    ) -> dict[int, float] | None:
+        """Seconds of measurements with ``arguments`` on a quarter of the trial batch's
+        ``samples`` and on all of them (``seconds``: that one's, when it has just run); None
+        when it cannot measure this model (found out when it runs)."""
+        times = {}
+        for size in sorted({max(samples // 4, 1), samples}):
+            if size == samples and seconds is not None:
+                times[size] = seconds
+                continue
             started = time.perf_counter()
             try:
                 with quiet_fill_in():
-                    self._call_measure(pl_module, [batch], None, arguments=arguments)
-            except Exception:  # the fill-in cannot measure this model: found out when it runs
-                return
-            times.append(time.perf_counter() - started)
-        if len(sizes) == 1:  # a batch of at most 8 samples: all of it per sample
-            per_sample, fixed = times[0] / sizes[0], 0.0
-        else:
-            per_sample = max(times[1] - times[0], 0.0) / (sizes[1] - sizes[0])
-            fixed = max(times[0] - sizes[0] * per_sample, 0.0)
-        self.budget.cheap_seconds = fixed + per_sample * samples
+                    run = {**arguments, "max_samples": size}
+                    self._call_measure(pl_module, [batch], None, arguments=run)
+            except Exception:
+                return None
+            times[size] = time.perf_counter() - started
+        return times
 
     def _trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         """Measure one real training batch with the structure every epoch will use, once at

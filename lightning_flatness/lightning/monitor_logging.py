@@ -12,9 +12,6 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_flatness.lightning.budget import (
-    FILL_IN,
-)
 from lightning_flatness.lightning.figures import gap_figure, log10_spectrum
 
 __all__ = ["MonitorLogging"]
@@ -51,7 +48,7 @@ class MonitorLogging:
             sync_dist=sync,
         )
         fill_in = bool(record.get("fill_in"))
-        structure = f"{FILL_IN} scaled" if fill_in else self._active_structure
+        structure = self._calibration.describe() if fill_in else self._active_structure
         if trainer.progress_bar_callback is None:  # no bar to show them: one line instead
             rank_zero_info(
                 f"FlatnessMonitor, epoch {trainer.current_epoch}: predicted gap "

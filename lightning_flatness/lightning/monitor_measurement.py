@@ -138,10 +138,17 @@ class MonitorMeasurement:
         return all_reduce
 
     def _run_measure(
-        self, trainer: Trainer, pl_module: LightningModule, structure: str | None = None
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        structure: str | None = None,
+        limit: int | None = None,
     ) -> FlatnessReport:
+        """``structure`` (the active one by default) on the fixed subsets; the fill-in, or any
+        structure given a ``limit``, on the fill-in's subset of at most that many samples."""
         val_loaders = trainer.val_dataloaders if self.use_val else None
-        limit = FILL_IN_SAMPLES if structure == FILL_IN else None
+        if structure == FILL_IN:
+            limit = FILL_IN_SAMPLES
         train_batches = self._batches(trainer, trainer.train_dataloader, "training", limit)
         val_batches = (
             None

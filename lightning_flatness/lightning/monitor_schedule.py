@@ -22,8 +22,12 @@ from lightning_flatness.lightning.budget import (
     CHEAP,
     EXACT,
     FILL_IN,
+    FILL_IN_SAMPLES,
+    SKIP,
+    Calibration,
     cost_message,
     fill_in_record,
+    measured_line,
     not_exact_message,
 )
 from lightning_flatness.lightning.figures import summary_table
@@ -54,7 +58,7 @@ class MeasurementSchedule:
         if self.disabled_reason is not None:
             return False
         epoch = trainer.current_epoch
-        already = any(record["epoch"] == epoch for record in self.history)
+        already = epoch in self._skipped or any(r["epoch"] == epoch for r in self.history)
         return (epoch + 1) % self.every_n_epochs == 0 and not already
 
     def _has_fill_in(self) -> bool:
@@ -70,11 +74,14 @@ class MeasurementSchedule:
         epochs_done = trainer.current_epoch + 1
         max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
         last = max_epochs is not None and epochs_done >= max_epochs
-        decision = self._decide(trainer, epochs_done, max_epochs, last)
+        horizon = (epochs_done, max_epochs, last)
+        decision = self._decide(trainer, *horizon)
         started = time.perf_counter()
-        record = self._budgeted_record(trainer, pl_module, decision, trainer.current_epoch)
+        record = self._budgeted_record(trainer, pl_module, decision, trainer.current_epoch, horizon)
         if record is not None:
             self._log_record(trainer, pl_module, record)
+        elif decision == SKIP:
+            self._skipped.append(trainer.current_epoch)
         if decision == EXACT:
             self.budget.exact_seconds = time.perf_counter() - started
             if self.budget.share is not None and not last and self._has_fill_in():
@@ -99,15 +106,26 @@ class MeasurementSchedule:
         decision = self.budget.decide(
             epochs_done, max_epochs, last, self._has_fill_in(), self._read_every_epoch(trainer)
         )
+        return self._rank_zeros(trainer, decision)
+
+    @staticmethod
+    def _rank_zeros(trainer: Trainer, value: object) -> object:
+        """Rank 0's ``value`` on every process (decisions taken on each rank's own clock)."""
         if trainer.world_size > 1:
-            decision = trainer.strategy.broadcast(decision, src=0)
-        return decision
+            return trainer.strategy.broadcast(value, src=0)
+        return value
 
     def _budgeted_record(
-        self, trainer: Trainer, pl_module: LightningModule, decision: str, epoch: int
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        decision: str,
+        epoch: int,
+        horizon: tuple[int, int | None, bool],
     ) -> dict[str, float] | None:
         """The record ``decision`` asks for: the exact measurement's, the fill-in's (scaled by
-        the last exact ratio), or None (skipped, or the fill-in cannot measure this model)."""
+        the last exact ratio, or before any by the ratio on its own samples when that fits), or
+        None (skipped, or the fill-in cannot measure this model)."""
         if decision == EXACT:
             self._announce(epoch)
             with reporting_progress(
@@ -117,9 +135,60 @@ class MeasurementSchedule:
             record.update(fill_in=0.0, calibration=1.0)
             return record
         if decision == CHEAP:
+            if not math.isfinite(self._calibration.ratio) and self._subset_fits(trainer, horizon):
+                return self._calibrate_on_subset(trainer, pl_module)
             cheap = self._cheap_record(trainer, pl_module)
-            return None if cheap is None else fill_in_record(cheap, self._calibration)
+            if cheap is None:
+                return None
+            return fill_in_record(cheap, self._calibration.ratio, self._calibration.rank_bound)
         return None
+
+    def _subset_seconds(self) -> float:
+        """The exact structure's predicted cost on the fill-in's samples: the whole set's, per
+        sample (an upper estimate: the probe kernel's sums grow faster than the samples)."""
+        samples = min(self.resolved_num_train_samples or 0, self.max_samples or math.inf)
+        share = min(FILL_IN_SAMPLES / samples, 1.0) if samples > 0 else 1.0
+        return (self.budget.exact_seconds or 0.0) * share
+
+    def _subset_fits(self, trainer: Trainer, horizon: tuple[int, int | None, bool]) -> bool:
+        """Whether the exact structure on the fill-in's samples fits beside the fill-in (rank
+        0's answer on every process)."""
+        if self._subset_failed:
+            return False
+        fits = self.budget.fits_beside_fill_in(self._subset_seconds(), *horizon)
+        return bool(self._rank_zeros(trainer, fits))
+
+    def _calibrate_on_subset(
+        self, trainer: Trainer, pl_module: LightningModule
+    ) -> dict[str, float] | None:
+        """Before any exact measurement of the whole set: the exact structure and the fill-in on
+        the fill-in's own samples, their ratio the calibration (a lower estimate of the whole
+        set's soft rank, which grows with the samples measured) and the fill-in's record scaled
+        by it."""
+        started = time.perf_counter()
+        try:
+            exact = self._run_measure(trainer, pl_module, limit=FILL_IN_SAMPLES)
+        except Exception as error:  # said once; the fill-in goes on unscaled
+            self._subset_failed = True
+            rank_zero_warn(
+                f"FlatnessMonitor: the {self._active_structure} measurement of the fill-in's "
+                f"samples failed ({type(error).__name__}: {error}); the fill-in is unscaled."
+            )
+            exact = None
+        seconds = time.perf_counter() - started
+        cheap = self._cheap_record(trainer, pl_module)
+        if cheap is None:
+            return None
+        if exact is not None and cheap["soft_rank"] > 0 and math.isfinite(exact.soft_rank):
+            self._calibration = Calibration(
+                exact.soft_rank / cheap["soft_rank"],
+                float(trainer.current_epoch),
+                samples=exact.num_samples,
+                rank_bound=exact.rank_bound,
+            )
+        record = fill_in_record(cheap, self._calibration.ratio, self._calibration.rank_bound)
+        record["seconds"] += seconds
+        return record
 
     def _announce(self, epoch: int) -> None:
         """One line before an exact measurement expected to take more than
@@ -162,9 +231,10 @@ class MeasurementSchedule:
         """The ratio exact ÷ fill-in soft rank on the weights just measured exactly."""
         cheap = self._cheap_record(trainer, pl_module)
         if cheap is not None:
-            exact = self.history[-1]["soft_rank"]
-            self._calibration = exact / cheap["soft_rank"] if cheap["soft_rank"] else math.nan
-            self._calibrated_at = float(trainer.current_epoch)
+            exact = self.history[-1]
+            ratio = exact["soft_rank"] / cheap["soft_rank"] if cheap["soft_rank"] else math.nan
+            bound = exact.get("rank_bound", math.inf)
+            self._calibration = Calibration(ratio, float(trainer.current_epoch), None, bound)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         last_epoch = trainer.current_epoch - 1 if trainer.current_epoch else 0
@@ -181,30 +251,37 @@ class MeasurementSchedule:
         if last is None and self.budget.share is not None and self.disabled_reason is None:
             rank_zero_info(
                 f"FlatnessMonitor: no measurement fitted overhead_budget={self.budget.share:g} "
-                f"of this fit's {self.budget.training_seconds():.1f} s of training (one "
-                f"{self._active_structure} measurement: about "
+                f"of this fit's {self.budget.training_seconds():.1f} s of training, or "
+                f"{self.budget.allowance:g} s (one {self._active_structure} measurement: about "
                 f"{self.budget.exact_seconds or math.nan:.1f} s). Pass overhead_budget=None "
                 "(or a larger share), or measure the trained model with "
                 "lightning_flatness.measure()."
             )
         if last is not None and last.get("fill_in") and self.budget.share is not None:
             rank_zero_info(
-                not_exact_message(self.budget, self._active_structure, self._calibrated_at)
+                not_exact_message(self.budget, self._active_structure, self._calibration)
+            )
+        if last is not None and self.disabled_reason is None:
+            rank_zero_info(
+                measured_line(self.history, self._skipped, self._active_structure, self.budget)
             )
         if self.log_options.summary and last is not None and trainer.is_global_zero:
-            structure = FILL_IN if last.get("fill_in") else self._active_structure
-            rank_zero_info(summary_table(last, structure))
+            how = self._calibration.describe() if last.get("fill_in") else self._active_structure
+            rank_zero_info(summary_table(last, how))
 
     def _fit_end_measurement(
         self, trainer: Trainer, pl_module: LightningModule, last_epoch: int
     ) -> None:
         """The last epoch was not measured (stopped early, or not scheduled): measure now,
         exact or fill-in as the budget allows, and log it directly to the loggers."""
-        decision = self._decide(trainer, last_epoch + 1, None, True)
+        horizon = (last_epoch + 1, None, True)
+        decision = self._decide(trainer, *horizon)
         started = time.perf_counter()
-        record = self._budgeted_record(trainer, pl_module, decision, last_epoch)
+        record = self._budgeted_record(trainer, pl_module, decision, last_epoch, horizon)
         self.budget.charge(time.perf_counter() - started)
         if record is None:
+            if decision == SKIP:
+                self._skipped.append(last_epoch)
             return
         record["epoch"] = float(last_epoch)
         self.history.append(record)
