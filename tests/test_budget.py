@@ -166,7 +166,7 @@ def test_a_short_fit_may_always_spend_the_allowance():
 
 
 def test_the_quickstart_fit_at_the_defaults_logs_every_epoch_and_ends_exact(tmp_path, caplog):
-    """README's quickstart kind of fit: 3 epochs of 400 samples, ``FlatnessMonitor()``. Its
+    """The README quickstart's kind of fit: 3 epochs of 400 samples, ``FlatnessMonitor()``. Its
     training takes well under a second, yet every epoch gets the curves, the last one exact, and
     one line at fit end says what was measured how."""
     seed_everything(0)

@@ -1,5 +1,6 @@
-"""Every value the monitor logs has a row in README's table and in docs/math.md's "Logged
-quantities", so a user who sees a tag in TensorBoard can look it up."""
+"""Every value the monitor logs has a row in docs/guide.md's table ("What the callback logs and
+how to read it") and in docs/math.md's "Logged quantities", so a user who sees a tag in
+TensorBoard can look it up."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _logged_tags() -> set[str]:
 
 
 def _named(text: str) -> set[str]:
-    """Names in backticks, with README's shorthands expanded (``*_accuracy``,
+    """Names in backticks, with the guide's shorthands expanded (``*_accuracy``,
     ``a_train/val``, ``a_{x,y}``, and a ``_stderr`` twin for each)."""
     names = set()
     text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)  # code blocks are not names
@@ -50,11 +51,19 @@ def _named(text: str) -> set[str]:
     return names | {f"{name}_stderr" for name in names}
 
 
-def test_every_logged_tag_is_in_readme_and_math():
+def _section(text: str, heading: str) -> str:
+    """The section under ``heading`` (a level-2 heading), up to the next level-2 heading."""
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_every_logged_tag_is_in_the_guide_and_math():
     tags = _logged_tags()
     assert {"soft_rank", "hutchinson_trace_upper_stderr", "trace_fisher_val"} <= tags
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    guide = (ROOT / "docs" / "guide.md").read_text(encoding="utf-8")
     math = (ROOT / "docs" / "math.md").read_text(encoding="utf-8")
-    logged = math[math.index("## Logged quantities") :]
-    assert not tags - _named(readme), "not in README.md"
+    table = _section(guide, "## What the callback logs and how to read it")
+    logged = _section(math, "## Logged quantities")
+    assert not tags - _named(table), "not in docs/guide.md, What the callback logs"
     assert not tags - _named(logged), "not in docs/math.md, Logged quantities"

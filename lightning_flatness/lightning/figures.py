@@ -150,6 +150,6 @@ def _trust_advice(record: Mapping[str, float], structure: str) -> str:
             "data (Prop. 5.4)"
         )
     return (
-        f"no — {structure!r} is not an exact-quality soft rank (see README, Choosing a "
-        "structure); structure='probe_kernel' is"
+        f"no — {structure!r} is not an exact-quality soft rank (see docs/guide.md, "
+        "Choosing a structure); structure='probe_kernel' is"
     )
