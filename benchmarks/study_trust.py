@@ -1,0 +1,433 @@
+"""Which predicted gap to headline, and when to trust it (docs/RESULTS.md, "Predictor and trust
+rule (benchmarks/study_trust.py)").
+
+Trains small classifiers on the 5,000 offline MNIST images (7×7 or 14×14) with a plain PyTorch
+loop (Adam, coupled weight decay λ = c/n), measures each with :func:`lightning_flatness.measure`
+(its default structure, the whole training set, a held-out set of 1,000 images) and records,
+per run, both predicted gaps (held-out and training trace ratio), the observed gap, the
+error/uncertainty ratios, the soft rank and a distance from the minimum of the regularized
+objective ``L(θ) = mean training NLL + ½λ‖θ‖²``:
+
+- ``decrement``: the Newton decrement ``½ gᵀ(F+λI)⁻¹g`` with ``g = ∇L`` on the whole training
+  set and F its Fisher, by conjugate gradients with exact Fisher-vector products in float64
+  (``decrement_residual`` is CG's final relative residual): the loss the objective would still
+  lose to one Newton step, to be set against the predicted gap;
+- ``decrement_lower``: one CG step, ``½‖g‖⁴ / (gᵀFg + λ‖g‖²)`` (a lower bound, one extra
+  Fisher-vector product);
+- ``decrement_upper``: ``½‖g‖²/λ`` (an upper bound, no curvature at all);
+- ``nll_drop``: the relative drop of the training NLL over the last epoch.
+
+The grids (``GRIDS``) differ in data, architecture, n and training length; two of them
+(``role == "choose"``) are used to choose a rule, the others check it. ``--analyse`` reads the
+records and prints, per grid, how often each candidate rule's trusted predictions are within
+2× of the observed gap (a run with an observed gap ≤ 0 counts as outside).
+
+Usage::
+
+    python benchmarks/study_trust.py --grids all --output runs/study_trust/records.jsonl
+    python benchmarks/study_trust.py --analyse runs/study_trust/records.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jvp, vjp
+
+from lightning_flatness import measure
+from lightning_flatness.core.models import build_model
+from lightning_flatness.lightning.data import MNIST7DataModule
+
+VAL_SIZE = 1000
+BATCH_SIZE = 64
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A set of runs: every combination of its architectures, n, c, learning rates, epochs."""
+
+    name: str
+    role: str
+    image_size: int
+    architectures: tuple[tuple[str, int], ...]
+    sizes: tuple[int, ...]
+    cs: tuple[float, ...]
+    lrs: tuple[float, ...]
+    epochs: tuple[int, ...]
+    seed: int
+
+    def runs(self) -> Iterator[dict]:
+        """One dict of settings per run of the grid."""
+        combos = itertools.product(self.architectures, self.sizes, self.cs, self.lrs, self.epochs)
+        for (arch, hidden), n, c, lr, epochs in combos:
+            yield dict(
+                grid=self.name,
+                role=self.role,
+                image_size=self.image_size,
+                architecture=arch,
+                hidden=hidden,
+                n=n,
+                c=c,
+                lam=c / n,
+                lr=lr,
+                epochs=epochs,
+                seed=self.seed,
+            )
+
+
+GRIDS = {
+    grid.name: grid
+    for grid in (
+        # chosen on: mlp7 (a trained MLP on 7×7 images) and short14 (short fits on 14×14)
+        Grid("mlp7", "choose", 7, (("mlp", 70),), (1000, 2000), (0.01, 1, 100), (1e-3, 1e-2),
+             (150,), 1),
+        Grid("short7", "check", 7, (("mlp", 70), ("cnn", 0)), (500, 2000), (0.01, 1, 100),
+             (1e-3,), (1, 3), 2),
+        # checked on: other data, models, n, training lengths and seeds
+        Grid("mlp14", "check", 14, (("mlp", 20),), (1000, 4000), (0.01, 1, 100), (1e-3, 1e-2),
+             (100,), 3),
+        Grid("bigmlp7", "check", 7, (("bigmlp", 40),), (1500, 4000), (0.01, 1, 100),
+             (1e-3, 3e-3), (100,), 4),
+        Grid("short14", "choose", 14, (("mlp", 20), ("resmlp", 20)), (800, 2500), (0.01, 1, 100),
+             (1e-3, 1e-2), (2,), 5),
+        Grid("cnn7", "check", 7, (("cnn", 0),), (1000, 2000), (0.01, 1, 100), (1e-3, 1e-2),
+             (60,), 6),
+    )
+}  # fmt: skip
+
+
+def load_data(image_size: int, n: int, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Standardized ``(x_train, y_train, x_val, y_val)``: n training and 1,000 held-out images."""
+    data = MNIST7DataModule(train_size=n, val_size=VAL_SIZE, image_size=image_size, seed=seed)
+    data.setup("fit")
+    return (*data.train_set.tensors, *data.val_set.tensors)
+
+
+def full_nll(model: nn.Module, x: Tensor, y: Tensor) -> float:
+    """Mean training NLL of the whole set, eval mode, no gradient."""
+    model.eval()
+    with torch.no_grad():
+        return float(nn.functional.cross_entropy(model(x), y))
+
+
+def train(model: nn.Module, x: Tensor, y: Tensor, run: dict) -> list[float]:
+    """Adam with coupled weight decay λ for ``run["epochs"]``; the full-set NLL after each epoch
+    (the first entry: before training)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=run["lr"], weight_decay=run["lam"])
+    generator = torch.Generator().manual_seed(run["seed"])
+    history = [full_nll(model, x, y)]
+    for _ in range(run["epochs"]):
+        model.train()
+        order = torch.randperm(x.shape[0], generator=generator)
+        for start in range(0, x.shape[0], BATCH_SIZE):
+            index = order[start : start + BATCH_SIZE]
+            optimizer.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x[index]), y[index]).backward()
+            optimizer.step()
+        history.append(full_nll(model, x, y))
+    return history
+
+
+class Objective:
+    """The regularized objective ``mean NLL + ½λ‖θ‖²`` of a float64 copy of a model, as a
+    function of the flat parameter vector, with its gradient and Fisher-vector products."""
+
+    def __init__(self, model: nn.Module, x: Tensor, y: Tensor, lam: float) -> None:
+        self.model = copy.deepcopy(model).double().eval()
+        self.names = [name for name, _ in self.model.named_parameters()]
+        self.shapes = [p.shape for _, p in self.model.named_parameters()]
+        self.theta = torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+        self.x, self.y, self.lam = x.double(), y, lam
+
+    def _params(self, flat: Tensor) -> dict[str, Tensor]:
+        sizes = [math.prod(shape) for shape in self.shapes]
+        parts = torch.split(flat, sizes)
+        return {n: p.view(s) for n, p, s in zip(self.names, parts, self.shapes, strict=True)}
+
+    def logits(self, flat: Tensor) -> Tensor:
+        """The model's logits on the whole training set at parameters ``flat``."""
+        return functional_call(self.model, self._params(flat), (self.x,))
+
+    def gradient(self) -> Tensor:
+        """``∇θ (mean NLL + ½λ‖θ‖²)`` at the model's parameters."""
+        theta = self.theta.clone().requires_grad_(True)
+        loss = nn.functional.cross_entropy(self.logits(theta), self.y)
+        loss = loss + 0.5 * self.lam * theta.pow(2).sum()
+        return torch.autograd.grad(loss, theta)[0]
+
+    def fisher_vector(self, v: Tensor) -> Tensor:
+        """``F v = (1/m) Jᵀ Λ J v`` with ``Λ = diag p − ppᵀ`` per sample (exact, float64)."""
+        logits, jv = jvp(self.logits, (self.theta,), (v,))
+        p = torch.softmax(logits, dim=-1)
+        lam_jv = p * jv - p * (p * jv).sum(dim=-1, keepdim=True)
+        _, pullback = vjp(self.logits, self.theta)
+        return pullback(lam_jv / self.x.shape[0])[0]
+
+
+def conjugate_gradient(
+    apply: Callable[[Tensor], Tensor],
+    b: Tensor,
+    tol: float = 1e-8,
+    max_steps: int = 3000,
+    max_seconds: float = 30.0,
+) -> tuple[Tensor, float, int]:
+    """Solve ``A x = b`` (A symmetric positive definite); ``(x, relative residual, steps)``.
+    Stopped early after ``max_seconds``: ``bᵀx`` is then a lower bound of ``bᵀA⁻¹b`` (it
+    increases with every step)."""
+    start = time.perf_counter()
+    x = torch.zeros_like(b)
+    r, p = b.clone(), b.clone()
+    rr, norm_b = float(r @ r), float(b.norm())
+    steps = 0
+    while steps < max_steps:
+        steps += 1
+        ap = apply(p)
+        alpha = rr / float(p @ ap)
+        x += alpha * p
+        r -= alpha * ap
+        rr_new = float(r @ r)
+        if math.sqrt(rr_new) <= tol * norm_b or time.perf_counter() - start > max_seconds:
+            rr = rr_new
+            break
+        p = r + (rr_new / rr) * p
+        rr = rr_new
+    return x, math.sqrt(rr) / norm_b, steps
+
+
+def decrements(model: nn.Module, x: Tensor, y: Tensor, lam: float) -> dict[str, float]:
+    """The Newton decrement of the regularized objective (CG, exact) and its two cheap bounds."""
+    objective = Objective(model, x, y, lam)
+    g = objective.gradient()
+    g2 = float(g @ g)
+    fg = objective.fisher_vector(g)
+
+    def shifted(v: Tensor) -> Tensor:
+        return objective.fisher_vector(v) + lam * v
+
+    solution, residual, steps = conjugate_gradient(shifted, g)
+    return {
+        "grad_norm": math.sqrt(g2),
+        "decrement": 0.5 * float(g @ solution),
+        "decrement_residual": residual,
+        "decrement_steps": steps,
+        "decrement_lower": 0.5 * g2 * g2 / (float(g @ fg) + lam * g2),
+        "decrement_upper": 0.5 * g2 / lam,
+    }
+
+
+def one_run(run: dict) -> dict:
+    """Train one model of ``run``, measure it and return its record."""
+    x, y, x_val, y_val = load_data(run["image_size"], run["n"], run["seed"])
+    torch.manual_seed(run["seed"])
+    model = build_model(run["architecture"], tuple(x.shape[1:]), 10, hidden=run["hidden"] or 70)
+    start = time.perf_counter()
+    history = train(model, x, y, run)
+    train_seconds = time.perf_counter() - start
+    batches = [(x[i : i + 500], y[i : i + 500]) for i in range(0, x.shape[0], 500)]
+    val_batches = [(x_val[i : i + 500], y_val[i : i + 500]) for i in range(0, VAL_SIZE, 500)]
+    report = measure(
+        model, batches, lam=run["lam"], num_train_samples=run["n"], val_batches=val_batches
+    )
+    start = time.perf_counter()
+    newton = decrements(model, x, y, run["lam"])
+    values = report.as_dict()
+    keep = [
+        *("observed_gap", "error_uncertainty_train", "error_uncertainty_val", "soft_rank"),
+        *("trace_ratio_train", "trace_ratio_val", "train_nll", "val_nll", "train_accuracy"),
+        *("val_accuracy", "rank_bound", "trusted", "structure", "seconds"),
+    ]
+    record = {**run, **{k: values[k] for k in keep}, **newton}
+    add_predictions(record)
+    record.update(
+        parameters=sum(p.numel() for p in model.parameters()),
+        soft_rank_per_n=values["soft_rank"] / run["n"],
+        nll_drop=(history[-2] - history[-1]) / max(history[-2], 1e-12),
+        train_seconds=train_seconds,
+        decrement_seconds=time.perf_counter() - start,
+    )
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Analysis: candidate predictors and trust rules against the observed gap.
+
+
+def add_predictions(record: dict) -> None:
+    """Eq. 13 with either trace ratio: ``predicted_gap_train`` (training) and
+    ``predicted_gap_val`` (held-out), from the record's soft rank and trace ratios."""
+    rank_per_n = record["soft_rank"] / record["n"]
+    record["predicted_gap_train"] = record["trace_ratio_train"] * rank_per_n
+    record["predicted_gap_val"] = record["trace_ratio_val"] * rank_per_n
+
+
+def ratio(record: dict, predictor: str) -> float:
+    """Predicted ÷ observed gap; +inf when the observed gap is ≤ 0."""
+    observed = record["observed_gap"]
+    return record[predictor] / observed if observed > 0 else math.inf
+
+
+def within(record: dict, predictor: str, factor: float = 2.0) -> bool:
+    """The prediction is within ``factor`` of a positive observed gap."""
+    value = ratio(record, predictor)
+    return math.isfinite(value) and 1 / factor <= value <= factor
+
+
+def decrement_share(record: dict, predictor: str = "predicted_gap_train") -> float:
+    """Newton decrement ÷ predicted gap: how much the objective would still fall, in gaps."""
+    return record["decrement"] / record[predictor]
+
+
+def alpha(record: dict) -> float:
+    """The training error/uncertainty ratio α_train."""
+    return record["error_uncertainty_train"]
+
+
+#: candidate rules: name -> record -> trusted
+RULES: dict[str, Callable[[dict], bool]] = {
+    "all runs": lambda r: True,
+    "α_train ≥ 0.5 (before)": lambda r: alpha(r) >= 0.5,
+    "α_train ≥ 0.3": lambda r: alpha(r) >= 0.3,
+    "α_val ≥ 0.5": lambda r: r["error_uncertainty_val"] >= 0.5,
+    "soft rank ≤ n/2": lambda r: r["soft_rank_per_n"] <= 0.5,
+    "ratios agree (val ÷ train ≤ 1.5)": lambda r: (
+        r["trace_ratio_val"] <= 1.5 * r["trace_ratio_train"]
+    ),
+    "decrement ≤ 0.5 × gap": lambda r: decrement_share(r) <= 0.5,
+    "decrement ≤ 0.1 nat": lambda r: r["decrement"] <= 0.1,
+    "NLL drop ≤ 5%": lambda r: r["nll_drop"] <= 0.05,
+    "α_train ≥ 0.5, decrement ≤ 0.5 × gap": lambda r: alpha(r) >= 0.5 and decrement_share(r) <= 0.5,
+    "α_train ≥ 0.3, decrement ≤ 0.1 nat": lambda r: alpha(r) >= 0.3 and r["decrement"] <= 0.1,
+    "α_train ≥ 0.3, lower bound ≤ 0.1 nat": lambda r: (
+        alpha(r) >= 0.3 and r["decrement_lower"] <= 0.1
+    ),
+    "α_train ≥ 0.3, NLL drop ≤ 5%": lambda r: alpha(r) >= 0.3 and r["nll_drop"] <= 0.05,
+    "α_train ≥ 0.3, soft rank ≤ n/4": lambda r: alpha(r) >= 0.3 and r["soft_rank_per_n"] <= 0.25,
+    "α_train ≥ 0.3, α_train ≤ 0.7": lambda r: 0.3 <= alpha(r) <= 0.7,
+}
+
+
+def cell(records: list[dict], predictor: str) -> str:
+    """``count, share within 2×, median ratio`` of a set of runs."""
+    if not records:
+        return "0, –, –"
+    share = sum(within(r, predictor) for r in records) / len(records)
+    middle = statistics.median(ratio(r, predictor) for r in records)
+    return f"{len(records)}, {share:.0%}, {middle:.2f}"
+
+
+def rule_table(records: list[dict], predictor: str) -> str:
+    """Per rule and grid: trusted runs (count, within 2×, median ratio) | untrusted within 2×."""
+    grids = list(dict.fromkeys(r["grid"] for r in records))
+    header = ["rule"] + [f"{g} ({records_role(records, g)})" for g in grids]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, rule in RULES.items():
+        row = [name]
+        for grid in grids:
+            runs = [r for r in records if r["grid"] == grid]
+            trusted = [r for r in runs if rule(r)]
+            untrusted = [r for r in runs if not rule(r)]
+            inside = sum(within(r, predictor) for r in untrusted)
+            row.append(f"{cell(trusted, predictor)} / {inside} of {len(untrusted)}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def records_role(records: list[dict], grid: str) -> str:
+    """The role of a grid: ``choose`` (the rule was chosen on it) or ``check``."""
+    return GRIDS[grid].role if grid in GRIDS else records[0]["role"]
+
+
+def run_table(records: list[dict]) -> str:
+    """One line per run: the signals the rules read."""
+    header = [
+        *("grid", "arch", "n", "c", "lr", "ep", "train_nll", "obs", "pred_val", "pred_train"),
+        *("α_train", "α_val", "rank/n", "dec", "dec/gap", "low", "nll_drop", "cg_res"),
+    ]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in records:
+        row = [
+            r["grid"], r["architecture"], r["n"], r["c"], r["lr"], r["epochs"],
+            f"{r['train_nll']:.3f}", f"{r['observed_gap']:.4f}", f"{r['predicted_gap_val']:.4f}",
+            f"{r['predicted_gap_train']:.4f}", f"{r['error_uncertainty_train']:.2f}",
+            f"{r['error_uncertainty_val']:.2f}", f"{r['soft_rank_per_n']:.2f}",
+            f"{r['decrement']:.3g}", f"{decrement_share(r):.3g}", f"{r['decrement_lower']:.3g}",
+            f"{r['nll_drop']:.3g}", f"{r['decrement_residual']:.1e}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def analyse(path: Path) -> None:
+    """Print the per-run signals and the rule tables of both predictors."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for record in records:
+        add_predictions(record)
+    print(f"{len(records)} runs from {path}\n")
+    print(run_table(records), "\n")
+    for predictor in ("predicted_gap_train", "predicted_gap_val"):
+        print(f"### {predictor}: trusted runs, within 2×, median ratio / untrusted within 2×\n")
+        print(rule_table(records, predictor), "\n")
+
+
+def collect(grids: Sequence[str], output: Path) -> None:
+    """Run every grid's runs not yet in ``output`` and append their records."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = set()
+    if output.exists():
+        for line in output.read_text().splitlines():
+            record = json.loads(line)
+            done.add(run_key(record))
+    for name in grids:
+        for run in GRIDS[name].runs():
+            if run_key(run) in done:
+                continue
+            start = time.perf_counter()
+            record = one_run(run)
+            record["total_seconds"] = time.perf_counter() - start
+            with output.open("a") as handle:
+                handle.write(json.dumps(record) + "\n")
+            print(
+                f"{name} {run['architecture']} n={run['n']} c={run['c']} lr={run['lr']} "
+                f"ep={run['epochs']}: pred val {record['predicted_gap_val']:.4f} train "
+                f"{record['predicted_gap_train']:.4f} obs {record['observed_gap']:.4f} "
+                f"α {record['error_uncertainty_train']:.2f} dec/gap {decrement_share(record):.3g}"
+                f" ({record['total_seconds']:.0f} s)",
+                flush=True,
+            )
+
+
+def run_key(run: dict) -> tuple:
+    """What identifies a run within the study."""
+    keys = ("grid", "architecture", "hidden", "n", "c", "lr", "epochs", "seed", "image_size")
+    return tuple(run[k] for k in keys)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--grids", default="all", help="comma-separated grid names, or all")
+    parser.add_argument("--output", type=Path, default=Path("runs/study_trust/records.jsonl"))
+    parser.add_argument("--analyse", type=Path, help="print the tables of a records file")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.analyse:
+        analyse(args.analyse)
+        return
+    names = list(GRIDS) if args.grids == "all" else args.grids.split(",")
+    collect(names, args.output)
+    analyse(args.output)
+
+
+if __name__ == "__main__":
+    main()
