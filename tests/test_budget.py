@@ -125,10 +125,10 @@ def test_the_first_exact_cost_is_predicted_from_the_trial_and_kept_until_measure
 
 
 def test_a_fill_in_scales_the_soft_rank_and_the_gaps_by_the_last_exact_ratio():
-    record = {"soft_rank": 100.0, "predicted_gap": 0.2, "predicted_gap_train": 0.1, "tic": 3.0}
+    record = {"soft_rank": 100.0, "predicted_gap": 0.2, "predicted_gap_val": 0.1, "tic": 3.0}
     scaled = fill_in_record(record, 0.5)
     assert scaled["soft_rank"] == 50.0 and scaled["predicted_gap"] == 0.1
-    assert scaled["predicted_gap_train"] == 0.05 and scaled["tic"] == 3.0
+    assert scaled["predicted_gap_val"] == 0.05 and scaled["tic"] == 3.0
     assert scaled["fill_in"] == 1.0 and scaled["calibration"] == 0.5
     raw = fill_in_record(record, math.nan)  # before any exact measurement: unscaled
     assert raw["soft_rank"] == 100.0 and math.isnan(raw["calibration"])

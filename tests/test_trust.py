@@ -8,7 +8,7 @@ import pytest
 from conftest import batches, random_data, tiny_model
 
 from lightning_flatness import measure
-from lightning_flatness.core.trust import TRUST_THRESHOLD, trusted
+from lightning_flatness.core.trust import TRUST_THRESHOLD, TRUSTED_WITHIN_2X, trusted, verdict
 from lightning_flatness.lightning.figures import describe_structure, gap_figure, summary_table
 
 
@@ -37,7 +37,7 @@ def _record(epoch, score, **extra):
         "epoch": float(epoch),
         "observed_gap": 0.1,
         "predicted_gap": 0.2,
-        "predicted_gap_train": 0.15,
+        "predicted_gap_val": 0.15,
         "soft_rank": 100.0,
         "trust_score": score,
         "trusted": trusted(score),
@@ -47,12 +47,9 @@ def _record(epoch, score, **extra):
 
 def test_summary_names_the_structure_and_says_when_not_to_trust():
     trusting = summary_table(_record(3, 0.8), "diag")
-    assert "upper estimate" in trusting and trusting.splitlines()[-1].split() == [
-        "predicted",
-        "gap",
-        "trusted",
-        "yes",
-    ]
+    assert "upper estimate" in trusting
+    assert trusting.splitlines()[-1].split()[:4] == ["predicted", "gap", "trusted", "yes"]
+    assert TRUSTED_WITHIN_2X in trusting
     doubting = summary_table(_record(4, 0.01, soft_rank_stderr=2.5), "lanczos")
     assert "± 2.5" in doubting and "no — α_train <" in doubting
     assert describe_structure("kfac").startswith("kfac (Kronecker")
@@ -67,3 +64,23 @@ def test_gap_figure_shades_untrusted_epochs_and_shows_error_bars():
     assert any("not to be trusted" in text.get_text() for text in axis.get_legend().get_texts())
     assert len(axis.containers) == 2  # error bars on both predicted gaps
     assert "lanczos" in axis.get_title()
+
+
+@pytest.mark.parametrize(
+    ("score", "structure", "soft_rank", "expected"),
+    [
+        (0.33, "probe_kernel", 300.0, 1.0),  # an MLP trained at c = 0.01: within 2× (1.1–1.3×)
+        (0.55, "probe_kernel", 60.0, 1.0),  # trained at c = 100: within 2× (0.8×)
+        (0.19, "probe_kernel", 460.0, 0.0),  # over-confident: Eq. 13 at 0.27× the gap
+        (0.0, "probe_kernel", 600.0, 0.0),  # memorized: Eq. 13 near 0
+        (0.9, "kfac", 300.0, 0.0),  # not an exact-quality soft rank
+        (0.9, "probe_kernel", 2000.0, 0.0),  # above the rank bound
+    ],
+)
+def test_verdict_cases_of_the_study(score, structure, soft_rank, expected):
+    """Runs of benchmarks/study_trust.py's mlp7 grid (n = 1,000; rank bound 1,000 here)."""
+    assert verdict(score, structure, soft_rank, rank_bound=1000.0) == expected
+
+
+def test_threshold_is_the_studied_one():
+    assert TRUST_THRESHOLD == 0.3

@@ -13,9 +13,10 @@ exactly as found, and a ``torch.compile`` wrapper is measured as the module it c
 
 The report combines (docs/math.md, "Generalization gap"):
 
-- ``predicted_gap`` = Eq. (13): ``(1/n) · Tr(C)/Tr(F) · rank_λ(F)``, with the held-out trace
-  ratio when validation batches are given (the training one → 0 when the model overfits,
-  Prop. 5.4), else the training one; ``predicted_gap_train`` always uses the training ratio;
+- ``predicted_gap`` = Eq. (13): ``(1/n) · Tr(C)/Tr(F) · rank_λ(F)`` with the training trace
+  ratio, within 2× of the observed gap far more often than with the held-out one, which grows
+  with over-confident wrong answers on held-out data (docs/RESULTS.md, "Predictor and trust
+  rule"); ``predicted_gap_val`` uses the held-out ratio (NaN without validation batches);
 - ``thomas_gap`` = Eq. (11): ``(1/n) · Tr(C)/Tr(F)`` (training data);
 - ``tic`` = ``(1/n) · Tr(C (F+λI)⁻¹)`` where the structure supports it (dense, gram: exact;
   diag/diag_mc/hutchinson: the diagonal formula; kfac, lanczos: NaN);

@@ -26,6 +26,9 @@ class FlatnessReport:
     log-likelihoods of the model's own likelihood, not the user's training loss.
     ``eigenvalues`` (the structure's spectrum, float64) and ``blocks`` (per-parameter summaries
     of block-structured approximations, e.g. ``kfac``) are not part of :meth:`as_dict`.
+    ``predicted_gap`` is Eq. 13 with the training trace ratio and ``predicted_gap_val`` with the
+    held-out one (NaN without validation data; it over-estimates the gap when the model is
+    confidently wrong on held-out data: docs/RESULTS.md, "Predictor and trust rule").
     ``trust_score`` is the training error/uncertainty ratio and ``trusted`` is 1.0 while it is
     at least :data:`~lightning_flatness.core.trust.TRUST_THRESHOLD`, the structure is of exact
     quality and the soft rank is at most ``rank_bound`` (the predicted gap is then to be
@@ -43,7 +46,7 @@ class FlatnessReport:
     trace_ratio_train: float
     trace_ratio_val: float
     predicted_gap: float
-    predicted_gap_train: float
+    predicted_gap_val: float
     thomas_gap: float
     tic: float
     train_nll: float
@@ -164,8 +167,8 @@ def build_report(
     ratio_train = _ratio(trace_cov, trace_fisher)
     held_out = held_out_fields(val)
     ratio_val = held_out["trace_ratio_val"]
-    predicted_train = ratio_train * summary.soft_rank / n
-    predicted = ratio_val * summary.soft_rank / n if val.count else predicted_train
+    predicted = ratio_train * summary.soft_rank / n
+    predicted_val = ratio_val * summary.soft_rank / n
     train_nll, val_nll = train.mean("loss"), held_out["val_nll"]
     alpha_train = _ratio(train.mean("error"), train.mean("uncertainty"))
     return FlatnessReport(
@@ -177,7 +180,7 @@ def build_report(
         trace_cov=trace_cov,
         trace_ratio_train=ratio_train,
         predicted_gap=predicted,
-        predicted_gap_train=predicted_train,
+        predicted_gap_val=predicted_val,
         thomas_gap=ratio_train / n,
         tic=curvature.tic_trace / n,
         train_nll=train_nll,

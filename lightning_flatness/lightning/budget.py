@@ -107,7 +107,7 @@ EXACT, CHEAP, SKIP = "exact", "cheap", "skip"
 TRIAL_SAMPLES = 32
 TRIAL_MATRIX_FREE = {"probes": 2, "cg_steps": 2, "lanczos_steps": 2, "power_iterations": 2}
 #: the record fields proportional to the soft rank (scaled in a fill-in record)
-SCALED_FIELDS = ("soft_rank", "soft_rank_stderr", "predicted_gap", "predicted_gap_train")
+SCALED_FIELDS = ("soft_rank", "soft_rank_stderr", "predicted_gap", "predicted_gap_val")
 
 
 @dataclass

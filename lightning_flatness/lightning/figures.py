@@ -8,7 +8,12 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.trust import EXACT_QUALITY, TRUST_THRESHOLD, above_rank_bound
+from lightning_flatness.core.trust import (
+    EXACT_QUALITY,
+    TRUST_THRESHOLD,
+    TRUSTED_WITHIN_2X,
+    above_rank_bound,
+)
 
 __all__ = ["STRUCTURE_KINDS", "describe_structure", "gap_figure", "log10_spectrum", "summary_table"]
 
@@ -63,7 +68,7 @@ def gap_figure(history: Sequence[Mapping[str, float]], structure: str = ""):
     series = (
         ("observed_gap", "observed gap (val − train loss)", "k-o"),
         ("predicted_gap", "predicted gap, Eq. 13", "C0-s"),
-        ("predicted_gap_train", "predicted gap, training trace ratio", "C1--^"),
+        ("predicted_gap_val", "predicted gap, held-out trace ratio", "C1--^"),
     )
     for key, label, style in series:
         values = [record.get(key, math.nan) for record in history]
@@ -102,7 +107,7 @@ def _predicted_gap_errors(history: Sequence[Mapping[str, float]], key: str) -> l
 SUMMARY_ROWS = (
     ("predicted_gap", "predicted gap (Eq. 13)"),
     ("observed_gap", "observed gap"),
-    ("predicted_gap_train", "predicted gap, train ratio"),
+    ("predicted_gap_val", "predicted gap, held-out ratio"),
     ("soft_rank", "soft rank rank_λ(F)"),
     ("trace_ratio_val", "trace ratio Tr(C)/Tr(F), val"),
     ("trace_ratio_train", "trace ratio Tr(C)/Tr(F), train"),
@@ -138,7 +143,7 @@ def _trust_advice(record: Mapping[str, float], structure: str) -> str:
     """Why the predicted gap is or is not to be trusted
     (:func:`~lightning_flatness.core.trust.verdict`)."""
     if record.get("trusted"):
-        return "yes"
+        return f"yes (within 2× of the observed gap for {TRUSTED_WITHIN_2X})"
     if above_rank_bound(record.get("soft_rank", math.nan), record.get("rank_bound", math.inf)):
         return (
             f"no — the soft rank is above {record['rank_bound']:,.0f}, the largest rank the "

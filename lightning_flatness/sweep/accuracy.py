@@ -5,7 +5,8 @@ Per structure, over the finished runs of a sweep:
 - ``soft rank ÷ exact``: its soft rank divided by the exact full-training-set soft rank of the
   same run (``exact``: the dense or Gram Fisher of every training sample), median and the
   10th–90th percentile range;
-- ``predicted ÷ measured gap``: Eq. 13 with the held-out trace ratio divided by the measured gap
+- ``predicted ÷ measured gap``: Eq. 13 (``predicted_gap``, the training trace ratio) divided by
+  the measured gap
   (held-out − training loss), median and the share of runs within a factor 2
   (``0.5 ≤ ratio ≤ 2``); a run whose measured gap is ≤ 0 counts as outside;
 - Kendall τ of Eq. 13 with the measured gap, and the median measurement time.
@@ -55,7 +56,7 @@ def _measure(record: Mapping[str, Any], structure: str, field: str) -> float:
 
 
 def gap_ratio(record: Mapping[str, Any], structure: str) -> float:
-    """Eq. 13 (held-out trace ratio) ÷ measured gap; NaN without a positive measured gap."""
+    """Eq. 13 (training trace ratio) ÷ measured gap; NaN without a positive measured gap."""
     gap = record.get("gap")
     if gap is None or not float(gap) > 0:
         return math.nan

@@ -47,8 +47,8 @@ MEASURES: tuple[tuple[str, str, bool], ...] = (
     ("soft_rank2", "rank⁽²⁾_λ(F)", True),
     ("trace_fisher", "Tr(F)", True),
     ("max_eig", "‖F‖₂", True),
-    ("predicted_gap", "Eq. 13, held-out Tr(C)/Tr(F)", False),
-    ("predicted_gap_train", "Eq. 13, training Tr(C)/Tr(F)", False),
+    ("predicted_gap", "Eq. 13, training Tr(C)/Tr(F)", False),
+    ("predicted_gap_val", "Eq. 13, held-out Tr(C)/Tr(F)", False),
     ("thomas_gap", "Thomas et al. (1/n)·Tr(C)/Tr(F)", False),
     ("tic", "TIC (1/n)·Tr(C(F+λI)⁻¹)", False),
 )
@@ -232,8 +232,8 @@ def _category_key(records: Sequence[Mapping[str, Any]]) -> str | None:
 _PANELS = (
     ("tic", "regularized TIC (training)"),
     ("thomas_gap", "Thomas et al., Eq. 11 (training)"),
-    ("predicted_gap", "Eq. 13, held-out trace ratio"),
-    ("predicted_gap_train", "Eq. 13, training trace ratio"),
+    ("predicted_gap", "Eq. 13, training trace ratio"),
+    ("predicted_gap_val", "Eq. 13, held-out trace ratio"),
 )
 _MARKERS = "osD^vP*X<>"
 
