@@ -13,7 +13,9 @@ from lightning_flatness import measure
 
 ROOT = Path(__file__).resolve().parents[1]
 #: logged by the monitor and the regularizer besides the report's fields
-MONITOR_TAGS = ("fill_in", "calibration", "overhead", "penalty", "spectrum_log10", "gap")
+MONITOR_TAGS = (
+    *("fill_in", "calibration", "overhead", "nll_drop", "penalty", "spectrum_log10", "gap"),
+)
 
 
 def _logged_tags() -> set[str]:

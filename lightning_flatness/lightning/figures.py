@@ -10,6 +10,7 @@ from torch import Tensor
 
 from lightning_flatness.core.trust import (
     EXACT_QUALITY,
+    SETTLED_DROP,
     TRUST_THRESHOLD,
     TRUSTED_WITHIN_2X,
     above_rank_bound,
@@ -51,9 +52,10 @@ def _untrusted_epochs(history: Sequence[Mapping[str, float]]) -> list[float]:
 def gap_figure(history: Sequence[Mapping[str, float]], structure: str = ""):
     """Matplotlib figure: predicted (held-out and training trace ratio) vs observed gap.
 
-    Epochs whose estimate is not to be trusted (``trusted == 0``, the training
-    error/uncertainty ratio below :data:`~lightning_flatness.core.trust.TRUST_THRESHOLD`) are
-    shaded; random structures show their standard error as error bars.
+    Epochs whose estimate is not to be trusted (``trusted == 0``: the training
+    error/uncertainty ratio below :data:`~lightning_flatness.core.trust.TRUST_THRESHOLD`, or the
+    training loss still falling faster than :data:`~lightning_flatness.core.trust.SETTLED_DROP`
+    per epoch) are shaded; random structures show their standard error as error bars.
     """
     import matplotlib
 
@@ -63,7 +65,7 @@ def gap_figure(history: Sequence[Mapping[str, float]], structure: str = ""):
     epochs = [record["epoch"] for record in history]
     figure, axis = plt.subplots(figsize=(6.4, 4.2), dpi=100)
     for index, epoch in enumerate(_untrusted_epochs(history)):
-        label = f"not to be trusted (α_train < {TRUST_THRESHOLD:g})" if index == 0 else None
+        label = "not to be trusted (α_train low, or loss still falling)" if index == 0 else None
         axis.axvspan(epoch - 0.5, epoch + 0.5, color="0.85", zorder=0, label=label)
     series = (
         ("observed_gap", "observed gap (val − train loss)", "k-o"),
@@ -112,6 +114,7 @@ SUMMARY_ROWS = (
     ("trace_ratio_val", "trace ratio Tr(C)/Tr(F), val"),
     ("trace_ratio_train", "trace ratio Tr(C)/Tr(F), train"),
     ("trust_score", "trust score α_train"),
+    ("nll_drop", "training NLL drop, last epoch"),
     ("lam", "λ"),
     ("num_samples", "samples in F"),
 )
@@ -126,6 +129,8 @@ def summary_table(record: Mapping[str, float], structure: str) -> str:
         f"structure={describe_structure(structure)})"
     ]
     for key, label in SUMMARY_ROWS:
+        if key == "nll_drop" and key not in record:  # a monitor's record only
+            continue
         value = record.get(key, math.nan)
         line = f"  {label:<{width}}  {value:.6g}"
         stderr = record.get(f"{key}_stderr")
@@ -141,7 +146,8 @@ def summary_table(record: Mapping[str, float], structure: str) -> str:
 
 def _trust_advice(record: Mapping[str, float], structure: str) -> str:
     """Why the predicted gap is or is not to be trusted
-    (:func:`~lightning_flatness.core.trust.verdict`)."""
+    (:func:`~lightning_flatness.core.trust.verdict`, and in a monitor's record
+    :func:`~lightning_flatness.core.trust.settled_verdict`)."""
     if record.get("trusted"):
         return f"yes (within 2× of the observed gap for {TRUSTED_WITHIN_2X})"
     if above_rank_bound(record.get("soft_rank", math.nan), record.get("rank_bound", math.inf)):
@@ -149,12 +155,29 @@ def _trust_advice(record: Mapping[str, float], structure: str) -> str:
             f"no — the soft rank is above {record['rank_bound']:,.0f}, the largest rank the "
             "Fisher of the measured samples can have"
         )
-    if record.get("trust_score", math.nan) < TRUST_THRESHOLD or structure in EXACT_QUALITY:
+    if record.get("trust_score", math.nan) < TRUST_THRESHOLD:
         return (
             f"no — α_train < {TRUST_THRESHOLD:g}: the model is over-confident on its training "
             "data (Prop. 5.4)"
         )
+    if structure not in EXACT_QUALITY:
+        return (
+            f"no — {structure!r} is not an exact-quality soft rank (see docs/guide.md, "
+            "Choosing a structure); structure='probe_kernel' is"
+        )
+    return _settled_advice(record.get("nll_drop", math.nan))
+
+
+def _settled_advice(drop: float) -> str:
+    """Why a monitor record whose other tests pass is untrusted: its training NLL had not
+    settled (:func:`~lightning_flatness.core.trust.settled_verdict`)."""
+    if not math.isfinite(drop):
+        return (
+            "no — the training loss of the epoch before is unknown, so whether the model is at "
+            "a minimum (where Eq. 13 holds) cannot be told"
+        )
     return (
-        f"no — {structure!r} is not an exact-quality soft rank (see docs/guide.md, "
-        "Choosing a structure); structure='probe_kernel' is"
+        f"no — the training loss still fell by {drop:.1%} over the last epoch (above "
+        f"{SETTLED_DROP:.0%}): the model is not at a minimum yet, and Eq. 13 over-estimates a "
+        "gap that has not opened"
     )

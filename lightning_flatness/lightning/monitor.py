@@ -233,6 +233,11 @@ class FlatnessMonitor(
         self._sample_numbers: float | None = None
         #: the fill-in's subsets by split, read once per fit: (dataset, settings, batches)
         self._kept_subsets: dict[str, tuple[Any, tuple, list]] = {}
+        #: the training NLL on the fill-in's subset after each epoch (-1: before the first)
+        self._epoch_nll: dict[int, float] = {}
+        #: a stream's samples that NLL is read on (the first epoch's first ones)
+        self._nll_stream: list | None = None
+        self._nll_failed = False
 
     @property
     def state_key(self) -> str:
@@ -254,6 +259,8 @@ class FlatnessMonitor(
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._kept_subsets = {}
+        self._epoch_nll = {}
+        self._nll_stream = None
         self._skipped = []
         self._calibration = Calibration()  # a ratio of this fit's weights only
         refusal = sharding_refusal(trainer.strategy, pl_module)
@@ -285,6 +292,8 @@ class FlatnessMonitor(
             self._first_batch = None
             if self.regularizer is not None and self.disabled_reason is not None:
                 self.regularizer.disabled = True
+        # the training NLL before this fit's first epoch (after the last one, when resumed)
+        self._record_nll(trainer, pl_module, trainer.current_epoch - 1)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Measured here when validation closes the epoch, so that ModelCheckpoint and
@@ -292,8 +301,10 @@ class FlatnessMonitor(
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
         if trainer.is_last_batch and self._due(trainer):
+            self._record_nll(trainer, pl_module, trainer.current_epoch)
             self._scheduled(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._record_nll(trainer, pl_module, trainer.current_epoch)  # every epoch, for its drop
         if self._due(trainer):
             self._scheduled(trainer, pl_module)

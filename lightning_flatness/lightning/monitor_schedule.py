@@ -79,6 +79,7 @@ class MeasurementSchedule:
         started = time.perf_counter()
         record = self._budgeted_record(trainer, pl_module, decision, trainer.current_epoch, horizon)
         if record is not None:
+            self._settle(record, trainer.current_epoch)
             self._log_record(trainer, pl_module, record)
         elif decision == SKIP:
             self._skipped.append(trainer.current_epoch)
@@ -246,6 +247,7 @@ class MeasurementSchedule:
         ):
             self._fit_end_measurement(trainer, pl_module, last_epoch)
         self._kept_subsets = {}  # the fill-in's samples are not held beyond the fit
+        self._nll_stream = None
         self._draw_gap_figure(trainer)
         last = self.history[-1] if self.history else None
         if last is None and self.budget.share is not None and self.disabled_reason is None:
@@ -283,6 +285,8 @@ class MeasurementSchedule:
             if decision == SKIP:
                 self._skipped.append(last_epoch)
             return
+        self._record_nll(trainer, pl_module, last_epoch)  # read at its end unless cut short
+        self._settle(record, last_epoch)
         record["epoch"] = float(last_epoch)
         self.history.append(record)
         metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
