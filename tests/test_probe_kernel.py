@@ -200,9 +200,9 @@ def test_both_sides_and_a_summed_run_give_the_same_numbers(one_thread):
 
 def test_size_guards_name_the_fix():
     model, inputs, targets = _many_classes()
-    with pytest.raises(StructureTooLargeError, match="max_kernel_size"):
+    with pytest.raises(StructureTooLargeError, match="max_row_elements"):
         _probe_report(
-            model, inputs, targets, 4, 2, options={"side": "samples", "max_kernel_size": 10}
+            model, inputs, targets, 4, 2, options={"side": "samples", "max_row_elements": 6000}
         )
     with pytest.raises(StructureTooLargeError, match="batches of at most 2 samples"):
         _probe_report(model, inputs, targets, 4, 2, options={"max_row_elements": 4 * 2 * 326})

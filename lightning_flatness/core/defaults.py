@@ -4,16 +4,21 @@ the lowest cost where it fits (docs/RESULTS.md, "Error against cost").
 That is ``probe_kernel``: the whole Fisher's spectrum from a few probe rows per sample, within a
 few percent of the exact soft rank on every model measured. It fits when its P × P state does
 (P ≤ ``max_parameters``: any number of samples, and sums across processes) or, on one process,
-when the kept probe rows of the measured samples do (m·s ≤ ``max_kernel_size`` and
-m·s·P ≤ ``max_row_elements``). Otherwise the default is ``cg``: Hutchinson with preconditioned
-conjugate gradients on exact Fisher-vector products, matrix-free for any size (0.93–0.97 of the
-exact soft rank on the same models; only the soft rank, no log-det or spectrum).
+when the kept probe rows of the measured samples fit in memory (m·s·P ≤ ``max_row_elements``,
+by default a share of the free memory): a formed kernel for m·s ≤ ``max_kernel_size``, beyond
+it stochastic Lanczos quadrature on the stored rows. Otherwise the default is ``cg``:
+Hutchinson with preconditioned conjugate gradients on exact Fisher-vector products, matrix-free
+for any size (0.93–0.97 of the exact soft rank on the same models; only the soft rank, no
+log-det or spectrum).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from lightning_flatness.core.memory import row_elements
 from lightning_flatness.core.options import KernelOptions
 
 __all__ = ["AUTO", "StructureChoice", "choose_structure", "default_probes"]
@@ -53,6 +58,7 @@ def choose_structure(
     options: KernelOptions,
     *,
     summable: bool = False,
+    device: torch.device | str | None = None,
 ) -> StructureChoice:
     """``probe_kernel`` where it fits, else ``cg`` (module docstring).
 
@@ -61,6 +67,7 @@ def choose_structure(
         num_samples: m, the samples a measurement will see (None: unknown, many).
         options: the probe kernel's options (sizes and probes).
         summable: the state must add up across processes (data parallelism).
+        device: where the rows would be kept (their memory guard).
     """
     if num_parameters <= options.max_parameters:
         return StructureChoice(
@@ -70,19 +77,23 @@ def choose_structure(
         )
     if not summable and num_samples is not None:
         rows = num_samples * options.probes
-        if rows <= options.max_kernel_size and rows * num_parameters <= options.max_row_elements:
+        if rows * num_parameters <= row_elements(options, device):
+            how = (
+                "the sample-side kernel"
+                if rows <= options.max_kernel_size
+                else "memory; the kernel's trace functions come from Lanczos quadrature on them"
+            )
             return StructureChoice(
                 "probe_kernel",
-                f"probe_kernel: {rows:,} probe rows of {num_parameters:,} parameters fit the "
-                "sample-side kernel",
+                f"probe_kernel: {rows:,} probe rows of {num_parameters:,} parameters fit {how}",
             )
     across = " across processes" if summable else ""
     samples = "an unknown number of" if num_samples is None else f"{num_samples:,}"
     return StructureChoice(
         "cg",
         f"cg: the probe kernel does not fit{across} ({num_parameters:,} parameters > "
-        f"max_parameters {options.max_parameters:,}, and {samples} samples × "
-        f"{options.probes} probes exceed max_kernel_size {options.max_kernel_size:,}), so the "
+        f"max_parameters {options.max_parameters:,}, and the probe rows of {samples} samples × "
+        f"{options.probes} probes exceed the memory they may take), so the "
         "soft rank comes from preconditioned conjugate gradients on Fisher-vector products "
         "(matrix-free; no log-det or spectrum). Measure fewer samples (max_samples=) for the "
         "probe kernel",

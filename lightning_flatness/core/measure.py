@@ -185,7 +185,9 @@ def measure(
             kernel = KernelOptions.from_dict(kernel_options, "exact")
             trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             summable = all_reduce is not None
-            structure = choose_structure(trainable, seen, kernel, summable=summable).structure
+            device = next((p.device for p in model.parameters()), None)
+            choice = choose_structure(trainable, seen, kernel, summable=summable, device=device)
+            structure = choice.structure
         options = structure_options(
             structure,
             trace_estimator=trace_estimator,

@@ -96,7 +96,13 @@ class FitStartChecks:
             samples = min(samples, cap)
         if samples is not None and trainer.world_size > 1:
             samples = math.ceil(samples / trainer.world_size)
-        choice = choose_structure(trainable, samples, options, summable=trainer.world_size > 1)
+        choice = choose_structure(
+            trainable,
+            samples,
+            options,
+            summable=trainer.world_size > 1,
+            device=pl_module.device,
+        )
         self._active_structure = choice.structure
         rank_zero_info(f"FlatnessMonitor: structure='auto' measures {choice.reason}.")
 

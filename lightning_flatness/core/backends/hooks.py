@@ -31,6 +31,7 @@ from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import check_finite_loss
 from lightning_flatness.core.hooked_pass import HookedPass
 from lightning_flatness.core.likelihoods import get_likelihood
+from lightning_flatness.core.memory import row_elements
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.module_rules import RecurrentRule
 from lightning_flatness.core.options import DiagOptions, KernelOptions, KFACOptions
@@ -203,6 +204,7 @@ class HookBackend(Backend):
         if num_outputs <= options.probes:
             self.hooked.kfac_mode = "exact"
             rows, groups = num_outputs, 1
+        device = model_device_dtype(self.model)[0]
         return ProbeKernelFisher(
             self.num_parameters,
             probes=rows,
@@ -210,9 +212,11 @@ class HookBackend(Backend):
             side=options.side,
             max_parameters=options.max_parameters,
             max_kernel_size=options.max_kernel_size,
-            max_row_elements=options.max_row_elements,
+            max_row_elements=row_elements(options, device),
             summable=self.summable,
-            device=model_device_dtype(self.model)[0],
+            device=device,
+            slq_probes=options.slq_probes,
+            slq_steps=options.slq_steps,
         )
 
     def summable_states(self) -> list[Tensor]:

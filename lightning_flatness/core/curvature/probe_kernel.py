@@ -32,8 +32,10 @@ from lightning_flatness.core.curvature.lanczos_quadrature import (
     gauss_quadrature,
     lanczos,
 )
+from lightning_flatness.core.curvature.stored_rows import stored_rows_estimate
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.jackknife import jackknife
+from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS
 from lightning_flatness.core.spectral import (
     SpectralSummary,
     cholesky_summary,
@@ -66,10 +68,14 @@ class ProbeKernelFisher(CurvatureAccumulator):
         groups: probe groups of the jackknife (divides ``probes``; 1: no correction).
         side: ``"auto"``, ``"parameters"`` or ``"samples"`` (:data:`SIDES`).
         max_parameters: the largest P of the parameter side's P × P matrices.
-        max_kernel_size: the largest ms of the sample side's kernel.
+        max_kernel_size: the largest ms of a formed sample-side kernel; beyond it (where the
+            parameter side does not fit) the rows are kept and the estimate is stochastic
+            Lanczos quadrature on products with them
+            (:mod:`~lightning_flatness.core.curvature.stored_rows`).
         max_row_elements: the most numbers of kept rows (ms · P) on the sample side.
         summable: the state must add up across processes (the parameter side from the start).
         device: where the P × P sums live (the model's: no copy to the host per batch).
+        slq_probes / slq_steps: the stored-row estimate's Hutchinson probes and Lanczos steps.
     """
 
     name = "probe_kernel"
@@ -86,7 +92,10 @@ class ProbeKernelFisher(CurvatureAccumulator):
         max_row_elements: int,
         summable: bool = False,
         device: torch.device | str | None = None,
+        slq_probes: int = SLQ_PROBES,
+        slq_steps: int = SLQ_STEPS,
     ) -> None:
+        self.slq_probes, self.slq_steps = int(slq_probes), int(slq_steps)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_parameters = int(num_parameters)
         self.probes, self.groups = int(probes), int(groups)
@@ -181,17 +190,18 @@ class ProbeKernelFisher(CurvatureAccumulator):
             return
         self.rows.append(rows.detach())
         self.kept_rows += rows.shape[0] * rows.shape[1]
-        too_many = self.kept_rows > self.max_kernel_size
         too_big = self.kept_rows * self.num_parameters > self.max_row_elements
-        if self.side == "samples" and (too_many or too_big):
+        if self.side == "samples" and too_big:
             raise StructureTooLargeError(
                 f"structure='probe_kernel' on the sample side keeps {self.kept_rows:,} probe "
                 f"rows of {self.num_parameters:,} parameters, above kernel_options"
-                f"['max_kernel_size']={self.max_kernel_size:,} or ['max_row_elements']="
-                f"{self.max_row_elements:,}; pass max_samples=, side='parameters' (P ≤ "
-                "max_parameters) or structure='lanczos'."
+                f"['max_row_elements']={self.max_row_elements:,} (the rows' memory); pass "
+                "max_samples=, side='parameters' (P ≤ max_parameters) or structure='cg'."
             )
-        if too_many or too_big:  # "auto": move to the parameter side, which does not grow
+        parameter_side = self.side == "auto" and self.num_parameters <= self.max_parameters
+        if too_big or (parameter_side and self.kept_rows > self.max_kernel_size):
+            # "auto": move to the parameter side, which does not grow; where P is too large for
+            # it, rows too many for a formed kernel stay for the stored-row estimate
             self._check_parameter_side()
             self._to_parameter_side()
 
@@ -241,6 +251,15 @@ class ProbeKernelFisher(CurvatureAccumulator):
         """The jackknifed spectral summary of ``F̂`` over ``num_samples`` samples, its standard
         errors (``blocks["stderr"]``) and the plain summary (``blocks["uncorrected"]``).
         Factorisations in float32 where that is accurate (:func:`factorisation_dtype`)."""
+        if self.grams is None and self.kept_rows > self.max_kernel_size:
+            return stored_rows_estimate(
+                self.rows,
+                self.groups,
+                num_samples,
+                lam,
+                probes=self.slq_probes,
+                steps=self.slq_steps,
+            )
         matrix, leave_outs = self._matrices(num_samples)
         dtype = factorisation_dtype(float(matrix.diagonal().sum()), lam, self.precision)
         if matrix.shape[0] > EIGEN_SIZE_LIMIT:

@@ -1,0 +1,124 @@
+"""The probe kernel past its formed-kernel guard: stochastic Lanczos quadrature on the stored
+probe rows (float64, tiny models), against the formed kernel of the same rows and against the
+dense autograd reference; its memory guard and the default's choice of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import batches, random_data, tiny_model
+
+from lightning_flatness.core import memory, reference, spectral
+from lightning_flatness.core.defaults import choose_structure
+from lightning_flatness.core.failures import StructureTooLargeError
+from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import KernelOptions
+
+LAM = 1e-3
+#: a formed-kernel guard every run here exceeds, and a P × P guard below P: the stored rows
+STORED = {"max_kernel_size": 10, "max_parameters": 10}
+
+
+def _many_classes():
+    """30 classes, 48 samples, P = 326: rows of 4 probes are far from the exact ones."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 30))
+    generator = torch.Generator().manual_seed(3)
+    inputs = 2 * torch.randn(48, 6, dtype=torch.float64, generator=generator)
+    targets = torch.randint(0, 30, (48,), generator=generator)
+    return model.double().eval(), inputs, targets
+
+
+def _report(model, inputs, targets, batch_size=7, **options):
+    return measure(
+        model,
+        batches(inputs, targets, batch_size),
+        lam=LAM,
+        num_train_samples=100,
+        structure="probe_kernel",
+        kernel_options=options,
+    )
+
+
+def _exact(model, inputs) -> spectral.SpectralSummary:
+    return spectral.spectral_summary(
+        spectral.psd_eigenvalues(reference.dense_fisher(model, inputs)), LAM
+    )
+
+
+@pytest.mark.parametrize("batch_size", [1, 48])
+def test_exact_rows_converge_to_the_dense_fishers_trace_functions(batch_size, one_thread):
+    """The exact output rows (probes = classes, no probe bias): the stored-row estimate of
+    every trace function is within its error bars of the dense reference, its trace and largest
+    eigenvalue exact, and it does not depend on the batch size."""
+    model, inputs, targets = _many_classes()
+    exact = _exact(model, inputs)
+    options = {"probes": 30, "groups": 1, "slq_probes": 32, "slq_steps": 100, **STORED}
+    report = _report(model, inputs, targets, batch_size, **options)
+    stderr = report.blocks["stderr"]
+    for field in ("soft_rank", "soft_rank2", "logdet"):
+        error = abs(getattr(report, field) - getattr(exact, field))
+        assert error < 4 * getattr(stderr, field), field
+        assert error < 0.05 * getattr(exact, field), field
+    assert report.trace_fisher == pytest.approx(exact.trace, rel=1e-9)
+    assert report.max_eig == pytest.approx(exact.max_eig, rel=1e-8)
+    other = _report(model, inputs, targets, 5, **options)
+    assert other.soft_rank == pytest.approx(report.soft_rank, rel=1e-9)
+
+
+def test_probe_rows_converge_to_the_formed_kernel_of_the_same_rows(one_thread):
+    """4 probes in 2 groups: the stored-row estimate jackknifes the probes' bias as the formed
+    kernel does, and converges to it as its Hutchinson probes grow."""
+    model, inputs, targets = _many_classes()
+    formed = _report(model, inputs, targets, probes=4, side="samples")
+    errors = {}
+    for slq_probes in (8, 256):
+        stored = _report(
+            model, inputs, targets, probes=4, slq_probes=slq_probes, slq_steps=100, **STORED
+        )
+        errors[slq_probes] = abs(stored.soft_rank / formed.soft_rank - 1)
+        assert abs(stored.soft_rank - formed.soft_rank) < 4 * stored.blocks["stderr"].soft_rank
+        assert stored.trace_fisher == pytest.approx(formed.trace_fisher, rel=1e-9)
+    assert errors[256] < errors[8] and errors[256] < 0.02
+    plain = stored.blocks["uncorrected"].soft_rank
+    exact = _exact(model, inputs).soft_rank
+    assert plain < stored.soft_rank  # the jackknife lifts the concave estimate toward F's
+    assert abs(stored.soft_rank - exact) < abs(plain - exact)
+
+
+def test_the_papers_mlp_at_its_default_slq_budget(one_thread):
+    """The paper's MLP on 60 samples at the default 16 probes of 80 steps: within 5% of the
+    formed kernel of the same rows."""
+    model = tiny_model("mlp").eval()
+    inputs, targets = random_data(60)
+    formed = _report(model, inputs, targets, 20, side="samples")
+    stored = _report(model, inputs, targets, 20, **STORED)
+    assert stored.soft_rank == pytest.approx(formed.soft_rank, rel=0.05)
+    assert stored.logdet == pytest.approx(formed.logdet, rel=0.05)
+
+
+def test_the_rows_memory_is_the_guard(monkeypatch):
+    """Rows beyond max_row_elements are refused with the fix named; by default the guard is a
+    share of the free memory of the rows' device."""
+    model, inputs, targets = _many_classes()
+    per_batch = 4 * 7 * 326
+    with pytest.raises(StructureTooLargeError, match="max_row_elements"):
+        _report(model, inputs, targets, side="samples", max_row_elements=2 * per_batch)
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: 10 * 2**30)
+    assert memory.row_element_limit() == int(memory.ROW_MEMORY_SHARE * 10 * 2**30) // 4
+    assert memory.row_elements(KernelOptions()) == memory.row_element_limit()
+    assert memory.row_elements(KernelOptions(max_row_elements=99)) == 99
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: None)
+    assert memory.row_element_limit() == memory.FALLBACK_ROW_ELEMENTS
+
+
+def test_the_default_keeps_rows_past_the_formed_kernels_guard(monkeypatch):
+    """78,000 parameters and 10,000 samples of 2 probes: 1.6·10⁹ numbers of rows, stored when
+    they fit in memory (6 GiB of float32), the matrix-free cg when not or across processes."""
+    options = KernelOptions(probes=2)
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: 20 * 2**30)
+    choice = choose_structure(78_000, 10_000, options)
+    assert choice.structure == "probe_kernel" and "Lanczos quadrature" in choice.reason
+    assert choose_structure(78_000, 10_000, options, summable=True).structure == "cg"
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: 8 * 2**30)
+    assert choose_structure(78_000, 10_000, options).structure == "cg"
