@@ -30,7 +30,7 @@ import logging
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -142,6 +142,12 @@ def main() -> None:
         "else 10)",
     )
     parser.add_argument(
+        "--epochs", type=int, default=None, help="epochs of every fit (default: as --sizes says)"
+    )
+    parser.add_argument(
+        "--models", nargs="+", default=None, help="only these rows (e.g. mlp cnn 'zoo vit')"
+    )
+    parser.add_argument(
         "--idle",
         action="store_true",
         help="add fits with a monitor that measures only at fit end (its presence's cost)",
@@ -163,6 +169,10 @@ def main() -> None:
                 Setup(f"zoo {name}", lambda name=name: zoo.build(name).float().train(), name, n, 10)
                 for name in ("resnet", "vit", "transformer", "lstm")
             ]
+    if args.epochs is not None:
+        setups = [replace(setup, epochs=args.epochs) for setup in setups]
+    if args.models is not None:
+        setups = [setup for setup in setups if setup.name in args.models]
     print_header(f"FlatnessMonitor() at its defaults ({args.threads} threads)")
     rows = []
     for setup in setups:

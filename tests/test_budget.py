@@ -387,6 +387,7 @@ def test_what_does_not_fit_is_skipped_and_said(tmp_path, caplog):
     with caplog.at_level("INFO"):
         trainer, _, _ = _fit(tmp_path, [monitor])
     assert monitor.history == [] and trainer.current_epoch == 3
+    assert monitor._skipped == [0, 1, 2]  # each epoch decided once, the fit end not again
     said = [r.getMessage() for r in caplog.records if "no measurement fitted" in r.getMessage()]
     assert len(said) == 1 and "overhead_budget=None" in said[0]
 

@@ -244,6 +244,7 @@ class MeasurementSchedule:
             and self.disabled_reason is None
             and trainer.global_step > 0
             and not any(record["epoch"] >= last_epoch for record in self.history)
+            and last_epoch not in self._skipped  # the budget already said no to it
         ):
             self._fit_end_measurement(trainer, pl_module, last_epoch)
         self._kept_subsets = {}  # the fill-in's samples are not held beyond the fit
