@@ -14,6 +14,7 @@ import torch
 from conftest import assert_records_equal
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness.core.trust import SETTLED_DROP
 from lightning_flatness.lightning.monitor import DEFAULT_MAX_VAL_SAMPLES
 from lightning_flatness.lightning.monitor_measurement import MEASUREMENT_BATCH_SIZE
 from lightning_flatness.lightning.trainer_facts import fixed_subset_batches
@@ -82,7 +83,7 @@ def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure, mod
 
 
 #: the record's entries that are no measured quantity, or that one process does not report
-NOT_MEASURED = ("epoch", "seconds", "fill_in", "calibration")
+NOT_MEASURED = ("epoch", "seconds", "fill_in", "calibration", "nll_drop", "trusted")
 #: the jackknife's standard errors: half the difference of two leave-one-group-out soft ranks
 #: (log-dets), each factorised in float32, so a last-bit difference in the summed P × P matrix
 #: moves them by ~1e-4 relative (the same on one process between the kernel's two sides)
@@ -125,6 +126,10 @@ def test_the_default_monitor_over_two_processes_equals_one_process(tmp_path):
             continue
         tolerance = 1e-3 if key in STANDARD_ERRORS else 1e-5
         assert rank0[key] == pytest.approx(single[key], rel=tolerance, abs=1e-12), key
+    # the monitor's settled test (the NLL over the last epoch, the same on both ranks) may only
+    # take trust away from what one process's measurement says
+    settled = rank0["nll_drop"] <= SETTLED_DROP
+    assert rank0["trusted"] == (single["trusted"] if settled else 0.0)
 
 
 @pytest.mark.ddp
