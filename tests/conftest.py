@@ -29,6 +29,17 @@ def random_data(num_samples: int, seed: int = 1) -> tuple[torch.Tensor, torch.Te
     return inputs, targets
 
 
+def many_classes() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A float64 tanh MLP with 30 classes (P = 326) and 48 samples: a few probe rows per sample
+    are far from the exact output rows."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 30))
+    generator = torch.Generator().manual_seed(3)
+    inputs = 2 * torch.randn(48, 6, dtype=torch.float64, generator=generator)
+    targets = torch.randint(0, 30, (48,), generator=generator)
+    return model.double().eval(), inputs, targets
+
+
 def batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> list:
     return [
         (inputs[i : i + batch_size], targets[i : i + batch_size])

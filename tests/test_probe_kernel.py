@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batches, random_data, tiny_model
+from conftest import batches, many_classes, random_data, tiny_model
 from zoo import ZOO, build, zoo_data
 
 from lightning_flatness.core import defaults, reference, spectral
@@ -128,15 +128,6 @@ def test_dense_reference_agrees_with_the_exact_rows(one_thread):
     assert report.soft_rank == pytest.approx(exact, rel=1e-8)
 
 
-def _many_classes():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 30))
-    generator = torch.Generator().manual_seed(3)
-    inputs = 2 * torch.randn(48, 6, dtype=torch.float64, generator=generator)
-    targets = torch.randint(0, 30, (48,), generator=generator)
-    return model.double().eval(), inputs, targets
-
-
 def _probe_report(model, inputs, targets, probes, groups, seed=0, batch_size=7, **more):
     return measure(
         model,
@@ -153,7 +144,7 @@ def _probe_report(model, inputs, targets, probes, groups, seed=0, batch_size=7, 
 def test_probes_converge_to_the_exact_soft_rank_and_the_jackknife_helps(one_thread):
     """30 classes, 4 to 28 probes: the error shrinks with the budget, and the jackknifed value
     is closer than the plain one."""
-    model, inputs, targets = _many_classes()
+    model, inputs, targets = many_classes()
     fisher = reference.dense_fisher(model, inputs)
     exact = spectral.soft_rank(spectral.psd_eigenvalues(fisher), LAM)
     errors = {}
@@ -171,7 +162,7 @@ def test_probes_converge_to_the_exact_soft_rank_and_the_jackknife_helps(one_thre
 @pytest.mark.parametrize("batch_size", [1, 7, 48])
 def test_probe_estimate_does_not_depend_on_the_batch_size(batch_size, one_thread):
     """Each sample's probes are keyed by its position: every batch size gives the same numbers."""
-    model, inputs, targets = _many_classes()
+    model, inputs, targets = many_classes()
     one = _probe_report(
         model, inputs, targets, 16, 4, batch_size=batch_size, trace_estimator="probe"
     )
@@ -184,7 +175,7 @@ def test_probe_estimate_does_not_depend_on_the_batch_size(batch_size, one_thread
 
 
 def test_both_sides_and_a_summed_run_give_the_same_numbers(one_thread):
-    model, inputs, targets = _many_classes()
+    model, inputs, targets = many_classes()
     samples = _probe_report(model, inputs, targets, 4, 2, options={"side": "samples"})
     parameters = _probe_report(model, inputs, targets, 4, 2, options={"side": "parameters"})
     # a small kernel guard moves "auto" from the kept rows to the P × P sums mid-stream
@@ -199,7 +190,7 @@ def test_both_sides_and_a_summed_run_give_the_same_numbers(one_thread):
 
 
 def test_size_guards_name_the_fix():
-    model, inputs, targets = _many_classes()
+    model, inputs, targets = many_classes()
     with pytest.raises(StructureTooLargeError, match="max_row_elements"):
         _probe_report(
             model, inputs, targets, 4, 2, options={"side": "samples", "max_row_elements": 6000}
@@ -222,7 +213,7 @@ def test_size_guards_name_the_fix():
     ],
 )
 def test_bad_options_are_refused_with_their_name(options, match):
-    model, inputs, targets = _many_classes()
+    model, inputs, targets = many_classes()
     with pytest.raises(ValueError, match=match):
         measure(
             model,

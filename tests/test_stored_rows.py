@@ -5,8 +5,7 @@ dense autograd reference; its memory guard and the default's choice of it."""
 from __future__ import annotations
 
 import pytest
-import torch
-from conftest import batches, random_data, tiny_model
+from conftest import batches, many_classes, random_data, tiny_model
 
 from lightning_flatness.core import memory, reference, spectral
 from lightning_flatness.core.defaults import choose_structure
@@ -17,16 +16,6 @@ from lightning_flatness.core.options import KernelOptions
 LAM = 1e-3
 #: a formed-kernel guard every run here exceeds, and a P × P guard below P: the stored rows
 STORED = {"max_kernel_size": 10, "max_parameters": 10}
-
-
-def _many_classes():
-    """30 classes, 48 samples, P = 326: rows of 4 probes are far from the exact ones."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 30))
-    generator = torch.Generator().manual_seed(3)
-    inputs = 2 * torch.randn(48, 6, dtype=torch.float64, generator=generator)
-    targets = torch.randint(0, 30, (48,), generator=generator)
-    return model.double().eval(), inputs, targets
 
 
 def _report(model, inputs, targets, batch_size=7, **options):
@@ -51,7 +40,7 @@ def test_exact_rows_converge_to_the_dense_fishers_trace_functions(batch_size, on
     """The exact output rows (probes = classes, no probe bias): the stored-row estimate of
     every trace function is within its error bars of the dense reference, its trace and largest
     eigenvalue exact, and it does not depend on the batch size."""
-    model, inputs, targets = _many_classes()
+    model, inputs, targets = many_classes()
     exact = _exact(model, inputs)
     options = {"probes": 30, "groups": 1, "slq_probes": 32, "slq_steps": 100, **STORED}
     report = _report(model, inputs, targets, batch_size, **options)
@@ -69,7 +58,7 @@ def test_exact_rows_converge_to_the_dense_fishers_trace_functions(batch_size, on
 def test_probe_rows_converge_to_the_formed_kernel_of_the_same_rows(one_thread):
     """4 probes in 2 groups: the stored-row estimate jackknifes the probes' bias as the formed
     kernel does, and converges to it as its Hutchinson probes grow."""
-    model, inputs, targets = _many_classes()
+    model, inputs, targets = many_classes()
     formed = _report(model, inputs, targets, probes=4, side="samples")
     errors = {}
     for slq_probes in (8, 256):
@@ -100,7 +89,7 @@ def test_the_papers_mlp_at_its_default_slq_budget(one_thread):
 def test_the_rows_memory_is_the_guard(monkeypatch):
     """Rows beyond max_row_elements are refused with the fix named; by default the guard is a
     share of the free memory of the rows' device."""
-    model, inputs, targets = _many_classes()
+    model, inputs, targets = many_classes()
     per_batch = 4 * 7 * 326
     with pytest.raises(StructureTooLargeError, match="max_row_elements"):
         _report(model, inputs, targets, side="samples", max_row_elements=2 * per_batch)
