@@ -5,13 +5,17 @@ dense autograd reference; its memory guard and the default's choice of it."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import batches, many_classes, random_data, tiny_model
 
+from lightning_flatness import FlatnessMonitor
 from lightning_flatness.core import memory, reference, spectral
+from lightning_flatness.core.curvature.stored_rows import quadrature_seconds
 from lightning_flatness.core.defaults import choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.measure import measure
 from lightning_flatness.core.options import KernelOptions
+from lightning_flatness.lightning import monitor_checks
 
 LAM = 1e-3
 #: a formed-kernel guard every run here exceeds, and a P × P guard below P: the stored rows
@@ -111,3 +115,28 @@ def test_the_default_keeps_rows_past_the_formed_kernels_guard(monkeypatch):
     assert choose_structure(78_000, 10_000, options, summable=True).structure == "cg"
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: 8 * 2**30)
     assert choose_structure(78_000, 10_000, options).structure == "cg"
+
+
+class _Module(torch.nn.Linear):
+    """A module with the ``device`` a LightningModule has."""
+
+    device = torch.device("cpu")
+
+
+def test_the_monitor_predicts_the_quadrature_its_fit_start_trial_does_not_run(monkeypatch):
+    """The trial measures 32 samples, never the stored-row path; the first exact measurement's
+    predicted cost adds the quadrature where the whole set will take that path."""
+    calls = []
+
+    def predicted(rows, parameters, **options):
+        calls.append((rows, parameters, options["groups"], options["probes"]))
+        return 7.0
+
+    monkeypatch.setattr(monitor_checks, "quadrature_seconds", predicted)
+    monitor = FlatnessMonitor()
+    monitor._active_structure = "probe_kernel"
+    assert monitor._quadrature_seconds(_Module(10, 3), 100_000) == 0.0  # P × P sums
+    assert monitor._quadrature_seconds(_Module(1000, 10), 2000) == 0.0  # a formed kernel
+    assert monitor._quadrature_seconds(_Module(1000, 10), 4000) == 7.0  # stored rows
+    assert calls == [(16_000, 10_010, 2, KernelOptions().slq_probes)]
+    assert quadrature_seconds(300, 50, groups=2, probes=2, steps=3) > 0.0

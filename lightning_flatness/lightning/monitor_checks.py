@@ -16,7 +16,8 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_flatness.core.defaults import choose_structure
+from lightning_flatness.core.curvature.stored_rows import quadrature_seconds
+from lightning_flatness.core.defaults import choose_structure, default_probes
 from lightning_flatness.core.failures import (
     MeasurementError,
     UnsupportedModelError,
@@ -24,6 +25,7 @@ from lightning_flatness.core.failures import (
 from lightning_flatness.core.measure import check_batch
 from lightning_flatness.core.options import (
     MATRIX_FREE_STRUCTURES,
+    KernelOptions,
     structure_options,
 )
 from lightning_flatness.core.report import FlatnessReport
@@ -195,7 +197,8 @@ class FitStartChecks:
         trial_samples = max(min(self._trial_samples, TRIAL_SAMPLES), 1)
         times = self._timed_runs(pl_module, batch, arguments, trial_samples, seconds)
         if times is not None:
-            self.budget.predict_exact(work * predicted_exact_seconds(times, samples))
+            quadrature = self._quadrature_seconds(pl_module, samples)
+            self.budget.predict_exact(work * predicted_exact_seconds(times, samples) + quadrature)
         if self.budget.share is not None and self._has_fill_in():
             fill_in_samples = min(samples, FILL_IN_SAMPLES)
             val_samples = min(self.max_val_samples or FILL_IN_SAMPLES, FILL_IN_SAMPLES)
@@ -206,6 +209,30 @@ class FitStartChecks:
                 fixed, per_sample = cost_line(times)
                 self.budget.cheap_seconds = fixed + per_sample * (fill_in_samples + val_samples)
         self.budget.charge(time.perf_counter() - started)
+
+    def _quadrature_seconds(self, pl_module: LightningModule, samples: int) -> float:
+        """The stored-row quadrature's predicted seconds when the probe kernel will take that
+        path on ``samples`` (P above its P × P guard, the rows above a formed kernel's), which
+        the trial on a few samples does not run; else 0."""
+        if self._active_structure != "probe_kernel":
+            return 0.0
+        chosen = self.structure_options
+        if isinstance(chosen, KernelOptions):
+            options = chosen
+        else:  # the name, measured as measure() measures it: the default probes for m
+            options = KernelOptions(probes=default_probes(samples))
+        parameters = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        rows = samples * options.probes
+        if parameters <= options.max_parameters or rows <= options.max_kernel_size:
+            return 0.0
+        return quadrature_seconds(
+            rows,
+            parameters,
+            groups=options.groups,
+            probes=options.slq_probes,
+            steps=options.slq_steps,
+            device=pl_module.device,
+        )
 
     def _timed_runs(
         self,
