@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_flatness.core.curvature.stored_rows import keeps_rows
 from lightning_flatness.core.memory import row_elements
 from lightning_flatness.core.options import KernelOptions
 
@@ -78,10 +79,17 @@ def choose_structure(
     if not summable and num_samples is not None:
         rows = num_samples * options.probes
         if rows * num_parameters <= row_elements(options, device):
+            stored = keeps_rows(
+                num_parameters,
+                rows,
+                side=options.side,
+                max_parameters=options.max_parameters,
+                max_kernel_size=options.max_kernel_size,
+            )
             how = (
-                "the sample-side kernel"
-                if rows <= options.max_kernel_size
-                else "memory; the kernel's trace functions come from Lanczos quadrature on them"
+                "memory; the kernel's trace functions come from Lanczos quadrature on them"
+                if stored
+                else "the sample-side kernel"
             )
             return StructureChoice(
                 "probe_kernel",

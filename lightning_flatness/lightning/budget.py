@@ -309,7 +309,7 @@ def measured_line(
     filled in, those skipped, and what the monitor spent against what it may."""
 
     def epochs(values: list[float] | list[int]) -> str:
-        return ", ".join(str(int(value)) for value in values) or "none"
+        return ", ".join(str(int(value)) for value in values)
 
     exact = [r["epoch"] for r in history if not r.get("fill_in")]
     filled = [r["epoch"] for r in history if r.get("fill_in")]
@@ -321,10 +321,10 @@ def measured_line(
     line = "FlatnessMonitor measured " + "; ".join(parts)
     if budget.share is None:
         return line + f"; {budget.spent:.1f} s in all (overhead_budget=None)."
-    allowed = budget.allowed(budget.training_seconds())
+    training = budget.training_seconds()
     return line + (
-        f"; {budget.spent:.1f} s of the {allowed:.1f} s it may spend "
-        f"(overhead_budget={budget.share:g} of {budget.training_seconds():.1f} s of training, "
+        f"; {budget.spent:.1f} s of the {budget.allowed(training):.1f} s it may spend "
+        f"(overhead_budget={budget.share:g} of {training:.1f} s of training, "
         f"or {budget.allowance:g} s when that is more)."
     )
 

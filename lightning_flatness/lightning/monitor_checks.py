@@ -16,7 +16,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_flatness.core.curvature.stored_rows import quadrature_seconds
+from lightning_flatness.core.curvature.stored_rows import keeps_rows, quadrature_seconds
 from lightning_flatness.core.defaults import choose_structure, default_probes
 from lightning_flatness.core.failures import (
     MeasurementError,
@@ -223,7 +223,13 @@ class FitStartChecks:
             options = KernelOptions(probes=default_probes(samples))
         parameters = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         rows = samples * options.probes
-        if parameters <= options.max_parameters or rows <= options.max_kernel_size:
+        if not keeps_rows(
+            parameters,
+            rows,
+            side=options.side,
+            max_parameters=options.max_parameters,
+            max_kernel_size=options.max_kernel_size,
+        ):
             return 0.0
         return quadrature_seconds(
             rows,

@@ -32,7 +32,7 @@ from lightning_flatness.core.curvature.lanczos_quadrature import (
     gauss_quadrature,
     lanczos,
 )
-from lightning_flatness.core.curvature.stored_rows import stored_rows_estimate
+from lightning_flatness.core.curvature.stored_rows import keeps_rows, stored_rows_estimate
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS
@@ -198,12 +198,22 @@ class ProbeKernelFisher(CurvatureAccumulator):
                 f"['max_row_elements']={self.max_row_elements:,} (the rows' memory); pass "
                 "max_samples=, side='parameters' (P ≤ max_parameters) or structure='cg'."
             )
-        parameter_side = self.side == "auto" and self.num_parameters <= self.max_parameters
-        if too_big or (parameter_side and self.kept_rows > self.max_kernel_size):
+        beyond_kernel = self.kept_rows > self.max_kernel_size
+        if too_big or (beyond_kernel and not self._keeps_rows()):
             # "auto": move to the parameter side, which does not grow; where P is too large for
             # it, rows too many for a formed kernel stay for the stored-row estimate
             self._check_parameter_side()
             self._to_parameter_side()
+
+    def _keeps_rows(self) -> bool:
+        """Whether the kept rows are measured by the stored-row estimate (:func:`keeps_rows`)."""
+        return keeps_rows(
+            self.num_parameters,
+            self.kept_rows,
+            side=self.side,
+            max_parameters=self.max_parameters,
+            max_kernel_size=self.max_kernel_size,
+        )
 
     def _to_parameter_side(self) -> None:
         """Turn the kept rows into the P × P sums, and keep summing there."""
@@ -251,7 +261,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         """The jackknifed spectral summary of ``F̂`` over ``num_samples`` samples, its standard
         errors (``blocks["stderr"]``) and the plain summary (``blocks["uncorrected"]``).
         Factorisations in float32 where that is accurate (:func:`factorisation_dtype`)."""
-        if self.grams is None and self.kept_rows > self.max_kernel_size:
+        if self.grams is None and self._keeps_rows():
             return stored_rows_estimate(
                 self.rows,
                 self.groups,

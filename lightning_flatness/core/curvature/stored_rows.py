@@ -39,7 +39,7 @@ from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS
 from lightning_flatness.core.spectral import SpectralSummary
 from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 
-__all__ = ["StoredRows", "quadrature_seconds", "stored_rows_estimate"]
+__all__ = ["StoredRows", "keeps_rows", "quadrature_seconds", "stored_rows_estimate"]
 
 #: entries of the histogram sample of the spectrum
 HISTOGRAM_ENTRIES = 100_000
@@ -98,13 +98,29 @@ class StoredRows:
         return out.to(block.dtype) * masks * (scales[:, None] / self.num_samples)
 
 
+def keeps_rows(
+    num_parameters: int, num_rows: int, *, side: str, max_parameters: int, max_kernel_size: int
+) -> bool:
+    """Whether the probe kernel measures ``num_rows`` rows of ``num_parameters`` by this
+    module's estimate: too many rows for a formed kernel, and no P × P side to move to (it is
+    too large, or ``side="samples"`` asks for the rows)."""
+    if num_rows <= max_kernel_size:
+        return False
+    return side == "samples" or num_parameters > max_parameters
+
+
+def _run_sets(groups: int) -> int:
+    """The kernels each probe runs on: the whole one, and each leave-one-group-out one."""
+    return 1 if groups < 2 else groups + 1
+
+
 def _run_layout(store: StoredRows, probes: int, generator: torch.Generator) -> tuple:
     """Start vectors, masks and scales of the runs: each Rademacher probe on the whole kernel,
     then (with two groups or more) on each leave-one-group-out kernel."""
     device = store.blocks[0].device
     signs = torch.randint(0, 2, (probes, store.size), generator=generator, dtype=torch.float64)
     signs = (2 * signs - 1).to(device)
-    runs = 1 if store.groups < 2 else store.groups + 1
+    runs = _run_sets(store.groups)
     masks = torch.ones(runs, probes, store.size, dtype=torch.float64, device=device)
     scales = torch.ones(runs, probes, dtype=torch.float64, device=device)
     for group in range(store.groups if runs > 1 else 0):
@@ -195,7 +211,7 @@ def quadrature_seconds(
     this part (a measurement of 16,000 rows of 61,514 parameters was predicted at 13 s from
     the trial and took 82 s)."""
     sample = max(1, min(num_rows, TIMING_NUMBERS // max(num_parameters, 1)))
-    runs = (groups + 1 if groups > 1 else 1) * probes
+    runs = _run_sets(groups) * probes
     rows = torch.randn(sample, num_parameters, device=device)
     block = torch.randn(runs, sample, device=device)
     best = math.inf
