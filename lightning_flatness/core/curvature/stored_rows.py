@@ -63,10 +63,14 @@ class StoredRows:
         probes, _, parameters = rows[0].shape
         total = sum(chunk.shape[1] for chunk in rows)
         stacked = rows[0].new_empty(probes, total, parameters)
+        # each probe's Σ ‖v‖², summed in float64 a batch at a time while the rows are copied
+        # (one float64 copy of every row would cost more than the copy itself)
+        norms = torch.zeros(probes, dtype=torch.float64)
         start = 0
         while rows:
             chunk = rows.pop(0)
             stacked[:, start : start + chunk.shape[1]] = chunk
+            norms += torch.linalg.vecdot(chunk, chunk).sum(1, dtype=torch.float64).cpu()
             start += chunk.shape[1]
         per_group = probes // groups
         #: each group's rows, (s/G · m, P)
@@ -74,6 +78,7 @@ class StoredRows:
             stacked[g * per_group : (g + 1) * per_group].reshape(-1, parameters)
             for g in range(groups)
         ]
+        self.group_norms = norms.reshape(groups, per_group).sum(1)
         self.groups = groups
         self.num_samples = num_samples
         self.group_size = per_group * total
@@ -85,17 +90,34 @@ class StoredRows:
 
     def squared_norms(self) -> Tensor:
         """Each group's ``Σ ‖v‖² / m``: its share of ``Tr K`` (float64)."""
-        norms = [float(block.double().square().sum()) for block in self.blocks]
-        return torch.tensor(norms, dtype=torch.float64) / self.num_samples
+        return self.group_norms / self.num_samples
 
     def products(self, block: Tensor, masks: Tensor, scales: Tensor) -> Tensor:
         """``scale_k · M_k K M_k x_k`` for each row ``x_k`` of ``block`` (k, R): the kernel
-        restricted by the 0/1 row mask ``M_k``, in the rows' dtype, returned in the block's."""
+        restricted by the 0/1 row mask ``M_k``, in the rows' dtype, returned in the block's.
+
+        A group's rows take part only in the runs whose mask keeps them (:meth:`reach`): a
+        leave-one-group-out run never multiplies the left-out group's rows (with two groups,
+        a third fewer products than the whole block against every group)."""
         dtype = self.blocks[0].dtype
         masked = (block * masks).to(dtype)
-        weights = sum(masked[:, self.group_slice(g)] @ rows for g, rows in enumerate(self.blocks))
-        out = torch.cat([weights @ rows.T for rows in self.blocks], dim=1)
+        reach = self.reach(masks)
+        weights = masked.new_zeros(masked.shape[0], self.blocks[0].shape[1])
+        for group, rows in enumerate(self.blocks):
+            runs = reach[group]
+            weights[runs] += masked[runs, self.group_slice(group)] @ rows
+        out = masked.new_zeros(masked.shape)
+        for group, rows in enumerate(self.blocks):
+            runs = reach[group]
+            out[runs, self.group_slice(group)] = weights[runs] @ rows.T
         return out.to(block.dtype) * masks * (scales[:, None] / self.num_samples)
+
+    def reach(self, masks: Tensor) -> list[Tensor]:
+        """For each group, the indices of the runs whose mask keeps its rows."""
+        return [
+            torch.nonzero(masks[:, self.group_slice(group)].any(1)).squeeze(1)
+            for group in range(self.groups)
+        ]
 
 
 def keeps_rows(
