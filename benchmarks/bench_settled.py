@@ -5,7 +5,8 @@ A 2-epoch fit of every model of the test zoo (``tests/zoo.py``, trained as
 of the paper's MLP on 7×7 MNIST (``configs/mlp.yaml``'s settings, 4,000 images; and the 400
 images at Adam lr 1e-2 of ``tests/test_settled.py``), each with ``FlatnessMonitor`` at its
 defaults, and one row per fit from its last record: ``trusted``, ``nll_drop``, α_train, the
-predicted and observed gap and their ratio, and whether that record was the exact measurement.
+Newton decrement (± its standard error), the predicted and observed gap and their ratio, and
+whether that record was the exact measurement.
 
 Usage::
 
@@ -32,7 +33,7 @@ from lightning_flatness.lightning.log_options import LogOptions
 
 #: the columns of the table, as (header, record key or None for the ratio)
 COLUMNS = (
-    *("model", "NLL before → after", "trusted", "nll_drop", "α_train"),
+    *("model", "NLL before → after", "trusted", "nll_drop", "α_train", "decrement"),
     *("predicted", "observed", "pred ÷ obs"),
 )
 
@@ -102,11 +103,18 @@ def _row(name: str, monitor: FlatnessMonitor) -> str:
         f"{last['trusted']:g}",
         f"{last['nll_drop']:.3f}",
         f"{last['trust_score']:.2f}",
+        _decrement(last),
         f"{predicted:.4g}",
         f"{observed:.4g}",
         "—" if math.isnan(ratio) else f"{ratio:.3g}",
     )
     return "| " + " | ".join(cells) + " |"
+
+
+def _decrement(record: dict[str, float]) -> str:
+    """The Newton decrement, ± its standard error where it has one."""
+    value, stderr = record["newton_decrement"], record.get("newton_decrement_stderr", math.nan)
+    return f"{value:.3g}" + (f" ± {stderr:.2g}" if math.isfinite(stderr) else "")
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from lightning_flatness.core.measure import measure
 from lightning_flatness.core.model_state import left_as_found, original_module
 from lightning_flatness.core.options import KernelOptions
 from lightning_flatness.core.positional import position_signs
+from lightning_flatness.core.trust import DECREMENT_LIMIT, TRUST_THRESHOLD
 
 LAM = 1e-3
 N = 24
@@ -288,7 +289,8 @@ def test_approximations_are_never_trusted_and_impossible_values_warn(one_thread)
         kernel_options={"probes": 10, "groups": 1},
     )
     assert exact.structure == "probe_kernel" and exact.soft_rank <= 72
-    assert exact.trusted == float(exact.trust_score >= 0.5)
+    settled = exact.newton_decrement <= DECREMENT_LIMIT
+    assert exact.trusted == float(exact.trust_score >= TRUST_THRESHOLD and settled)
 
 
 def _trained(architecture: str, steps: int):

@@ -13,7 +13,12 @@ from lightning.pytorch import Callback, seed_everything
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
 from lightning_flatness.core.training_nll import mean_nll
-from lightning_flatness.core.trust import SETTLED_DROP, nll_drop, settled_verdict
+from lightning_flatness.core.trust import (
+    DECREMENT_LIMIT,
+    SETTLED_DROP,
+    nll_drop,
+    settled_verdict,
+)
 from lightning_flatness.lightning.figures import summary_table
 
 
@@ -70,17 +75,21 @@ def test_the_monitor_leaves_training_bit_identical(short_fit):
         assert torch.equal(value, watched.state_dict()[name]), name
 
 
-def test_a_settled_fit_is_trusted(tmp_path):
+def test_a_stopped_fit_is_settled_but_not_at_a_minimum(tmp_path):
     """Two epochs of training, then one at learning rate 0: the NLL did not fall over the last
-    epoch, so ``trusted`` is the report's own verdict (α_train ≥ 0.3 here: 1)."""
+    epoch, so the settled test passes and ``trusted`` is the report's own verdict; that verdict
+    is 0, since the Newton decrement sees what the drop cannot: weights stopped two epochs into
+    training are far from a minimum. The summary says so."""
     monitor = FlatnessMonitor(overhead_budget=None, every_n_epochs=3)
     _mlp_fit(tmp_path, [monitor, FrozenFrom(2)], max_epochs=3)
     (record,) = monitor.history
     assert record["nll_drop"] == 0.0
     assert record["trust_score"] >= 0.3
     assert record["soft_rank"] <= record["rank_bound"]
-    assert record["trusted"] == 1.0
+    assert record["newton_decrement"] > DECREMENT_LIMIT
+    assert record["trusted"] == 0.0
     assert monitor._epoch_nll[1] == monitor._epoch_nll[2]
+    assert "the Newton decrement is" in summary_table(record, "probe_kernel")
 
 
 def test_the_nll_is_the_train_nll_of_measure_and_changes_nothing():

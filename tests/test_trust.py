@@ -8,7 +8,13 @@ import pytest
 from conftest import batches, random_data, tiny_model
 
 from lightning_flatness import measure
-from lightning_flatness.core.trust import TRUST_THRESHOLD, TRUSTED_WITHIN_2X, trusted, verdict
+from lightning_flatness.core.trust import (
+    DECREMENT_LIMIT,
+    TRUST_THRESHOLD,
+    TRUSTED_WITHIN_2X,
+    trusted,
+    verdict,
+)
 from lightning_flatness.lightning.figures import describe_structure, gap_figure, summary_table
 
 
@@ -18,7 +24,8 @@ def test_trust_score_is_the_training_error_uncertainty_ratio():
     report = measure(model, batches(inputs, targets, 8), lam=1e-3, num_train_samples=100)
     assert report.trust_score == report.error_uncertainty_train
     assert math.isfinite(report.trust_score)
-    assert report.trusted == float(report.trust_score >= TRUST_THRESHOLD)
+    settled = report.newton_decrement <= DECREMENT_LIMIT
+    assert report.trusted == float(report.trust_score >= TRUST_THRESHOLD and settled)
     values = report.as_dict()
     assert values["trust_score"] == report.trust_score and values["trusted"] == report.trusted
 

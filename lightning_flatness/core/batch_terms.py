@@ -6,7 +6,8 @@ Row 0 is the residual of the true labels (``Σ_i ‖g_i‖²`` → ``Tr(C)``); t
 Kronecker factors of each linear map's weight, the exact Fisher block of each bias, the
 diagonal of everything else (docs/math.md, "Kronecker factors from layer hooks"); with
 ``structure="diag"`` the exact diagonal of every parameter and the diagonal of C, with
-``structure="rows"`` the per-sample gradients of the Fisher rows themselves.
+``structure="rows"`` the per-sample gradients of the Fisher rows themselves and the summed
+gradient of the true labels (for the Newton decrement, docs/math.md, "The Newton decrement").
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from lightning_flatness.core.layer_rules import (
     KroneckerRule,
     Rule,
     kronecker_factors,
+    weight_batch_gradient,
     weight_rows,
     weight_square_sums,
     weight_squared_norms,
@@ -44,6 +46,8 @@ class BatchTerms:
             diagonal of C, for the diagonal TIC; ``structure="diag"`` only).
         rows: ``{parameter: (K', N, numel)}``, the per-sample gradients of the K' Fisher rows
             themselves, in the model's dtype (``structure="rows"`` only).
+        gradient: ``{parameter: Σ_i g_i}`` flat, the summed true-label gradients of the batch
+            (the gradient of its summed NLL; ``structure="rows"`` only).
         bias_factors: ``{bias: (weight, 1.0)}`` for a bias whose exact block is its weight's
             ``G`` factor (:func:`add_bias`), which is then not formed twice; the multiplier
             (1.0 here) becomes ``λ_weight/λ_bias`` when the terms are scaled by per-parameter
@@ -57,6 +61,7 @@ class BatchTerms:
     diagonal: dict[str, Tensor] = field(default_factory=dict)
     cov_diagonal: dict[str, Tensor] = field(default_factory=dict)
     rows: dict[str, Tensor] = field(default_factory=dict)
+    gradient: dict[str, Tensor] = field(default_factory=dict)
     bias_factors: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
@@ -179,6 +184,8 @@ def add_weight(
         if rule is not None and rule.transposed:
             found = layout(found.unflatten(-1, shape)).flatten(2)
         terms.rows[name] = found
+        summed = weight_batch_gradient(a, s[0], embedding, shape)
+        terms.gradient[name] = _f64(layout(summed)).reshape(-1)
     elif structure == "diag":
         chosen = [0, *range(rows.curvature.start, rows.curvature.stop)]
         squares = layout(weight_square_sums(a, s[chosen], embedding, shape[0]))
@@ -207,6 +214,7 @@ def add_explicit(
             continue
         if structure == "rows":
             terms.rows[name] = flat[rows.curvature].detach()
+            terms.gradient[name] = _f64(flat[0].sum(0))
             continue
         fisher_rows = flat[rows.curvature].reshape(-1, flat.shape[-1])
         if structure == "diag":

@@ -96,6 +96,17 @@ class ParameterDecay:
             ]
         )
 
+    def objective_diagonal(self, names: list[str], sizes: list[int]) -> Tensor:
+        """The objective's own ``λ_j`` (0 on a group without decay, not its measured floor;
+        a measured parameter missing here: λ_max) for every entry of such a flat vector,
+        float64: the decay term ``D θ`` of the objective's gradient."""
+        return torch.cat(
+            [
+                torch.full((size,), self.decays.get(name, self.representative), dtype=torch.float64)
+                for name, size in zip(names, sizes, strict=True)
+            ]
+        )
+
     def column_scale(self, names: list[str], sizes: list[int]) -> Tensor:
         """``D^{-1/2}``: ``λ_j^{-1/2}`` for every entry of such a flat vector, float64."""
         return self.diagonal(names, sizes).rsqrt()

@@ -10,7 +10,9 @@ every concave trace function is biased low on it: ``E h(F̂) ≤ h(F)``, by a te
 
 which removes the ``O(1/K)`` term of the bias (Quenouille's jackknife; with K = 2 it is
 Richardson's extrapolation ``2h(F̂) − h(F̂_half)``). The trace, linear in ``F̂``, is unbiased and
-left as it is; so is the largest eigenvalue, which is not smooth.
+left as it is; so is the largest eigenvalue, which is not smooth. A convex function of ``F̂``
+(the Newton decrement ``½ gᵀ(F̂+λI)⁻¹g``) is biased high by such a term, removed the same way
+(:func:`jackknife_value`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from lightning_flatness.core.spectral import SpectralSummary
 
-__all__ = ["UNCORRECTED_FIELDS", "jackknife"]
+__all__ = ["UNCORRECTED_FIELDS", "jackknife", "jackknife_value"]
 
 #: summary fields the jackknife leaves as they are: the trace (linear) and max_eig (not smooth)
 UNCORRECTED_FIELDS = ("trace", "max_eig")
@@ -48,3 +50,14 @@ def jackknife(
     return SpectralSummary(*(float(v) for v in corrected)), SpectralSummary(
         *(float(v) for v in spread)
     )
+
+
+def jackknife_value(plain: float, leave_outs: Sequence[float]) -> tuple[float, float]:
+    """The corrected value and standard error of one smooth function of ``F̂`` (the module
+    docstring's formulas); with fewer than two groups ``plain`` and NaN."""
+    num = len(leave_outs)
+    if num < 2:
+        return plain, math.nan
+    values = torch.tensor([float(v) for v in leave_outs], dtype=torch.float64)
+    spread = math.sqrt((num - 1) / num * float((values - values.mean()).square().sum()))
+    return num * plain - (num - 1) * float(values.mean()), spread

@@ -29,11 +29,18 @@ class FlatnessReport:
     ``predicted_gap`` is Eq. 13 with the training trace ratio and ``predicted_gap_val`` with the
     held-out one (NaN without validation data; it over-estimates the gap when the model is
     confidently wrong on held-out data: docs/RESULTS.md, "Predictor and trust rule").
+    ``newton_decrement`` is ``½ gᵀ(F+λI)⁻¹g`` (nat; ``½ gᵀ(F+D)⁻¹g`` under per-group decay),
+    g the gradient of the objective ``mean NLL + ½λ‖θ‖²`` over the measured training samples:
+    what one Newton step would still take off it, about 0 at a minimum (docs/math.md, "The
+    Newton decrement"); exact for ``dense`` and ``gram``, jackknifed over the probe groups for
+    ``probe_kernel`` (``newton_decrement_stderr`` its standard error, NaN where exact), NaN for
+    the other structures.
     ``trust_score`` is the training error/uncertainty ratio and ``trusted`` is 1.0 while it is
     at least :data:`~lightning_flatness.core.trust.TRUST_THRESHOLD`, the structure is of exact
-    quality and the soft rank is at most ``rank_bound`` (the predicted gap is then to be
-    trusted), else 0.0 (:mod:`lightning_flatness.core.trust`). ``rank_bound`` is the largest
-    rank the Fisher of the measured samples can have, ``min(P, m·(C−1))`` for softmax
+    quality, the soft rank is at most ``rank_bound`` and the Newton decrement (where measured)
+    is at most :data:`~lightning_flatness.core.trust.DECREMENT_LIMIT` (the predicted gap is
+    then to be trusted), else 0.0 (:mod:`lightning_flatness.core.trust`). ``rank_bound`` is
+    the largest rank the Fisher of the measured samples can have, ``min(P, m·(C−1))`` for softmax
     (``m·C`` for bce and mse); infinite where the structure does not know it.
     """
 
@@ -58,6 +65,8 @@ class FlatnessReport:
     error_uncertainty_val: float
     trust_score: float
     trusted: float
+    newton_decrement: float
+    newton_decrement_stderr: float
     relative_flatness: float
     rank_bound: float
     trace_fisher_val: float
@@ -188,7 +197,15 @@ def build_report(
         train_accuracy=train.mean("correct"),
         error_uncertainty_train=alpha_train,
         trust_score=alpha_train,
-        trusted=verdict(alpha_train, structure, summary.soft_rank, curvature.rank_bound),
+        trusted=verdict(
+            alpha_train,
+            structure,
+            summary.soft_rank,
+            curvature.rank_bound,
+            curvature.newton_decrement,
+        ),
+        newton_decrement=curvature.newton_decrement,
+        newton_decrement_stderr=curvature.newton_decrement_stderr,
         relative_flatness=train.mean("relative_flatness"),
         rank_bound=curvature.rank_bound,
         num_samples=int(train.count),

@@ -17,20 +17,22 @@ The threshold, 0.3, was chosen with ``benchmarks/study_trust.py`` (docs/RESULTS.
 and trust rule"): on its trained grids the training-ratio Eq. 13 of runs with α_train ≥ 0.3 was
 within 2× of the observed gap for :data:`TRUSTED_WITHIN_2X` of them.
 
-The rule cannot see a fit that is far from a minimum (a model one to three epochs into
-training: not over-confident, so α_train is high, and its gap has not opened yet, so Eq. 13
-over-estimates it several-fold). :func:`~lightning_flatness.measure` sees one model, no
-history, and its ``trusted`` stays the rule above; the
-:class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` adds a *settled* test
-(:func:`settled_verdict`): it reads the training NLL on a fixed subset at every epoch's end and
-sets ``trusted`` to 0 while that NLL still fell by more than :data:`SETTLED_DROP` over the last
-epoch (logged as ``nll_drop``). The study found the Newton decrement ½ gᵀ(F+λI)⁻¹g of the
-regularized objective above 0.1 nat on every short fit and below it on every trained one; the
-NLL drop over the last epoch above 5% untrusted the same short fits (24 of 24 on short14) at
-the cost of one forward pass, where the decrement needs a linear solve with the
-whole-training-set gradient. The drop sees how fast the loss still falls, not how far the
-minimum is: a short fit whose optimizer barely moves (a few small steps) reads as settled
-(docs/RESULTS.md, "The settled test: short fits").
+A model far from a minimum (one to three epochs into training) is not over-confident, so
+α_train is high, and its gap has not opened yet, so Eq. 13 over-estimates it several-fold. The
+distance from the minimum is the Newton decrement ``½ gᵀ(F+λI)⁻¹g`` of the regularized objective
+(``newton_decrement``; g its gradient over the measured training samples, docs/math.md, "The
+Newton decrement"): the estimate is trusted only while it is at most :data:`DECREMENT_LIMIT`.
+:func:`~lightning_flatness.measure` computes it for ``probe_kernel``, ``dense`` and ``gram``;
+where a structure does not (NaN: ``cg`` among the exact-quality ones, and the approximations,
+which are never trusted anyway) the rule is the three conditions above.
+
+The :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` keeps a *settled* test
+besides (:func:`settled_verdict`): it reads the training NLL on a fixed subset at every epoch's
+end and sets ``trusted`` to 0 while that NLL still fell by more than :data:`SETTLED_DROP` over
+the last epoch (logged as ``nll_drop``), at the cost of one forward pass. The drop sees how fast
+the loss still falls, not how far the minimum is: a short fit whose optimizer barely moves (a
+few small steps) reads as settled, which the decrement does not (docs/RESULTS.md, "The settled
+test: short fits").
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import math
 
 __all__ = [
+    "DECREMENT_LIMIT",
     "EXACT_QUALITY",
     "SETTLED_DROP",
     "TRUSTED_WITHIN_2X",
@@ -66,6 +69,14 @@ TRUSTED_WITHIN_2X = "14 of 17 trusted trained runs (docs/RESULTS.md, Predictor a
 #: per run only as that rule's outcome, so 5% is not tuned further.
 SETTLED_DROP = 0.05
 
+#: the largest Newton decrement ``½ gᵀ(F+λI)⁻¹g`` (nat) at which the model counts as at a
+#: minimum. From ``benchmarks/study_trust.py`` (docs/RESULTS.md, "Predictor and trust rule"):
+#: the decrement was above 0.1 nat on all 24 two-epoch fits of short14 (Eq. 13 at a median
+#: 7.4× their observed gap) and below it on all 12 trained runs of mlp7; with α_train ≥ 0.3 it
+#: kept mlp7's 9 trusted runs (8 within 2× of the gap) and untrusted every short fit. On the
+#: check grids it also untrusted 1 of mlp14's 5 and 1 of bigmlp7's 3 trusted trained runs.
+DECREMENT_LIMIT = 0.1
+
 #: the structures whose soft rank is measured to be within 10% of the exact one (docs/RESULTS.md,
 #: "Error against cost"): the others are structured approximations or upper bounds (``kfac``
 #: 1.5–2.3×, ``diag`` and ``hutchinson`` 2–6× the exact value) or, at their default budgets,
@@ -78,14 +89,24 @@ def above_rank_bound(soft_rank: float, rank_bound: float) -> bool:
     return math.isfinite(soft_rank) and soft_rank > rank_bound * (1 + 1e-9) + 1e-9
 
 
-def verdict(score: float, structure: str, soft_rank: float, rank_bound: float) -> float:
+def verdict(
+    score: float,
+    structure: str,
+    soft_rank: float,
+    rank_bound: float,
+    decrement: float = math.nan,
+    limit: float = DECREMENT_LIMIT,
+) -> float:
     """``trusted`` of a report: :func:`trusted` of the score, and 0.0 whatever the score when
-    the structure is not of :data:`EXACT_QUALITY` or the soft rank is above the Fisher's rank
-    bound (an impossible value)."""
+    the structure is not of :data:`EXACT_QUALITY`, the soft rank is above the Fisher's rank
+    bound (an impossible value) or the Newton decrement is above ``limit`` (not at a minimum;
+    a NaN decrement, from a structure that does not compute it, is not read)."""
     value = trusted(score)
     if math.isnan(value):
         return value
     if structure not in EXACT_QUALITY or above_rank_bound(soft_rank, rank_bound):
+        return 0.0
+    if decrement > limit:  # False for NaN
         return 0.0
     return value
 

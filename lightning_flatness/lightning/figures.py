@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_flatness.core.trust import (
+    DECREMENT_LIMIT,
     EXACT_QUALITY,
     SETTLED_DROP,
     TRUST_THRESHOLD,
@@ -114,6 +115,7 @@ SUMMARY_ROWS = (
     ("trace_ratio_val", "trace ratio Tr(C)/Tr(F), val"),
     ("trace_ratio_train", "trace ratio Tr(C)/Tr(F), train"),
     ("trust_score", "trust score α_train"),
+    ("newton_decrement", "Newton decrement (nat)"),
     ("nll_drop", "training NLL drop, last epoch"),
     ("lam", "λ"),
     ("num_samples", "samples in F"),
@@ -165,7 +167,15 @@ def _trust_advice(record: Mapping[str, float], structure: str) -> str:
             f"no — {structure!r} is not an exact-quality soft rank (see docs/guide.md, "
             "Choosing a structure); structure='probe_kernel' is"
         )
-    return _settled_advice(record.get("nll_drop", math.nan))
+    decrement = record.get("newton_decrement", math.nan)
+    drop = record.get("nll_drop", math.nan)
+    if decrement > DECREMENT_LIMIT and not drop > SETTLED_DROP:
+        return (
+            f"no — the Newton decrement is {decrement:.3g} nat (above {DECREMENT_LIMIT:g}): "
+            "the model is not at a minimum yet, and Eq. 13 over-estimates a gap that has not "
+            "opened"
+        )
+    return _settled_advice(drop)
 
 
 def _settled_advice(drop: float) -> str:

@@ -26,6 +26,7 @@ from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples, t
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
 from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
+from lightning_flatness.core.curvature.newton_decrement import objective_gradient
 from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import check_finite_loss
@@ -122,6 +123,9 @@ class HookBackend(Backend):
         self.num_parameters = 0
         #: samples per pass (:data:`CHUNK_NUMBERS`), known after the first pass
         self.chunk: int | None = None
+        #: ``probe_kernel``: the summed per-sample NLL gradients of the training samples (P,),
+        #: for the Newton decrement; summed across processes with the curvature state
+        self.gradient_sum: Tensor | None = None
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -142,6 +146,11 @@ class HookBackend(Backend):
                 )
             elif self.structure in ("diag", "diag_mc"):
                 self.estimator = DiagonalFisher(names, sampled=self.structure == "diag_mc")
+            else:
+                device = model_device_dtype(self.model)[0]
+                self.gradient_sum = torch.zeros(
+                    self.num_parameters, dtype=torch.float64, device=device
+                )
             try:
                 yield
             finally:
@@ -191,6 +200,7 @@ class HookBackend(Backend):
             _scale_terms(terms, self.decay)
         if training and isinstance(self.estimator, ProbeKernelFisher):
             self.estimator.add(torch.cat([terms.rows[n] for n in self.hooked.names], dim=-1))
+            self.gradient_sum += torch.cat([terms.gradient[n] for n in self.hooked.names])
         elif training:
             self.estimator.add(terms)
         return sums
@@ -220,10 +230,22 @@ class HookBackend(Backend):
         )
 
     def summable_states(self) -> list[Tensor]:
-        return self.estimator.summable_states() if self.estimator is not None else []
+        states = self.estimator.summable_states() if self.estimator is not None else []
+        return states if self.gradient_sum is None else [*states, self.gradient_sum]
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        """The estimate at ``lam``; with per-parameter decays, of the scaled Fisher at λ = 1."""
+        """The estimate at ``lam``; with per-parameter decays, of the scaled Fisher at λ = 1.
+        ``probe_kernel`` also gets the objective's gradient, for the Newton decrement."""
+        if self.gradient_sum is not None and isinstance(self.estimator, ProbeKernelFisher):
+            params = dict(self.model.model.named_parameters())
+            names = self.hooked.names
+            self.estimator.gradient = objective_gradient(
+                self.gradient_sum,
+                num_samples,
+                names,
+                [params[name] for name in names],
+                self.decay if self.decay is not None else lam,
+            )
         curvature = self.estimator.estimate(num_samples, 1.0 if self.decay else lam)
         if not isinstance(self.estimator, ProbeKernelFisher):  # block structures say how
             curvature.coverage = self.hooked.coverage()

@@ -30,6 +30,7 @@ from lightning_flatness.core.backpack.gram import GramFisher
 from lightning_flatness.core.backpack.statistics import SampleStatistics
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
 from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.newton_decrement import objective_gradient
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import check_finite_loss
 from lightning_flatness.core.likelihoods import get_likelihood
@@ -72,6 +73,7 @@ class BackpackBackend(Backend):
         self.loss = loss
         self.likelihood = get_likelihood(loss)
         self.loss_fn = extended_loss(loss)
+        self.loss_scale = loss_scale(loss)
         self.seed = seed
         self.estimator = make_estimator(
             structure,
@@ -88,6 +90,9 @@ class BackpackBackend(Backend):
         self.num_parameters = 0
         #: C, the model's outputs (known after the first batch)
         self.num_outputs: int | None = None
+        #: the summed per-sample NLL gradients of the training samples (P,), for the Newton
+        #: decrement; summed across processes with the curvature state
+        self.gradient_sum: Tensor | None = None
 
     @contextmanager
     def session(self) -> Iterator[None]:
@@ -95,6 +100,8 @@ class BackpackBackend(Backend):
             torch.manual_seed(self.seed)
             self.extended = measurement_copy(self.model)
             self.num_parameters = sum(p.numel() for p in self.extended.parameters)
+            device = next(iter(self.extended.parameters)).device
+            self.gradient_sum = torch.zeros(self.num_parameters, dtype=torch.float64, device=device)
             try:
                 yield
             finally:
@@ -118,16 +125,28 @@ class BackpackBackend(Backend):
                     model.names, [p.numel() for p in model.parameters]
                 )
             self.estimator.update(model, num_samples(inputs))
+            # the summed loss's gradient: Σ_i ∇ℓ_i, times the loss's scale to the NLL's
+            summed = torch.cat([p.grad.reshape(-1) for p in model.parameters])
+            self.gradient_sum += summed.to(torch.float64) * self.loss_scale
         sums = statistics.update(model, logits, targets)
         model.zero_grad()
         return sums
 
     def summable_states(self) -> list[Tensor]:
-        return self.estimator.summable_states()
+        return [*self.estimator.summable_states(), self.gradient_sum]
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         """The estimate at ``lam``; with per-parameter decays, of the scaled Fisher at λ = 1
-        (``D^{-1/2} F D^{-1/2}`` has the rank of F, so the rank bound is the same)."""
+        (``D^{-1/2} F D^{-1/2}`` has the rank of F, so the rank bound is the same), with the
+        Newton decrement from the objective's gradient."""
+        model = self.extended
+        self.estimator.gradient = objective_gradient(
+            self.gradient_sum,
+            num_samples,
+            model.names,
+            list(model.parameters),
+            self.decay if self.decay is not None else lam,
+        )
         curvature = self.estimator.estimate(num_samples, 1.0 if self.decay is not None else lam)
         curvature.rank_bound = self.likelihood.fisher_rank_bound(
             self.num_parameters, num_samples, self.num_outputs or 0

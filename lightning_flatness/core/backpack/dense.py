@@ -3,7 +3,9 @@
 ``F = (1/m) Σ_i V_iᵀ V_i`` (docs/math.md, "Square-root factor"; ``SqrtGGNExact`` returns the rows of
 ``V_i``), accumulated batch by batch as a P × P sum, then one float64 eigendecomposition. The
 gradient covariance ``C = (1/m) Σ_i g_i g_iᵀ`` is accumulated too, which makes the regularized
-TIC ``Tr(C (F+λI)⁻¹)`` exact (docs/math.md, "Generalization gap", baselines).
+TIC ``Tr(C (F+λI)⁻¹)`` exact (docs/math.md, "Generalization gap", baselines), and so is the
+Newton decrement ``½ gᵀ(F+λI)⁻¹g`` given the objective's gradient (docs/math.md, "The Newton
+decrement"), from the same Cholesky factor.
 """
 
 from __future__ import annotations
@@ -19,18 +21,26 @@ from lightning_flatness.core.backpack.estimator import (
 )
 from lightning_flatness.core.backpack.extension import ExtendedModel
 from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.newton_decrement import failed_decrement, regularized_form
 from lightning_flatness.core.failures import StructureTooLargeError
-from lightning_flatness.core.spectral import psd_eigenvalues, spectral_summary
+from lightning_flatness.core.spectral import (
+    psd_eigenvalues,
+    regularized_cholesky,
+    spectral_summary,
+)
 
 __all__ = ["DenseFisher", "regularized_tic_trace"]
 
 DEFAULT_MAX_PARAMETERS = 20_000
 
 
-def regularized_tic_trace(fisher: Tensor, cov: Tensor, lam: float) -> float:
-    """``Tr(C (F+λI)⁻¹)`` through a Cholesky solve (no eigenvectors needed)."""
-    eye = torch.eye(fisher.shape[0], dtype=fisher.dtype, device=fisher.device)
-    factor = torch.linalg.cholesky(fisher + lam * eye)
+def regularized_tic_trace(
+    fisher: Tensor, cov: Tensor, lam: float, factor: Tensor | None = None
+) -> float:
+    """``Tr(C (F+λI)⁻¹)`` through a Cholesky solve (no eigenvectors needed; ``factor``: the
+    Cholesky factor of ``F + λI``, if already computed)."""
+    if factor is None:
+        factor = regularized_cholesky(fisher, lam)
     return float(torch.cholesky_solve(cov, factor).diagonal().sum())
 
 
@@ -74,5 +84,20 @@ class DenseFisher(CurvatureEstimator):
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         fisher = self.ggn_scale * self.fisher_sum / num_samples
         eigenvalues = psd_eigenvalues(fisher)
-        tic = regularized_tic_trace(fisher, self.cov_scale * self.cov_sum / num_samples, lam)
-        return CurvatureEstimate(spectral_summary(eigenvalues, lam), eigenvalues, tic_trace=tic)
+        factor = regularized_cholesky(fisher, lam)
+        cov = self.cov_scale * self.cov_sum / num_samples
+        tic = regularized_tic_trace(fisher, cov, lam, factor)
+        estimate = CurvatureEstimate(spectral_summary(eigenvalues, lam), eigenvalues, tic_trace=tic)
+        if self.gradient is not None:
+            estimate.newton_decrement = _exact_decrement(fisher, lam, self.gradient, factor)
+        return estimate
+
+
+def _exact_decrement(fisher: Tensor, lam: float, gradient: Tensor, factor=None) -> float:
+    """``½ gᵀ(F+λI)⁻¹g`` of the exact Fisher; NaN (with a warning) when the solve fails."""
+    if not bool(torch.isfinite(gradient).all()):
+        return float("nan")
+    try:
+        return 0.5 * regularized_form(fisher, lam, gradient, factor)
+    except torch.linalg.LinAlgError as error:
+        return failed_decrement("dense", error)[0]

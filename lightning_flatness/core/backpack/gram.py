@@ -7,7 +7,9 @@ diagonalised. The rows of ``V`` are kept, so the size guard is on ``mC``.
 
 The regularized TIC is exact too, by the push-through identity
 ``(F+λI)⁻¹ = (1/λ)(I − Ṽᵀ(K+λI)⁻¹Ṽ)`` with ``Ṽ = V/√m``:
-``Tr(C(F+λI)⁻¹) = (1/λ)(Tr C − Tr(G̃ Ṽᵀ (K+λI)⁻¹ Ṽ G̃ᵀ))``, ``G̃`` the per-sample gradients / √m.
+``Tr(C(F+λI)⁻¹) = (1/λ)(Tr C − Tr(G̃ Ṽᵀ (K+λI)⁻¹ Ṽ G̃ᵀ))``, ``G̃`` the per-sample gradients / √m;
+and so is the Newton decrement given the objective's gradient g,
+``½ gᵀ(F+λI)⁻¹g = (‖g‖² − (Ṽg)ᵀ(K+λI)⁻¹(Ṽg)) / (2λ)`` (docs/math.md, "The Newton decrement").
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from lightning_flatness.core.backpack.estimator import (
 )
 from lightning_flatness.core.backpack.extension import ExtendedModel
 from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.newton_decrement import (
+    failed_decrement,
+    regularized_form,
+    woodbury_form,
+)
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.spectral import psd_eigenvalues, spectral_summary
 
@@ -81,4 +88,21 @@ class GramFisher(CurvatureEstimator):
             regularized = kernel + lam * torch.eye(num_rows, dtype=kernel.dtype)
             solved = torch.linalg.solve(regularized, cross)
             tic = float((grads.square().sum() - (cross * solved).sum()) / lam)
-        return CurvatureEstimate(spectral_summary(eigenvalues, lam), eigenvalues, tic_trace=tic)
+        estimate = CurvatureEstimate(spectral_summary(eigenvalues, lam), eigenvalues, tic_trace=tic)
+        if self.gradient is not None:
+            estimate.newton_decrement = self._decrement(scaled, lam)
+        return estimate
+
+    def _decrement(self, scaled: Tensor, lam: float) -> float:
+        """``½ gᵀ(ṼᵀṼ + λI)⁻¹g`` on the smaller side (module docstring); NaN (with a warning)
+        when the solve fails."""
+        gradient = self.gradient.to(scaled)
+        if not bool(torch.isfinite(gradient).all()):
+            return float("nan")
+        try:
+            if scaled.shape[1] <= scaled.shape[0]:
+                return 0.5 * regularized_form(scaled.T @ scaled, lam, gradient)
+            norm_sq = float(gradient.square().sum())
+            return 0.5 * woodbury_form(scaled @ scaled.T, lam, scaled @ gradient, norm_sq, 1)
+        except torch.linalg.LinAlgError as error:
+            return failed_decrement("gram", error)[0]

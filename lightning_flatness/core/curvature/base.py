@@ -34,6 +34,10 @@ class CurvatureEstimate:
         blocks: per-parameter summaries for block-structured approximations.
         coverage: for block-structured approximations, how each parameter enters
             (``"kronecker"``, ``"exact block"`` or ``"diagonal"``).
+        newton_decrement: ``½ gᵀ(F+λI)⁻¹g`` of the regularized objective over the measured set
+            (:mod:`~lightning_flatness.core.curvature.newton_decrement`), jackknifed on a
+            random structure; NaN where the structure does not compute it.
+        newton_decrement_stderr: its standard error (NaN where exact or not computed).
         rank_bound: the largest rank the Fisher being estimated can have, ``min(P, m·r)``
             with r the rank of one sample's output Fisher (C − 1 for softmax, C for bce and
             mse); a soft rank above it is impossible. Every backend sets it
@@ -47,6 +51,8 @@ class CurvatureEstimate:
     blocks: dict[str, SpectralSummary] = field(default_factory=dict)
     coverage: dict[str, str] = field(default_factory=dict)
     rank_bound: float = math.inf
+    newton_decrement: float = math.nan
+    newton_decrement_stderr: float = math.nan
 
 
 class CurvatureAccumulator(ABC):
@@ -54,6 +60,10 @@ class CurvatureAccumulator(ABC):
 
     #: the structure's name, as passed to ``measure(structure=...)``
     name: str = ""
+    #: the gradient ``g`` of the regularized objective over every process's samples (in the
+    #: estimate's coordinates: times ``D^{-1/2}`` under per-group decay), set by the backend
+    #: before :meth:`estimate` on the structures that compute the Newton decrement from it
+    gradient: Tensor | None = None
 
     def summable_states(self) -> list[Tensor]:
         """The sums over samples kept between batches, in a fixed order, to be summed across

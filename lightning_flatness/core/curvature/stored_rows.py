@@ -17,6 +17,11 @@ leave-one-group-out kernel is ``K`` restricted to the other groups' rows (times 
 its runs start from the same ``z`` with that group's entries zeroed, all in one block of
 products. ``h(0) = 0``, so the zeroed rows add nothing. The trace is exact (the rows' squared
 norms); the largest eigenvalue is the top Ritz value.
+
+Given the objective's gradient g, the Newton decrement ``½ gᵀ(F̂+λI)⁻¹g`` of the whole estimate
+and of each leave-one-group-out one comes from conjugate gradients on ``(F̂+λI) x = g`` with
+products ``Vᵀ(Vx)/m`` through the same rows
+(:func:`~lightning_flatness.core.curvature.newton_decrement.stored_rows_forms`), jackknifed.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from lightning_flatness.core.curvature.lanczos_quadrature import (
     lanczos,
     slq_values,
 )
+from lightning_flatness.core.curvature.newton_decrement import probe_decrement, stored_rows_forms
 from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS
 from lightning_flatness.core.spectral import SpectralSummary
@@ -119,6 +125,44 @@ class StoredRows:
             for group in range(self.groups)
         ]
 
+    def parameter_products(self, block: Tensor, kept: Tensor, scales: Tensor) -> Tensor:
+        """``scale_k · V_kᵀ V_k x_k / m`` for each row ``x_k`` of ``block`` (k, P), ``V_k`` the
+        rows of the groups ``kept[k]`` (k, G) keeps: products with ``F̂`` and its
+        leave-one-group-out estimates, in the rows' dtype, returned in the block's."""
+        dtype = self.blocks[0].dtype
+        vectors = block.to(dtype)
+        out = torch.zeros_like(vectors)
+        for group, rows in enumerate(self.blocks):
+            weights = (vectors @ rows.T) * kept[:, group : group + 1].to(dtype)
+            out += weights @ rows
+        return out.to(block.dtype) * (scales[:, None] / self.num_samples)
+
+    def newton_decrement(self, gradient: Tensor, lam: float) -> tuple[float, float]:
+        """The jackknifed ``½ gᵀ(F̂+λI)⁻¹g`` (:func:`probe_decrement`) and its standard error
+        (with half the solves' remaining bound in quadrature): conjugate gradients on ``F̂``
+        and each leave-one-group-out estimate, a block of G + 1 runs (module docstring)."""
+        gradient = gradient.to(torch.float64)
+        if not bool(torch.isfinite(gradient).all()):
+            return math.nan, math.nan
+        runs = _run_sets(self.groups)
+        device = self.blocks[0].device
+        kept = torch.ones(runs, self.groups, dtype=torch.float64, device=device)
+        scales = torch.ones(runs, dtype=torch.float64, device=device)
+        for group in range(self.groups if runs > 1 else 0):
+            kept[group + 1, group] = 0.0
+            scales[group + 1] = self.groups / (self.groups - 1)
+        forms, bounds = stored_rows_forms(
+            lambda block: self.parameter_products(block, kept, scales),
+            gradient.to(device),
+            runs,
+            lam,
+        )
+        values = (0.5 * forms).tolist()
+        value, spread = probe_decrement(values[0], values[1:])
+        remaining = 0.5 * float(bounds[0])
+        stderr = math.hypot(0.0 if math.isnan(spread) else spread, remaining)
+        return value, stderr if runs > 1 or remaining > 0 else math.nan
+
 
 def keeps_rows(
     num_parameters: int, num_rows: int, *, side: str, max_parameters: int, max_kernel_size: int
@@ -161,11 +205,13 @@ def stored_rows_estimate(
     probes: int = SLQ_PROBES,
     steps: int = SLQ_STEPS,
     seed: int = 0,
+    gradient: Tensor | None = None,
 ) -> CurvatureEstimate:
     """The jackknifed trace functions of the kernel of ``rows`` by stochastic Lanczos
     quadrature (module docstring), with standard errors that add the probe groups' spread and
     the Hutchinson probes' in quadrature (``blocks["stderr"]``), and the plain estimate
-    (``blocks["uncorrected"]``)."""
+    (``blocks["uncorrected"]``); with the objective's ``gradient``, the Newton decrement
+    (:meth:`StoredRows.newton_decrement`)."""
     store = StoredRows(rows, groups, num_samples)
     generator = torch.Generator().manual_seed(seed)
     start, masks, scales, runs = _run_layout(store, probes, generator)
@@ -193,11 +239,16 @@ def stored_rows_estimate(
     corrected, spread = jackknife(plain, leave_outs)
     stderr = _with_probe_noise(values, spread, groups)
     eigenvalues = density_sample(torch.cat(all_nodes), torch.cat(all_weights), HISTOGRAM_ENTRIES)
+    decrement = (math.nan, math.nan)
+    if gradient is not None:
+        decrement = store.newton_decrement(gradient, lam)
     return CurvatureEstimate(
         summary=corrected,
         eigenvalues=eigenvalues[eigenvalues > 0],
         blocks={"stderr": stderr, "uncorrected": plain},
         tic_trace=math.nan,
+        newton_decrement=decrement[0],
+        newton_decrement_stderr=decrement[1],
     )
 
 

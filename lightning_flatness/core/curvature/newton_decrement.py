@@ -1,0 +1,227 @@
+"""The Newton decrement of the regularized objective, ``½ gᵀ(F+λI)⁻¹g`` (docs/math.md, "The
+Newton decrement").
+
+``g`` is the gradient of ``L(θ) = mean NLL + ½ Σ_j λ_j‖θ_j‖²`` over the whole measured set
+(:func:`objective_gradient`) and ``F + D`` the Hessian of L with the Fisher in place of the
+NLL's Hessian; ``½ gᵀ(F+D)⁻¹g`` is what one Newton step would still take off L: about 0 at a
+minimum, large on a model that is still far from one. Under per-group decay the structures
+work in the coordinates ``φ_j = √λ_j θ_j`` (:mod:`lightning_flatness.core.decay`), where the
+gradient is ``S g`` (``S = D^{-1/2}``) and the Hessian ``S F S + I``, and
+
+    gᵀ(F+D)⁻¹g = (Sg)ᵀ(SFS + I)⁻¹(Sg),
+
+so every function here takes a gradient already scaled by ``S`` and λ = 1 in that case.
+
+With ``F̂ = RᵀR/m`` (R the r stacked probe or square-root rows, each already scaled) the form
+is a P × P solve (:func:`regularized_form`), or, by the push-through identity
+``(RᵀR/m + λI)⁻¹ = (1/λ)(I − Rᵀ(RRᵀ + mλI)⁻¹R)``, an r × r one with the kernel
+``K = RRᵀ/m`` and ``u = Rg`` (:func:`woodbury_form`):
+
+    gᵀ(F̂+λI)⁻¹g = (‖g‖² − (1/m) uᵀ(K+λI)⁻¹u) / λ.
+
+On stored rows no matrix is formed: :func:`stored_rows_forms` solves ``(F̂+λI) x = g`` by
+conjugate gradients with products ``Rᵀ(Rx)/m`` through the rows.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from lightning_flatness.core.decay import ParameterDecay
+from lightning_flatness.core.jackknife import jackknife_value
+
+__all__ = [
+    "CG_STEPS",
+    "CG_TOLERANCE",
+    "failed_decrement",
+    "probe_decrement",
+    "objective_gradient",
+    "regularized_form",
+    "regularized_solve",
+    "stored_rows_forms",
+    "woodbury_form",
+]
+
+#: the most preconditioned refinement steps of a solve with a factor of lower precision
+REFINEMENT_STEPS = 50
+#: the share of the plain decrement below which a jackknifed one is not believed
+#: (:func:`probe_decrement`)
+JACKKNIFE_REACH = 0.5
+#: the most conjugate-gradient steps of the stored-row solves
+CG_STEPS = 300
+#: the stored-row solves stop when their bound on what the form still misses is below this
+#: share of it (plus 1e-9)
+CG_TOLERANCE = 1e-6
+
+
+def objective_gradient(
+    gradient_sum: Tensor,
+    num_samples: int,
+    names: list[str],
+    parameters: list[Tensor],
+    decay: float | ParameterDecay,
+) -> Tensor:
+    """``g = (1/m) Σ_i ∇ℓ_i + D θ`` (float64, flat over ``names``): the gradient of
+    ``mean NLL + ½ Σ_j λ_j‖θ_j‖²`` from the summed per-sample NLL gradients and the parameters
+    ``θ_j`` (``parameters``, in the order of ``names``), with one λ or per-group decays (the
+    objective's own λ_j, 0 on groups without decay); under per-group decay times ``D^{-1/2}``
+    (the measured λ_j), the coordinates of the estimate (module docstring)."""
+    gradient = gradient_sum.to(torch.float64) / num_samples
+    flat = torch.cat([p.detach().reshape(-1).to(gradient) for p in parameters])
+    if not isinstance(decay, ParameterDecay):
+        return gradient + float(decay) * flat
+    sizes = [p.numel() for p in parameters]
+    gradient = gradient + decay.objective_diagonal(names, sizes).to(gradient) * flat
+    return gradient * decay.column_scale(names, sizes).to(gradient)
+
+
+def regularized_solve(
+    matrix: Tensor, lam: float, vector: Tensor, factor: Tensor | None = None
+) -> Tensor:
+    """``(M + λI)⁻¹ v`` in float64 for a PSD ``matrix`` M (float64).
+
+    With ``factor``, the Cholesky factor of ``M + λI`` already computed in a lower precision
+    (the soft rank's float32 factorisation, :func:`~lightning_flatness.core.spectral.
+    factorisation_dtype`), conjugate gradients preconditioned by it refine the solution to
+    float64 (a few products of size d², no second factorisation); without one, a float64
+    Cholesky factorisation.
+
+    Raises:
+        torch.linalg.LinAlgError: ``M + λI`` is not positive definite to round-off.
+    """
+    matrix = matrix.to(torch.float64)
+    vector = vector.to(matrix)
+    if factor is None or factor.dtype == torch.float64:
+        if factor is None:
+            shifted = matrix.clone()
+            shifted.diagonal().add_(lam)
+            factor = torch.linalg.cholesky(shifted)
+            del shifted
+        return torch.cholesky_solve(vector.unsqueeze(-1), factor.to(matrix)).squeeze(-1)
+
+    def precondition(residual: Tensor) -> Tensor:
+        solved = torch.cholesky_solve(residual.to(factor.dtype).unsqueeze(-1), factor)
+        return solved.squeeze(-1).to(torch.float64)
+
+    def apply(x: Tensor) -> Tensor:
+        return matrix @ x + lam * x
+
+    solution = torch.zeros_like(vector)
+    residual = vector.clone()
+    step = precondition(residual)
+    direction = step.clone()
+    product = float(residual @ step)
+    target = 1e-14 * float(vector.norm())
+    for _ in range(REFINEMENT_STEPS):
+        if float(residual.norm()) <= target or product <= 0:
+            break
+        applied = apply(direction)
+        alpha = product / float(direction @ applied)
+        solution += alpha * direction
+        residual -= alpha * applied
+        step = precondition(residual)
+        previous, product = product, float(residual @ step)
+        direction = step + (product / previous) * direction
+    return solution
+
+
+def regularized_form(
+    matrix: Tensor, lam: float, vector: Tensor, factor: Tensor | None = None
+) -> float:
+    """``vᵀ(M + λI)⁻¹v`` (:func:`regularized_solve`)."""
+    return float(vector.to(torch.float64) @ regularized_solve(matrix, lam, vector, factor))
+
+
+def woodbury_form(
+    kernel: Tensor,
+    lam: float,
+    projected: Tensor,
+    norm_sq: float,
+    num_samples: int,
+    factor: Tensor | None = None,
+) -> float:
+    """``gᵀ(RᵀR/m + λI)⁻¹g = (‖g‖² − (1/m) uᵀ(K+λI)⁻¹u) / λ`` from the kernel ``K = RRᵀ/m``,
+    ``u = Rg`` (``projected``) and ``‖g‖²`` (module docstring)."""
+    inner = regularized_form(kernel, lam, projected, factor)
+    return (norm_sq - inner / num_samples) / lam
+
+
+def stored_rows_forms(
+    products: Callable[[Tensor], Tensor],
+    gradient: Tensor,
+    runs: int,
+    lam: float,
+    *,
+    steps: int = CG_STEPS,
+    tolerance: float = CG_TOLERANCE,
+) -> tuple[Tensor, Tensor]:
+    """``gᵀ(F̂_k + λI)⁻¹g`` for ``runs`` estimates ``F̂_k`` whose products ``F̂_k x_k`` (one per
+    row of a (runs, P) block) ``products`` computes through the stored rows, by conjugate
+    gradients on ``(F̂_k + λI) x_k = g`` from 0, never forming a matrix.
+
+    In the parameters' space, not the Woodbury form's: there the form is a small difference of
+    two large numbers (``‖g‖²/λ`` and ``uᵀy/(mλ)``), which the iterates do not resolve to the
+    accuracy their residuals promise. Here each iterate's ``gᵀx_k`` rises towards the form and
+    misses at most ``‖r_k‖²/λ`` (``F̂_k + λI ⪰ λI``): the runs stop when that is below
+    ``tolerance`` times the form (plus 1e-9), or after ``steps``.
+
+    Returns:
+        ``(forms, bounds)``: the forms (runs,) and the bound on what each still misses (a
+        decrement under-estimated by at most half of it).
+    """
+    gradient = gradient.to(torch.float64)
+    rhs = gradient.expand(runs, -1)
+    solution = torch.zeros_like(rhs)
+    residual = rhs.clone()
+    direction = residual.clone()
+    squares = residual.square().sum(1)
+    forms = torch.zeros_like(squares)
+    bounds = squares / lam
+    for _ in range(steps):
+        if bool((bounds <= tolerance * forms.abs() + 1e-9).all()):
+            break
+        applied = products(direction) + lam * direction
+        curvature = (direction * applied).sum(1)
+        alpha = torch.where(curvature > 0, squares / curvature, torch.zeros_like(squares))
+        solution += alpha[:, None] * direction
+        residual -= alpha[:, None] * applied
+        previous, squares = squares, residual.square().sum(1)
+        beta = torch.where(previous > 0, squares / previous, torch.zeros_like(squares))
+        direction = residual + beta[:, None] * direction
+        forms = solution @ gradient
+        bounds = squares / lam
+    return forms, bounds
+
+
+def probe_decrement(plain: float, leave_outs: list[float]) -> tuple[float, float]:
+    """The random structures' decrement from its plain value and its leave-one-group-out ones:
+    the jackknifed value and standard error
+    (:func:`~lightning_flatness.core.jackknife.jackknife_value`) while the correction is less
+    than :data:`JACKKNIFE_REACH` of the plain value; beyond, the plain value, with the
+    correction as its standard error.
+
+    The jackknife removes a bias that falls like 1/s (s probes). ``gᵀ(F̂+λI)⁻¹g`` has such a bias
+    only while ``F̂`` is close to F next to λ in the directions of g; with few probes per sample
+    and a small λ it is far (measured on the paper's MLP, 10 classes, 300 samples, λ = 1e-3: the
+    plain value 3.5, 1.8 and 1.4 at 2, 4 and 8 probes for an exact 1.07), the jackknife
+    over-corrects (to −0.8 at 2 probes) and its spread does not show it. The plain value is
+    biased high (the form is convex in ``F̂``): an upper estimate."""
+    value, spread = jackknife_value(plain, leave_outs)
+    if not leave_outs or not math.isfinite(value) or value >= JACKKNIFE_REACH * plain:
+        return value, spread
+    return plain, max(plain - value, 0.0 if math.isnan(spread) else spread)
+
+
+def failed_decrement(structure: str, error: Exception) -> tuple[float, float]:
+    """NaN for a decrement whose solve failed, with a warning naming the structure."""
+    warnings.warn(
+        f"structure={structure!r}: the Newton decrement could not be computed ({error}); it "
+        "is reported as NaN.",
+        stacklevel=3,
+    )
+    return math.nan, math.nan
