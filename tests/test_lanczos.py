@@ -14,8 +14,10 @@ import torch
 from conftest import batches, curvature_and_sums, random_data, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
 from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.curvature import lanczos_quadrature
 from lightning_flatness.core.curvature.lanczos import (
     FIELDS,
     density_sample,
@@ -244,3 +246,64 @@ def test_leading_steps_reproduce_a_shorter_run(cases):
         expected = short.probe_values[index]
         for position, name in enumerate(FIELDS):
             assert values[name] == pytest.approx(float(expected[position]), rel=1e-9), name
+
+
+def _shifted_quadratic_forms(matrix: Tensor, starts: Tensor, lam: float) -> Tensor:
+    """``zᵀ A(A + λ)⁻¹ z`` of each start vector, from the eigendecomposition."""
+    values, vectors = torch.linalg.eigh(matrix)
+    values = values.clamp_min(0.0)
+    return ((starts @ vectors).square() * (values / (values + lam))).sum(1)
+
+
+@pytest.mark.parametrize("steps", [3, 10, 25])
+def test_gauss_and_radau_rules_bracket_the_soft_rank_of_every_run(steps):
+    """For h(μ) = μ/(μ + λ) the Gauss rule is above ``zᵀh(A)z`` and the Gauss–Radau rule with
+    a node at 0 below it, at every number of steps, and both reach it once the Krylov space is
+    exhausted (a PSD matrix with a null space and a spread spectrum, float64)."""
+    generator = torch.Generator().manual_seed(3)
+    factor = torch.randn(60, 45, dtype=torch.float64, generator=generator)
+    factor *= torch.logspace(0, -4, 45, dtype=torch.float64)
+    matrix, lam = factor @ factor.T, 1e-4
+    starts = torch.randn(5, 60, dtype=torch.float64, generator=generator)
+    exact = _shifted_quadratic_forms(matrix, starts, lam)
+    decomposition = lanczos_quadrature.lanczos(lambda block: block @ matrix, starts, steps)
+    for index in range(5):
+        scale = float(decomposition.norms[index]) ** 2
+        rules = [
+            lanczos_quadrature.slq_values(*rule(decomposition, index), scale, lam, False)
+            for rule in (lanczos_quadrature.gauss_quadrature, lanczos_quadrature.radau_quadrature)
+        ]
+        gauss, radau = rules[0]["soft_rank"], rules[1]["soft_rank"]
+        assert radau <= float(exact[index]) * (1 + 1e-9) + 1e-9
+        assert float(exact[index]) <= gauss * (1 + 1e-9) + 1e-9
+    full = lanczos_quadrature.lanczos(lambda block: block @ matrix, starts, 60)
+    for index in range(5):
+        scale = float(full.norms[index]) ** 2
+        radau = lanczos_quadrature.slq_values(
+            *lanczos_quadrature.radau_quadrature(full, index), scale, lam, False
+        )
+        assert radau["soft_rank"] == pytest.approx(float(exact[index]), rel=1e-6)
+
+
+def test_a_stop_rule_ends_every_run_early_with_its_residuals():
+    """``stop`` is asked every ``check_every`` steps; when it says so the runs end there, with
+    the residuals the Radau rule needs, equal to the same steps of an uninterrupted run."""
+    generator = torch.Generator().manual_seed(4)
+    factor = torch.randn(80, 80, dtype=torch.float64, generator=generator)
+    matrix = factor @ factor.T
+    starts = torch.randn(3, 80, dtype=torch.float64, generator=generator)
+    asked = []
+
+    def stop(decomposition: lanczos_quadrature.LanczosDecomposition) -> bool:
+        asked.append(decomposition.alphas.shape[1])
+        return decomposition.alphas.shape[1] >= 12
+
+    early = lanczos_quadrature.lanczos(
+        lambda block: block @ matrix, starts, 50, stop=stop, check_every=4
+    )
+    assert asked == [4, 8, 12]
+    assert early.alphas.shape[1] == 12
+    whole = lanczos_quadrature.lanczos(lambda block: block @ matrix, starts, 50)
+    leading = lanczos_quadrature.truncated(whole, 12)
+    assert torch.allclose(early.alphas, leading.alphas)
+    assert torch.allclose(early.residuals, leading.residuals)

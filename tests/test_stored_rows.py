@@ -10,6 +10,7 @@ from conftest import batches, many_classes, random_data, tiny_model
 
 from lightning_flatness import FlatnessMonitor
 from lightning_flatness.core import memory, reference, spectral
+from lightning_flatness.core.curvature import stored_rows
 from lightning_flatness.core.curvature.stored_rows import quadrature_seconds
 from lightning_flatness.core.defaults import choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
@@ -77,6 +78,32 @@ def test_probe_rows_converge_to_the_formed_kernel_of_the_same_rows(one_thread):
     exact = _exact(model, inputs).soft_rank
     assert plain < stored.soft_rank  # the jackknife lifts the concave estimate toward F's
     assert abs(stored.soft_rank - exact) < abs(plain - exact)
+
+
+def test_the_runs_stop_once_the_quadrature_bracket_is_within_its_tolerance(one_thread, monkeypatch):
+    """The Gauss and Gauss–Radau rules bracket each run's soft rank: with a loose tolerance the
+    runs end well before the step cap, with a tight one they go on, and either way the value is
+    within the bracket's tolerance (and its standard error) of the same rows' long run."""
+    model, inputs, targets = many_classes()
+    steps = []
+    products = stored_rows.StoredRows.products
+
+    def counted(self, *args):
+        steps.append(1)
+        return products(self, *args)
+
+    monkeypatch.setattr(stored_rows.StoredRows, "products", counted)
+    found = {}
+    for tolerance in (1e-6, 0.05):
+        monkeypatch.setattr(stored_rows, "QUADRATURE_TOLERANCE", tolerance)
+        steps.clear()
+        report = _report(model, inputs, targets, probes=4, slq_steps=120, **STORED)
+        found[tolerance] = (report.soft_rank, report.blocks["stderr"].soft_rank, len(steps))
+    (tight, _, tight_steps), (loose, loose_stderr, loose_steps) = found[1e-6], found[0.05]
+    assert loose_steps < tight_steps
+    assert loose_steps % stored_rows.CHECK_EVERY == 0
+    assert abs(loose - tight) <= 0.05 * tight + 1e-9
+    assert abs(loose - tight) <= loose_stderr
 
 
 def test_the_papers_mlp_at_its_default_slq_budget(one_thread):

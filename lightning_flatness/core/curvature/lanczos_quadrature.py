@@ -7,6 +7,13 @@ K runs proceed in lockstep from K start vectors, with full reorthogonalization; 
 components of its eigenvectors) of the Gauss quadrature ``vᵀ g(A) v ≈ ‖v‖² Σ_j τ_j² g(θ_j)``
 (docs/math.md, "Matrix-free"); :func:`density_sample` turns nodes and eigenvalue counts into a
 sample of the spectral density.
+
+:func:`radau_quadrature` is the Gauss–Radau rule of the same run with one node fixed at the
+spectrum's lower end 0. For ``g(μ) = 1/(μ + λ)``, whose even derivatives are positive and odd
+ones negative on [0, ∞), the Gauss rule is below ``vᵀ g(A) v`` and the Radau rule above it
+(Golub and Meurant, *Matrices, Moments and Quadrature*): the soft rank's share
+``vᵀ A(A + λ)⁻¹ v = ‖v‖² − λ vᵀ(A + λ)⁻¹ v`` lies between the two rules' values, so a run can
+stop when they agree (:func:`lanczos`'s ``stop``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ __all__ = [
     "density_sample",
     "gauss_quadrature",
     "lanczos",
+    "radau_quadrature",
     "slq_values",
     "truncated",
 ]
@@ -47,12 +55,15 @@ class LanczosDecomposition:
         betas: (K, steps) off-diagonals (``betas[k, j]`` couples steps j and j+1), float64.
         lengths: (K,) number of valid steps of each run (smaller after a breakdown).
         norms: (K,) norms of the start vectors, float64.
+        residuals: (K,) the last step's ``β`` (its coupling to the next Krylov vector; 0 after
+            a breakdown), which the Radau rule needs; None where it was not kept.
     """
 
     alphas: Tensor
     betas: Tensor
     lengths: Tensor
     norms: Tensor
+    residuals: Tensor | None = None
 
 
 def lanczos(
@@ -62,6 +73,8 @@ def lanczos(
     *,
     reduce: Reduce | None = None,
     breakdown_tol: float | None = None,
+    stop: Callable[[LanczosDecomposition], bool] | None = None,
+    check_every: int = 10,
 ) -> LanczosDecomposition:
     """K independent Lanczos runs in lockstep, with full reorthogonalization.
 
@@ -73,6 +86,9 @@ def lanczos(
             split across processes); identity by default.
         breakdown_tol: a run stops when ``β_j ≤ tol · ‖T‖`` (its Krylov space is invariant);
             default ``√eps`` of the vectors' dtype.
+        stop: called with the decomposition so far every ``check_every`` steps; all runs end
+            there when it returns True (``steps`` is then a cap).
+        check_every: steps between calls of ``stop``.
 
     Returns:
         The tridiagonal coefficients. Reorthogonalization is classical Gram–Schmidt applied
@@ -107,22 +123,36 @@ def lanczos(
         lengths += active.long()
         scale = torch.maximum(scale, alpha.abs() + beta + previous_beta)
         active = active & (beta > tol * scale)
+        residuals = torch.where(active, beta, 0.0)
         if j + 1 == steps or not bool(active.any()):
             break
-        betas[:, j] = torch.where(active, beta, 0.0)
+        betas[:, j] = residuals
+        if stop is not None and (j + 1) % check_every == 0:
+            so_far = LanczosDecomposition(
+                alphas[:, : j + 1], betas[:, : j + 1], lengths.clone(), norms, residuals
+            )
+            if stop(so_far):
+                return so_far
         previous_beta = betas[:, j]
         divisor = torch.where(active, beta, math.inf).to(w.dtype).unsqueeze(1)
         torch.div(w, divisor, out=basis[j + 1])
-    return LanczosDecomposition(alphas, betas, lengths, norms)
+    return LanczosDecomposition(alphas, betas, lengths, norms, residuals)
 
 
 def truncated(decomposition: LanczosDecomposition, steps: int) -> LanczosDecomposition:
     """The decomposition after the first ``steps`` steps (the leading blocks of each T)."""
+    betas = decomposition.betas[:, :steps]
+    residuals = None
+    if steps < decomposition.alphas.shape[1]:
+        residuals = betas[:, steps - 1] if steps > 0 else None
+    elif decomposition.residuals is not None:
+        residuals = decomposition.residuals
     return LanczosDecomposition(
         decomposition.alphas[:, :steps],
-        decomposition.betas[:, :steps],
+        betas,
         decomposition.lengths.clamp(max=steps),
         decomposition.norms,
+        residuals,
     )
 
 
@@ -135,6 +165,38 @@ def gauss_quadrature(decomposition: LanczosDecomposition, index: int) -> tuple[T
     off = decomposition.betas[index, : length - 1]
     tridiagonal = torch.diag(alphas) + torch.diag(off, 1) + torch.diag(off, -1)
     nodes, vectors = torch.linalg.eigh(tridiagonal)
+    return nodes.clamp_min(0.0), vectors[0].square()
+
+
+def radau_quadrature(
+    decomposition: LanczosDecomposition, index: int, anchor: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Nodes and weights of the Gauss–Radau rule of one run with a node fixed at ``anchor``
+    (at or below the operator's smallest eigenvalue; 0 for a PSD one): the run's ``T`` extended
+    by one row and column, ``β`` its last residual and the new diagonal entry
+    ``anchor + δ_k`` with ``(T − anchor·I) δ = β² e_k`` (Golub and Meurant). A run that ended
+    in a breakdown (``β = 0``) is exact already: its Gauss rule is returned."""
+    length = int(decomposition.lengths[index])
+    if decomposition.residuals is None:
+        raise ValueError("the Radau rule needs the decomposition's last residuals")
+    residual = float(decomposition.residuals[index])
+    if length == 0 or residual == 0.0:
+        return gauss_quadrature(decomposition, index)
+    alphas = decomposition.alphas[index, :length]
+    off = decomposition.betas[index, : length - 1]
+    tridiagonal = torch.diag(alphas) + torch.diag(off, 1) + torch.diag(off, -1)
+    last = torch.zeros(length, dtype=alphas.dtype, device=alphas.device)
+    last[-1] = residual**2
+    shifted = tridiagonal - anchor * torch.eye(length, dtype=alphas.dtype, device=alphas.device)
+    try:
+        delta = torch.linalg.solve(shifted, last)
+    except torch.linalg.LinAlgError:  # a Ritz value at the anchor: no room below it
+        return gauss_quadrature(decomposition, index)
+    extended = torch.zeros(length + 1, length + 1, dtype=alphas.dtype, device=alphas.device)
+    extended[:length, :length] = tridiagonal
+    extended[length - 1, length] = extended[length, length - 1] = residual
+    extended[length, length] = anchor + delta[-1]
+    nodes, vectors = torch.linalg.eigh(extended)
     return nodes.clamp_min(0.0), vectors[0].square()
 
 

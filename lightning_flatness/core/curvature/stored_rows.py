@@ -34,9 +34,11 @@ from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.curvature.lanczos_quadrature import (
+    LanczosDecomposition,
     density_sample,
     gauss_quadrature,
     lanczos,
+    radau_quadrature,
     slq_values,
 )
 from lightning_flatness.core.curvature.newton_decrement import probe_decrement, stored_rows_forms
@@ -49,6 +51,10 @@ __all__ = ["StoredRows", "keeps_rows", "quadrature_seconds", "stored_rows_estima
 
 #: entries of the histogram sample of the spectrum
 HISTOGRAM_ENTRIES = 100_000
+#: the relative half-width of the soft rank's quadrature bracket at which the runs stop
+QUADRATURE_TOLERANCE = 0.02
+#: Lanczos steps between two checks of the bracket
+CHECK_EVERY = 5
 #: the trace functions in :class:`SpectralSummary` order (``max_eig`` apart)
 FIELDS = tuple(TRACE_FUNCTIONS)
 
@@ -206,38 +212,54 @@ def stored_rows_estimate(
     steps: int = SLQ_STEPS,
     seed: int = 0,
     gradient: Tensor | None = None,
+    tolerance: float | None = None,
 ) -> CurvatureEstimate:
     """The jackknifed trace functions of the kernel of ``rows`` by stochastic Lanczos
-    quadrature (module docstring), with standard errors that add the probe groups' spread and
-    the Hutchinson probes' in quadrature (``blocks["stderr"]``), and the plain estimate
-    (``blocks["uncorrected"]``); with the objective's ``gradient``, the Newton decrement
-    (:meth:`StoredRows.newton_decrement`)."""
+    quadrature (module docstring), with standard errors that add the probe groups' spread,
+    the Hutchinson probes' and what is left of the quadrature's bracket in quadrature
+    (``blocks["stderr"]``), and the plain estimate (``blocks["uncorrected"]``); with the
+    objective's ``gradient``, the Newton decrement (:meth:`StoredRows.newton_decrement`).
+
+    Each run's value is the midpoint of its Gauss and Gauss–Radau rules, which bracket the
+    soft rank; the runs stop as soon as the jackknifed soft rank's bracket is within
+    ``tolerance`` of it (relative half-width; default :data:`QUADRATURE_TOLERANCE`), ``steps``
+    being the cap."""
+    tolerance = QUADRATURE_TOLERANCE if tolerance is None else tolerance
     store = StoredRows(rows, groups, num_samples)
     generator = torch.Generator().manual_seed(seed)
     start, masks, scales, runs = _run_layout(store, probes, generator)
     steps = max(1, min(steps, store.size))
-    decomposition = lanczos(lambda block: store.products(block, masks, scales), start, steps)
-    values = torch.zeros(runs, probes, len(FIELDS), dtype=torch.float64)
-    largest, all_nodes, all_weights = 0.0, [], []
-    for index in range(runs * probes):
-        nodes, weights = gauss_quadrature(decomposition, index)
-        scale = float(decomposition.norms[index]) ** 2
-        found = slq_values(nodes, weights, scale, lam, divide_by_mu=False)
-        values[index // probes, index % probes] = torch.tensor([found[f] for f in FIELDS])
-        if index < probes:  # the whole kernel's runs: its spectrum and top eigenvalue
-            largest = max(largest, float(nodes.max()) if nodes.numel() else 0.0)
-            all_nodes.append(nodes)
-            all_weights.append(weights * scale / probes)
     traces = store.squared_norms()  # the trace is exact: the rows' squared norms
+
+    def bracketed(decomposition: LanczosDecomposition) -> bool:
+        values, width = _run_values(decomposition, runs, probes, lam)
+        value, half = _jackknifed_bracket(values, width, groups)
+        return half <= tolerance * abs(value)
+
+    decomposition = lanczos(
+        lambda block: store.products(block, masks, scales),
+        start,
+        steps,
+        stop=bracketed,
+        check_every=CHECK_EVERY,
+    )
+    values, width = _run_values(decomposition, runs, probes, lam)
     trace = FIELDS.index("trace")
     values[0, :, trace] = float(traces.sum())
     for group in range(runs - 1):
         values[group + 1, :, trace] = float(traces.sum() - traces[group]) * groups / (groups - 1)
+    largest, all_nodes, all_weights = 0.0, [], []
+    for index in range(probes):  # the whole kernel's runs: its spectrum and top eigenvalue
+        nodes, weights = gauss_quadrature(decomposition, index)
+        largest = max(largest, float(nodes.max()) if nodes.numel() else 0.0)
+        all_nodes.append(nodes)
+        all_weights.append(weights * float(decomposition.norms[index]) ** 2 / probes)
     means = values.mean(1)
     plain = SpectralSummary(*means[0].tolist(), max_eig=largest)
     leave_outs = [SpectralSummary(*means[r].tolist(), max_eig=largest) for r in range(1, runs)]
     corrected, spread = jackknife(plain, leave_outs)
-    stderr = _with_probe_noise(values, spread, groups)
+    _, half = _jackknifed_bracket(values, width, groups)
+    stderr = _with_probe_noise(values, spread, groups, half)
     eigenvalues = density_sample(torch.cat(all_nodes), torch.cat(all_weights), HISTOGRAM_ENTRIES)
     decrement = (math.nan, math.nan)
     if gradient is not None:
@@ -252,16 +274,52 @@ def stored_rows_estimate(
     )
 
 
-def _with_probe_noise(values: Tensor, spread: SpectralSummary, groups: int) -> SpectralSummary:
+def _run_values(
+    decomposition: LanczosDecomposition, runs: int, probes: int, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Each run's trace functions, ``(runs, probes, fields)``: the midpoint of its Gauss and
+    Gauss–Radau rules; and each run's soft-rank bracket width (Gauss − Radau), ``(runs,
+    probes)``."""
+    values = torch.zeros(runs, probes, len(FIELDS), dtype=torch.float64)
+    width = torch.zeros(runs, probes, dtype=torch.float64)
+    soft_rank = FIELDS.index("soft_rank")
+    for index in range(runs * probes):
+        scale = float(decomposition.norms[index]) ** 2
+        gauss = slq_values(*gauss_quadrature(decomposition, index), scale, lam, False)
+        radau = slq_values(*radau_quadrature(decomposition, index), scale, lam, False)
+        both = torch.tensor([[gauss[f], radau[f]] for f in FIELDS], dtype=torch.float64)
+        values[index // probes, index % probes] = both.mean(1)
+        width[index // probes, index % probes] = max(
+            0.0, float(both[soft_rank, 0] - both[soft_rank, 1])
+        )
+    return values, width
+
+
+def _jackknifed_bracket(values: Tensor, width: Tensor, groups: int) -> tuple[float, float]:
+    """The jackknifed soft rank of the runs' midpoints and the half-width of its bracket: the
+    jackknife ``G·θ − (G − 1)·mean θ₋g`` of values each known to within ±width/2."""
+    soft_rank = FIELDS.index("soft_rank")
+    means, widths = values[:, :, soft_rank].mean(1), width.mean(1) / 2
+    if means.shape[0] < 2:
+        return float(means[0]), float(widths[0])
+    value = groups * means[0] - (groups - 1) * means[1:].mean()
+    half = groups * widths[0] + (groups - 1) * widths[1:].mean()
+    return float(value), float(half)
+
+
+def _with_probe_noise(
+    values: Tensor, spread: SpectralSummary, groups: int, quadrature: float = 0.0
+) -> SpectralSummary:
     """The jackknife's spread over probe groups and the Hutchinson probes' standard error of
     the corrected value (per probe: G·θ − (G − 1)·mean of the leave-outs), added in
-    quadrature."""
+    quadrature; the soft rank's also with the half-width of its quadrature bracket."""
     runs, probes = values.shape[:2]
     per_probe = values[0] if runs < 2 else groups * values[0] - (groups - 1) * values[1:].mean(0)
     noise = per_probe.std(0) / math.sqrt(probes) if probes > 1 else torch.zeros(len(FIELDS))
     group_spread = torch.tensor([getattr(spread, f) for f in FIELDS], dtype=torch.float64)
-    combined = (group_spread.nan_to_num(0.0).square() + noise.square()).sqrt()
-    return SpectralSummary(*combined.tolist(), max_eig=math.nan)
+    combined = group_spread.nan_to_num(0.0).square() + noise.square()
+    combined[FIELDS.index("soft_rank")] += quadrature**2
+    return SpectralSummary(*combined.sqrt().tolist(), max_eig=math.nan)
 
 
 #: the most numbers of the random rows :func:`quadrature_seconds` times its products on
