@@ -95,9 +95,10 @@ def test_the_runs_stop_once_the_quadrature_bracket_is_within_its_tolerance(one_t
     monkeypatch.setattr(stored_rows.StoredRows, "products", counted)
     found = {}
     for tolerance in (1e-6, 0.05):
-        monkeypatch.setattr(stored_rows, "QUADRATURE_TOLERANCE", tolerance)
         steps.clear()
-        report = _report(model, inputs, targets, probes=4, slq_steps=120, **STORED)
+        report = _report(
+            model, inputs, targets, probes=4, slq_steps=120, slq_tolerance=tolerance, **STORED
+        )
         found[tolerance] = (report.soft_rank, report.blocks["stderr"].soft_rank, len(steps))
     (tight, _, tight_steps), (loose, loose_stderr, loose_steps) = found[1e-6], found[0.05]
     assert loose_steps < tight_steps

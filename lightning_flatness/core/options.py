@@ -140,6 +140,9 @@ class GramOptions:
 #: kernel past its guards")
 SLQ_PROBES = 8
 SLQ_STEPS = 60
+#: the relative half-width of the stored-row soft rank's quadrature bracket (its Gauss and
+#: Gauss–Radau rules) at which the Lanczos runs stop before ``slq_steps``
+SLQ_TOLERANCE = 0.02
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,8 @@ class KernelOptions:
     groups; the spectrum on the ``side`` of the parameters (P × P, P ≤ ``max_parameters``) or
     of the samples (ms × ms, ms ≤ ``max_kernel_size`` for a formed kernel; more rows, where
     P × P does not fit, by stochastic Lanczos quadrature on them with ``slq_probes`` probes of
-    ``slq_steps`` steps), at most ``max_row_elements`` numbers of kept rows (None: the rows may
+    at most ``slq_steps`` steps, ending once the soft rank is bracketed to ``slq_tolerance``),
+    at most ``max_row_elements`` numbers of kept rows (None: the rows may
     take :data:`~lightning_flatness.core.memory.ROW_MEMORY_SHARE` of the free memory of the
     model's device); ``"auto"`` takes the smaller
     (:mod:`lightning_flatness.core.curvature.probe_kernel`).
@@ -163,6 +167,7 @@ class KernelOptions:
     trace_estimator: str = "exact"
     slq_probes: int = SLQ_PROBES
     slq_steps: int = SLQ_STEPS
+    slq_tolerance: float = SLQ_TOLERANCE
 
     @property
     def structure(self) -> str:
@@ -172,6 +177,11 @@ class KernelOptions:
         for name in ("probes", "groups", "max_parameters", "max_kernel_size", "slq_probes"):
             check_count(f"kernel_options[{name!r}]", getattr(self, name))
         check_count("kernel_options['slq_steps']", self.slq_steps)
+        if not 0 < self.slq_tolerance < 1:
+            raise ValueError(
+                f"kernel_options['slq_tolerance']={self.slq_tolerance!r} must be in (0, 1): the "
+                "relative half-width of the soft rank's quadrature bracket, e.g. 0.02."
+            )
         check_count("kernel_options['max_row_elements']", self.max_row_elements, allow_none=True)
         check_choice("kernel_options['side']", self.side, ("auto", "parameters", "samples"))
         check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)

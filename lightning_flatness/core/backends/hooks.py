@@ -28,6 +28,7 @@ from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.newton_decrement import objective_gradient
 from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
+from lightning_flatness.core.curvature.stored_rows import QuadratureBudget
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import check_finite_loss
 from lightning_flatness.core.hooked_pass import HookedPass
@@ -225,8 +226,9 @@ class HookBackend(Backend):
             max_row_elements=row_elements(options, device),
             summable=self.summable,
             device=device,
-            slq_probes=options.slq_probes,
-            slq_steps=options.slq_steps,
+            quadrature=QuadratureBudget(
+                options.slq_probes, options.slq_steps, options.slq_tolerance
+            ),
         )
 
     def summable_states(self) -> list[Tensor]:

@@ -36,6 +36,7 @@ from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.jackknife import jackknife_value
 
 __all__ = [
+    "kernel_decrement",
     "CG_STEPS",
     "CG_TOLERANCE",
     "failed_decrement",
@@ -225,3 +226,38 @@ def failed_decrement(structure: str, error: Exception) -> tuple[float, float]:
         stacklevel=3,
     )
     return math.nan, math.nan
+
+
+def kernel_decrement(
+    gradient: Tensor,
+    groups: int,
+    matrices: list[Tensor],
+    factors: list[Tensor | None],
+    kept_rows: list[Tensor] | None,
+    projected: Tensor | None,
+    num_samples: int,
+    lam: float,
+) -> tuple[float, float]:
+    """The probe kernel's jackknifed ``½ gᵀ(F̂+λI)⁻¹g`` and its standard error from the whole
+    estimate and each leave-one-group-out one (``matrices``, with their Cholesky factors where
+    made): P × P solves, or on the sample side the Woodbury form with ``u = Vg``
+    (``projected``), a leave-out's ``u`` being its rows' entries (``kept_rows``) times
+    √(G/(G − 1)) like its rows."""
+    gradient = gradient.to(torch.float64)
+    if not bool(torch.isfinite(gradient).all()):
+        return math.nan, math.nan
+    keep = groups / (groups - 1) if groups > 1 else 1.0
+    norm_sq = float(gradient.square().sum())
+    values = []
+    try:
+        for index, (matrix, factor) in enumerate(zip(matrices, factors, strict=True)):
+            if projected is None:
+                values.append(0.5 * regularized_form(matrix, lam, gradient, factor))
+                continue
+            u = projected
+            if index > 0:
+                u = projected[kept_rows[index - 1]] * math.sqrt(keep)
+            values.append(0.5 * woodbury_form(matrix, lam, u, norm_sq, num_samples, factor))
+    except torch.linalg.LinAlgError as error:
+        return failed_decrement("probe_kernel", error)
+    return probe_decrement(values[0], values[1:])

@@ -40,16 +40,15 @@ from lightning_flatness.core.curvature.lanczos_quadrature import (
     gauss_quadrature,
     lanczos,
 )
-from lightning_flatness.core.curvature.newton_decrement import (
-    failed_decrement,
-    probe_decrement,
-    regularized_form,
-    woodbury_form,
+from lightning_flatness.core.curvature.newton_decrement import kernel_decrement
+from lightning_flatness.core.curvature.stored_rows import (
+    DEFAULT_QUADRATURE,
+    QuadratureBudget,
+    keeps_rows,
+    stored_rows_estimate,
 )
-from lightning_flatness.core.curvature.stored_rows import keeps_rows, stored_rows_estimate
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.jackknife import jackknife
-from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS
 from lightning_flatness.core.spectral import (
     SpectralSummary,
     cholesky_summary,
@@ -90,7 +89,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         max_row_elements: the most numbers of kept rows (ms · P) on the sample side.
         summable: the state must add up across processes (the parameter side from the start).
         device: where the P × P sums live (the model's: no copy to the host per batch).
-        slq_probes / slq_steps: the stored-row estimate's Hutchinson probes and Lanczos steps.
+        quadrature: the stored-row estimate's probes, steps and tolerance.
     """
 
     name = "probe_kernel"
@@ -107,10 +106,9 @@ class ProbeKernelFisher(CurvatureAccumulator):
         max_row_elements: int,
         summable: bool = False,
         device: torch.device | str | None = None,
-        slq_probes: int = SLQ_PROBES,
-        slq_steps: int = SLQ_STEPS,
+        quadrature: QuadratureBudget = DEFAULT_QUADRATURE,
     ) -> None:
-        self.slq_probes, self.slq_steps = int(slq_probes), int(slq_steps)
+        self.quadrature = quadrature
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_parameters = int(num_parameters)
         self.probes, self.groups = int(probes), int(groups)
@@ -276,12 +274,6 @@ class ProbeKernelFisher(CurvatureAccumulator):
         leave_outs = [(total - gram) * (keep / num_samples) for gram in self.grams]
         return total / num_samples, leave_outs, None
 
-    def _projected(self) -> Tensor:
-        """``u = V g`` over the kept rows, in the kernel's row order (probe, then sample)."""
-        gradient = self.gradient.to(torch.float64)
-        pieces = [(chunk.to(torch.float64) @ gradient.to(chunk.device)) for chunk in self.rows]
-        return torch.cat(pieces, dim=1).reshape(-1)
-
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         """The jackknifed spectral summary of ``F̂`` over ``num_samples`` samples, its standard
         errors (``blocks["stderr"]``) and the plain summary (``blocks["uncorrected"]``), and
@@ -293,12 +285,11 @@ class ProbeKernelFisher(CurvatureAccumulator):
                 self.groups,
                 num_samples,
                 lam,
-                probes=self.slq_probes,
-                steps=self.slq_steps,
+                budget=self.quadrature,
                 gradient=self.gradient,
             )
-        sample_side = self.grams is None and self.kept_rows <= self.num_parameters
-        projected = self._projected() if sample_side and self.gradient is not None else None
+        on_samples = self.grams is None and self.kept_rows <= self.num_parameters
+        projected = _projected(self.rows, self.gradient) if on_samples else None
         matrix, leave_outs, kept_rows = self._matrices(num_samples)
         dtype = factorisation_dtype(float(matrix.diagonal().sum()), lam, self.precision)
         factor = None
@@ -317,43 +308,28 @@ class ProbeKernelFisher(CurvatureAccumulator):
         )
         if self.gradient is not None:
             factors = [factor, *(leave_factor for _, leave_factor in parts)]
-            decrement = self._decrement(
-                [matrix, *leave_outs], factors, kept_rows, projected, num_samples, lam
+            decrement = kernel_decrement(
+                self.gradient,
+                self.groups,
+                [matrix, *leave_outs],
+                factors,
+                kept_rows,
+                projected,
+                num_samples,
+                lam,
             )
             estimate.newton_decrement, estimate.newton_decrement_stderr = decrement
         return estimate
 
-    def _decrement(
-        self,
-        matrices: list[Tensor],
-        factors: list[Tensor | None],
-        kept_rows: list[Tensor] | None,
-        projected: Tensor | None,
-        num_samples: int,
-        lam: float,
-    ) -> tuple[float, float]:
-        """The jackknifed ``½ gᵀ(F̂+λI)⁻¹g`` and its standard error from the whole estimate and
-        each leave-one-group-out one (``matrices``, with their Cholesky factors where made):
-        P × P solves, or on the sample side the Woodbury form with ``u`` (``projected``), a
-        leave-out's ``u`` being its rows' entries times √(G/(G − 1)) like its rows."""
-        gradient = self.gradient.to(torch.float64)
-        if not bool(torch.isfinite(gradient).all()):
-            return math.nan, math.nan
-        keep = self.groups / (self.groups - 1) if self.groups > 1 else 1.0
-        norm_sq = float(gradient.square().sum())
-        values = []
-        try:
-            for index, (matrix, factor) in enumerate(zip(matrices, factors, strict=True)):
-                if projected is None:
-                    values.append(0.5 * regularized_form(matrix, lam, gradient, factor))
-                    continue
-                u = projected
-                if index > 0:
-                    u = projected[kept_rows[index - 1]] * math.sqrt(keep)
-                values.append(0.5 * woodbury_form(matrix, lam, u, norm_sq, num_samples, factor))
-        except torch.linalg.LinAlgError as error:
-            return failed_decrement(self.name, error)
-        return probe_decrement(values[0], values[1:])
+
+def _projected(rows: list[Tensor], gradient: Tensor | None) -> Tensor | None:
+    """``u = V g`` over the kept rows, in the kernel's row order (probe, then sample); None
+    without a gradient."""
+    if gradient is None:
+        return None
+    gradient = gradient.to(torch.float64)
+    pieces = [(chunk.to(torch.float64) @ gradient.to(chunk.device)) for chunk in rows]
+    return torch.cat(pieces, dim=1).reshape(-1)
 
 
 def symmetric_gram(rows: Tensor, blocks: int = 8) -> Tensor:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -43,20 +44,39 @@ from lightning_flatness.core.curvature.lanczos_quadrature import (
 )
 from lightning_flatness.core.curvature.newton_decrement import probe_decrement, stored_rows_forms
 from lightning_flatness.core.jackknife import jackknife
-from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS
+from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS, SLQ_TOLERANCE
 from lightning_flatness.core.spectral import SpectralSummary
 from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 
-__all__ = ["StoredRows", "keeps_rows", "quadrature_seconds", "stored_rows_estimate"]
+__all__ = [
+    "QuadratureBudget",
+    "StoredRows",
+    "keeps_rows",
+    "quadrature_seconds",
+    "stored_rows_estimate",
+]
 
 #: entries of the histogram sample of the spectrum
 HISTOGRAM_ENTRIES = 100_000
-#: the relative half-width of the soft rank's quadrature bracket at which the runs stop
-QUADRATURE_TOLERANCE = 0.02
 #: Lanczos steps between two checks of the bracket
 CHECK_EVERY = 5
 #: the trace functions in :class:`SpectralSummary` order (``max_eig`` apart)
 FIELDS = tuple(TRACE_FUNCTIONS)
+
+
+@dataclass(frozen=True)
+class QuadratureBudget:
+    """The stored-row estimate's Hutchinson probes, its cap on Lanczos steps, and the relative
+    half-width of the soft rank's quadrature bracket at which the runs stop."""
+
+    probes: int = SLQ_PROBES
+    steps: int = SLQ_STEPS
+    tolerance: float = SLQ_TOLERANCE
+
+
+#: the default budget: :data:`SLQ_PROBES` probes of at most :data:`SLQ_STEPS` steps, stopping
+#: at :data:`SLQ_TOLERANCE`
+DEFAULT_QUADRATURE = QuadratureBudget()
 
 
 class StoredRows:
@@ -208,11 +228,9 @@ def stored_rows_estimate(
     num_samples: int,
     lam: float,
     *,
-    probes: int = SLQ_PROBES,
-    steps: int = SLQ_STEPS,
+    budget: QuadratureBudget = DEFAULT_QUADRATURE,
     seed: int = 0,
     gradient: Tensor | None = None,
-    tolerance: float | None = None,
 ) -> CurvatureEstimate:
     """The jackknifed trace functions of the kernel of ``rows`` by stochastic Lanczos
     quadrature (module docstring), with standard errors that add the probe groups' spread,
@@ -221,14 +239,13 @@ def stored_rows_estimate(
     objective's ``gradient``, the Newton decrement (:meth:`StoredRows.newton_decrement`).
 
     Each run's value is the midpoint of its Gauss and Gauss–Radau rules, which bracket the
-    soft rank; the runs stop as soon as the jackknifed soft rank's bracket is within
-    ``tolerance`` of it (relative half-width; default :data:`QUADRATURE_TOLERANCE`), ``steps``
-    being the cap."""
-    tolerance = QUADRATURE_TOLERANCE if tolerance is None else tolerance
+    soft rank; the runs stop as soon as the jackknifed soft rank's bracket is within the
+    ``budget``'s tolerance of it (relative half-width), its steps being the cap."""
+    probes, tolerance = budget.probes, budget.tolerance
     store = StoredRows(rows, groups, num_samples)
     generator = torch.Generator().manual_seed(seed)
     start, masks, scales, runs = _run_layout(store, probes, generator)
-    steps = max(1, min(steps, store.size))
+    steps = max(1, min(budget.steps, store.size))
     traces = store.squared_norms()  # the trace is exact: the rows' squared norms
 
     def bracketed(decomposition: LanczosDecomposition) -> bool:
