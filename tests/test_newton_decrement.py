@@ -27,7 +27,7 @@ N = 24
 SIDES = {
     "parameters": {"side": "parameters"},
     "formed kernel": {"side": "samples"},
-    "stored rows": {"max_kernel_size": 10, "max_parameters": 10},
+    "stored rows": {"max_kernel_size": 10, "max_parameters": 10, "slq_tolerance": 1e-9},
 }
 
 
@@ -98,7 +98,7 @@ def test_exact_structures_give_the_reference_decrement(
 @pytest.mark.parametrize("batch_size", [1, 7, N])
 def test_exact_rows_give_the_reference_decrement_on_every_side(name, side, batch_size, one_thread):
     """As many probes as classes: the exact rows, no probe bias, so the decrement is exact on
-    every side (the stored rows' conjugate gradients to their tolerance), for the paper's
+    every side (the stored rows' quadrature bracket to its tolerance), for the paper's
     models and a ResNet with BatchNorm and Dropout, whatever the batch size."""
     if name in ("mlp", "cnn"):
         model, (inputs, targets), classes = tiny_model(name).eval(), random_data(N), 10

@@ -19,8 +19,9 @@ is a P × P solve (:func:`regularized_form`), or, by the push-through identity
 
     gᵀ(F̂+λI)⁻¹g = (‖g‖² − (1/m) uᵀ(K+λI)⁻¹u) / λ.
 
-On stored rows no matrix is formed: :func:`stored_rows_forms` solves ``(F̂+λI) x = g`` by
-conjugate gradients with products ``Rᵀ(Rx)/m`` through the rows.
+On stored rows no matrix is formed: :func:`stored_rows_forms` brackets ``gᵀ(F̂+λI)⁻¹g``
+between the Gauss and Gauss–Radau rules of a Lanczos run from g with products ``Rᵀ(Rx)/m``
+through the rows.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lightning_flatness.core.curvature.lanczos_quadrature import (
+    LanczosDecomposition,
+    gauss_quadrature,
+    lanczos,
+    radau_quadrature,
+)
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.jackknife import jackknife_value
 
 __all__ = [
     "kernel_decrement",
-    "CG_STEPS",
-    "CG_TOLERANCE",
+    "FORM_STEPS",
     "failed_decrement",
     "probe_decrement",
     "objective_gradient",
@@ -53,11 +59,8 @@ REFINEMENT_STEPS = 50
 #: the share of the plain decrement below which a jackknifed one is not believed
 #: (:func:`probe_decrement`)
 JACKKNIFE_REACH = 0.5
-#: the most conjugate-gradient steps of the stored-row solves
-CG_STEPS = 300
-#: the stored-row solves stop when their bound on what the form still misses is below this
-#: share of it (plus 1e-9)
-CG_TOLERANCE = 1e-6
+#: the most Lanczos steps of the stored-row forms
+FORM_STEPS = 300
 
 
 def objective_gradient(
@@ -158,45 +161,46 @@ def stored_rows_forms(
     runs: int,
     lam: float,
     *,
-    steps: int = CG_STEPS,
-    tolerance: float = CG_TOLERANCE,
+    steps: int = FORM_STEPS,
+    tolerance: float = 0.02,
 ) -> tuple[Tensor, Tensor]:
     """``gᵀ(F̂_k + λI)⁻¹g`` for ``runs`` estimates ``F̂_k`` whose products ``F̂_k x_k`` (one per
-    row of a (runs, P) block) ``products`` computes through the stored rows, by conjugate
-    gradients on ``(F̂_k + λI) x_k = g`` from 0, never forming a matrix.
+    row of a (runs, P) block) ``products`` computes through the stored rows, by Lanczos runs
+    started at g, never forming a matrix.
 
     In the parameters' space, not the Woodbury form's: there the form is a small difference of
-    two large numbers (``‖g‖²/λ`` and ``uᵀy/(mλ)``), which the iterates do not resolve to the
-    accuracy their residuals promise. Here each iterate's ``gᵀx_k`` rises towards the form and
-    misses at most ``‖r_k‖²/λ`` (``F̂_k + λI ⪰ λI``): the runs stop when that is below
-    ``tolerance`` times the form (plus 1e-9), or after ``steps``.
+    two large numbers (``‖g‖²/λ`` and ``uᵀy/(mλ)``). ``1/(μ + λ)`` has positive even and
+    negative odd derivatives on [0, ∞), so each run's Gauss rule is a lower bound of its form
+    and its Gauss–Radau rule with a node at 0 an upper one
+    (:mod:`~lightning_flatness.core.curvature.lanczos_quadrature`); the runs stop once every
+    bracket's half-width is within ``tolerance`` of its midpoint, or after ``steps``.
 
     Returns:
-        ``(forms, bounds)``: the forms (runs,) and the bound on what each still misses (a
-        decrement under-estimated by at most half of it).
+        ``(forms, bounds)``: the brackets' midpoints (runs,) and half-widths.
     """
     gradient = gradient.to(torch.float64)
-    rhs = gradient.expand(runs, -1)
-    solution = torch.zeros_like(rhs)
-    residual = rhs.clone()
-    direction = residual.clone()
-    squares = residual.square().sum(1)
-    forms = torch.zeros_like(squares)
-    bounds = squares / lam
-    for _ in range(steps):
-        if bool((bounds <= tolerance * forms.abs() + 1e-9).all()):
-            break
-        applied = products(direction) + lam * direction
-        curvature = (direction * applied).sum(1)
-        alpha = torch.where(curvature > 0, squares / curvature, torch.zeros_like(squares))
-        solution += alpha[:, None] * direction
-        residual -= alpha[:, None] * applied
-        previous, squares = squares, residual.square().sum(1)
-        beta = torch.where(previous > 0, squares / previous, torch.zeros_like(squares))
-        direction = residual + beta[:, None] * direction
-        forms = solution @ gradient
-        bounds = squares / lam
-    return forms, bounds
+    norm_sq = float(gradient.square().sum())
+    if norm_sq == 0.0:
+        zeros = gradient.new_zeros(runs)
+        return zeros, zeros
+
+    def brackets(decomposition: LanczosDecomposition) -> tuple[Tensor, Tensor]:
+        bounds = []
+        for index in range(runs):
+            for rule in (gauss_quadrature, radau_quadrature):
+                nodes, weights = rule(decomposition, index)
+                bounds.append(norm_sq * float((weights / (nodes + lam)).sum()))
+        pairs = torch.tensor(bounds, dtype=torch.float64).reshape(runs, 2)
+        return pairs.mean(1), (pairs[:, 1] - pairs[:, 0]).abs() / 2
+
+    def bracketed(decomposition: LanczosDecomposition) -> bool:
+        forms, halves = brackets(decomposition)
+        return bool((halves <= tolerance * forms.abs() + 1e-12).all())
+
+    start = gradient.expand(runs, -1).clone()
+    steps = max(1, min(steps, gradient.numel()))
+    decomposition = lanczos(products, start, steps, stop=bracketed, check_every=5)
+    return brackets(decomposition)
 
 
 def probe_decrement(plain: float, leave_outs: list[float]) -> tuple[float, float]:

@@ -19,8 +19,8 @@ products. ``h(0) = 0``, so the zeroed rows add nothing. The trace is exact (the 
 norms); the largest eigenvalue is the top Ritz value.
 
 Given the objective's gradient g, the Newton decrement ``½ gᵀ(F̂+λI)⁻¹g`` of the whole estimate
-and of each leave-one-group-out one comes from conjugate gradients on ``(F̂+λI) x = g`` with
-products ``Vᵀ(Vx)/m`` through the same rows
+and of each leave-one-group-out one is bracketed by the Gauss and Gauss–Radau rules of Lanczos
+runs from g with products ``Vᵀ(Vx)/m`` through the same rows
 (:func:`~lightning_flatness.core.curvature.newton_decrement.stored_rows_forms`), jackknifed.
 """
 
@@ -163,10 +163,13 @@ class StoredRows:
             out += weights @ rows
         return out.to(block.dtype) * (scales[:, None] / self.num_samples)
 
-    def newton_decrement(self, gradient: Tensor, lam: float) -> tuple[float, float]:
+    def newton_decrement(
+        self, gradient: Tensor, lam: float, tolerance: float = SLQ_TOLERANCE
+    ) -> tuple[float, float]:
         """The jackknifed ``½ gᵀ(F̂+λI)⁻¹g`` (:func:`probe_decrement`) and its standard error
-        (with half the solves' remaining bound in quadrature): conjugate gradients on ``F̂``
-        and each leave-one-group-out estimate, a block of G + 1 runs (module docstring)."""
+        (with the half-width of its quadrature bracket in quadrature): Lanczos runs on ``F̂``
+        and each leave-one-group-out estimate, a block of G + 1 runs bracketed to
+        ``tolerance`` (module docstring)."""
         gradient = gradient.to(torch.float64)
         if not bool(torch.isfinite(gradient).all()):
             return math.nan, math.nan
@@ -182,6 +185,7 @@ class StoredRows:
             gradient.to(device),
             runs,
             lam,
+            tolerance=tolerance,
         )
         values = (0.5 * forms).tolist()
         value, spread = probe_decrement(values[0], values[1:])
@@ -280,7 +284,7 @@ def stored_rows_estimate(
     eigenvalues = density_sample(torch.cat(all_nodes), torch.cat(all_weights), HISTOGRAM_ENTRIES)
     decrement = (math.nan, math.nan)
     if gradient is not None:
-        decrement = store.newton_decrement(gradient, lam)
+        decrement = store.newton_decrement(gradient, lam, tolerance)
     return CurvatureEstimate(
         summary=corrected,
         eigenvalues=eigenvalues[eigenvalues > 0],
