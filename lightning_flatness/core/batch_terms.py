@@ -20,6 +20,7 @@ from torch import Tensor
 from lightning_flatness.core.layer_rules import (
     KroneckerRule,
     Rule,
+    explicit_gradients_cheaper,
     kronecker_factors,
     weight_batch_gradient,
     weight_rows,
@@ -171,16 +172,25 @@ def add_weight(
     convolution's under ``kfac`` with its input factor from overlaps, which then has no
     patches: ``a`` is None)."""
     embedding = rule is not None and rule.is_embedding
+    shape = rule.weight_shape if rule is not None else torch.Size((s.shape[-1], a.shape[-1]))
+    found = None
+    if norms is None and curvature and structure == "rows" and _rows_give_norms(a, s, embedding):
+        # every row's per-sample gradients at once: the norms and the curvature's rows from
+        # one product, not two (the probe kernel's rows of a convolution over many positions)
+        wanted = sorted({*rows.norms, *range(rows.curvature.start, rows.curvature.stop)})
+        every = weight_rows(a, s[wanted], embedding, shape).detach()
+        norms = torch.linalg.vecdot(every, every).sum(1)[[wanted.index(k) for k in rows.norms]]
+        found = every[[wanted.index(k) for k in range(rows.curvature.start, rows.curvature.stop)]]
     if norms is None:
         norms = weight_squared_norms(a, s[rows.norms], embedding)
     terms.grad_norm_sq += float(norms[0])
     terms.fisher_trace += float(norms[1:].sum())
     if not curvature:
         return
-    shape = rule.weight_shape if rule is not None else torch.Size((s.shape[-1], a.shape[-1]))
     layout = rule.to_weight_layout if rule is not None else (lambda values: values)
     if structure == "rows":
-        found = weight_rows(a, s[rows.curvature], embedding, shape).detach()
+        if found is None:
+            found = weight_rows(a, s[rows.curvature], embedding, shape).detach()
         if rule is not None and rule.transposed:
             found = layout(found.unflatten(-1, shape)).flatten(2)
         terms.rows[name] = found
@@ -195,6 +205,15 @@ def add_weight(
         from_overlaps = rule.input_factor() if rule is not None else None
         g, factor = kronecker_factors(a, s[rows.curvature], embedding, shape[0], from_overlaps)
         terms.kronecker[name] = (_f64(g), _f64(factor))
+
+
+def _rows_give_norms(a: Tensor | None, s: Tensor, embedding: bool) -> bool:
+    """Whether the squared norms are best read off the explicit per-sample gradients that the
+    ``"rows"`` structure forms anyway: a map over several positions where
+    :func:`weight_squared_norms` would form them too (not the position Gram matrices)."""
+    if a is None or embedding or s.shape[2] == 1:
+        return False
+    return explicit_gradients_cheaper(s.shape[-1], a.shape[-1], s.shape[2])
 
 
 def add_explicit(
