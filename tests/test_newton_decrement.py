@@ -203,10 +203,16 @@ def test_two_processes_summing_their_states_equal_one_process(one_thread):
         )
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        # two threads in the measurement's context at once leave torch's process-wide
+        # attention flag as the later one found it (processes do not share it)
+        torch.backends.mha.set_fastpath_enabled(fast_path)
     for report in reports:
         assert report.num_samples == N
         assert report.newton_decrement == pytest.approx(single.newton_decrement, rel=1e-9)
