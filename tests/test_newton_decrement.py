@@ -17,7 +17,9 @@ from conftest import batches, random_data, tiny_model
 from zoo import build, zoo_data
 
 from lightning_flatness.core import reference
+from lightning_flatness.core.curvature.newton_decrement import regularized_form
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.spectral import regularized_cholesky
 from lightning_flatness.core.trust import DECREMENT_LIMIT, verdict
 
 LAM = 1e-3
@@ -276,3 +278,18 @@ def test_structures_without_the_decrement_report_nan_and_keep_the_rule(one_threa
     assert verdict(1.0, "cg", 10.0, 100.0, math.nan) == 1.0  # cg: the rule without it
     assert verdict(1.0, "probe_kernel", 10.0, 100.0, DECREMENT_LIMIT) == 1.0
     assert verdict(1.0, "probe_kernel", 10.0, 100.0, DECREMENT_LIMIT * 1.01) == 0.0
+
+
+def test_a_float32_factor_is_refined_to_the_float64_form():
+    """The soft rank's float32 Cholesky factor, used as the preconditioner of conjugate
+    gradients, gives ``vᵀ(M + λI)⁻¹v`` to float64 accuracy on an ill-conditioned M."""
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(300, 200, dtype=torch.float64, generator=generator)
+    matrix = (rows * torch.logspace(0, -3, 200, dtype=torch.float64)).T
+    matrix = matrix @ matrix.T
+    vector = torch.randn(200, dtype=torch.float64, generator=generator)
+    lam = 1e-4
+    exact = float(vector @ torch.linalg.solve(matrix + lam * torch.eye(200).double(), vector))
+    factor = regularized_cholesky(matrix, lam, torch.float32)
+    assert regularized_form(matrix, lam, vector, factor) == pytest.approx(exact, rel=1e-10)
+    assert regularized_form(matrix, lam, vector) == pytest.approx(exact, rel=1e-10)

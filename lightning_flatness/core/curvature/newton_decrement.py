@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from lightning_flatness.core.curvature.cg import conjugate_gradients
 from lightning_flatness.core.curvature.lanczos_quadrature import (
     LanczosDecomposition,
     gauss_quadrature,
@@ -41,6 +42,8 @@ from lightning_flatness.core.curvature.lanczos_quadrature import (
 )
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.jackknife import jackknife_value
+from lightning_flatness.core.options import SLQ_TOLERANCE
+from lightning_flatness.core.spectral import regularized_cholesky
 
 __all__ = [
     "kernel_decrement",
@@ -49,13 +52,14 @@ __all__ = [
     "probe_decrement",
     "objective_gradient",
     "regularized_form",
-    "regularized_solve",
     "stored_rows_forms",
     "woodbury_form",
 ]
 
 #: the most preconditioned refinement steps of a solve with a factor of lower precision
 REFINEMENT_STEPS = 50
+#: the refinement stops once its bound on what the form still misses is below this share of it
+REFINEMENT_TOLERANCE = 1e-14
 #: the share of the plain decrement below which a jackknifed one is not believed
 #: (:func:`probe_decrement`)
 JACKKNIFE_REACH = 0.5
@@ -84,16 +88,17 @@ def objective_gradient(
     return gradient * decay.column_scale(names, sizes).to(gradient)
 
 
-def regularized_solve(
+def regularized_form(
     matrix: Tensor, lam: float, vector: Tensor, factor: Tensor | None = None
-) -> Tensor:
-    """``(M + λI)⁻¹ v`` in float64 for a PSD ``matrix`` M (float64).
+) -> float:
+    """``vᵀ(M + λI)⁻¹v`` in float64 for a PSD ``matrix`` M.
 
     With ``factor``, the Cholesky factor of ``M + λI`` already computed in a lower precision
     (the soft rank's float32 factorisation, :func:`~lightning_flatness.core.spectral.
-    factorisation_dtype`), conjugate gradients preconditioned by it refine the solution to
+    factorisation_dtype`), conjugate gradients preconditioned by it
+    (:func:`~lightning_flatness.core.curvature.cg.conjugate_gradients`) refine the form to
     float64 (a few products of size d², no second factorisation); without one, a float64
-    Cholesky factorisation.
+    Cholesky factorisation (:func:`~lightning_flatness.core.spectral.regularized_cholesky`).
 
     Raises:
         torch.linalg.LinAlgError: ``M + λI`` is not positive definite to round-off.
@@ -102,43 +107,23 @@ def regularized_solve(
     vector = vector.to(matrix)
     if factor is None or factor.dtype == torch.float64:
         if factor is None:
-            shifted = matrix.clone()
-            shifted.diagonal().add_(lam)
-            factor = torch.linalg.cholesky(shifted)
-            del shifted
-        return torch.cholesky_solve(vector.unsqueeze(-1), factor.to(matrix)).squeeze(-1)
+            factor = regularized_cholesky(matrix, lam)
+        solved = torch.cholesky_solve(vector.unsqueeze(-1), factor.to(matrix)).squeeze(-1)
+        return float(vector @ solved)
 
-    def precondition(residual: Tensor) -> Tensor:
-        solved = torch.cholesky_solve(residual.to(factor.dtype).unsqueeze(-1), factor)
-        return solved.squeeze(-1).to(torch.float64)
+    def precondition(residuals: Tensor) -> Tensor:
+        solved = torch.cholesky_solve(residuals.to(factor.dtype).T, factor)
+        return solved.T.to(torch.float64)
 
-    def apply(x: Tensor) -> Tensor:
-        return matrix @ x + lam * x
-
-    solution = torch.zeros_like(vector)
-    residual = vector.clone()
-    step = precondition(residual)
-    direction = step.clone()
-    product = float(residual @ step)
-    target = 1e-14 * float(vector.norm())
-    for _ in range(REFINEMENT_STEPS):
-        if float(residual.norm()) <= target or product <= 0:
-            break
-        applied = apply(direction)
-        alpha = product / float(direction @ applied)
-        solution += alpha * direction
-        residual -= alpha * applied
-        step = precondition(residual)
-        previous, product = product, float(residual @ step)
-        direction = step + (product / previous) * direction
-    return solution
-
-
-def regularized_form(
-    matrix: Tensor, lam: float, vector: Tensor, factor: Tensor | None = None
-) -> float:
-    """``vᵀ(M + λI)⁻¹v`` (:func:`regularized_solve`)."""
-    return float(vector.to(torch.float64) @ regularized_solve(matrix, lam, vector, factor))
+    values, _, _ = conjugate_gradients(
+        lambda block: block @ matrix,
+        vector.unsqueeze(0),
+        lam,
+        preconditioner=precondition,
+        max_steps=REFINEMENT_STEPS,
+        tol=REFINEMENT_TOLERANCE,
+    )
+    return float(values[0])
 
 
 def woodbury_form(
@@ -162,7 +147,7 @@ def stored_rows_forms(
     lam: float,
     *,
     steps: int = FORM_STEPS,
-    tolerance: float = 0.02,
+    tolerance: float = SLQ_TOLERANCE,
 ) -> tuple[Tensor, Tensor]:
     """``gᵀ(F̂_k + λI)⁻¹g`` for ``runs`` estimates ``F̂_k`` whose products ``F̂_k x_k`` (one per
     row of a (runs, P) block) ``products`` computes through the stored rows, by Lanczos runs
