@@ -158,12 +158,22 @@ def truncated(decomposition: LanczosDecomposition, steps: int) -> LanczosDecompo
 
 def gauss_quadrature(decomposition: LanczosDecomposition, index: int) -> tuple[Tensor, Tensor]:
     """Nodes (Ritz values, clamped to ≥ 0) and weights ``τ_j²`` (sum 1) of one run."""
+    tridiagonal = _tridiagonal(decomposition, index)
+    if tridiagonal.shape[0] == 0:
+        return tridiagonal.new_zeros(0), tridiagonal.new_zeros(0)
+    return _rule(tridiagonal)
+
+
+def _tridiagonal(decomposition: LanczosDecomposition, index: int) -> Tensor:
+    """The tridiagonal ``T`` of one run's valid steps."""
     length = int(decomposition.lengths[index])
     alphas = decomposition.alphas[index, :length]
-    if length == 0:
-        return alphas.new_zeros(0), alphas.new_zeros(0)
-    off = decomposition.betas[index, : length - 1]
-    tridiagonal = torch.diag(alphas) + torch.diag(off, 1) + torch.diag(off, -1)
+    off = decomposition.betas[index, : max(length - 1, 0)]
+    return torch.diag(alphas) + torch.diag(off, 1) + torch.diag(off, -1)
+
+
+def _rule(tridiagonal: Tensor) -> tuple[Tensor, Tensor]:
+    """The nodes (clamped to ≥ 0) and weights of the quadrature rule of a Jacobi matrix."""
     nodes, vectors = torch.linalg.eigh(tridiagonal)
     return nodes.clamp_min(0.0), vectors[0].square()
 
@@ -182,22 +192,19 @@ def radau_quadrature(
     residual = float(decomposition.residuals[index])
     if length == 0 or residual == 0.0:
         return gauss_quadrature(decomposition, index)
-    alphas = decomposition.alphas[index, :length]
-    off = decomposition.betas[index, : length - 1]
-    tridiagonal = torch.diag(alphas) + torch.diag(off, 1) + torch.diag(off, -1)
-    last = torch.zeros(length, dtype=alphas.dtype, device=alphas.device)
+    tridiagonal = _tridiagonal(decomposition, index)
+    last = tridiagonal.new_zeros(length)
     last[-1] = residual**2
-    shifted = tridiagonal - anchor * torch.eye(length, dtype=alphas.dtype, device=alphas.device)
+    shifted = tridiagonal - anchor * torch.eye(length, dtype=last.dtype, device=last.device)
     try:
         delta = torch.linalg.solve(shifted, last)
     except torch.linalg.LinAlgError:  # a Ritz value at the anchor: no room below it
         return gauss_quadrature(decomposition, index)
-    extended = torch.zeros(length + 1, length + 1, dtype=alphas.dtype, device=alphas.device)
+    extended = tridiagonal.new_zeros(length + 1, length + 1)
     extended[:length, :length] = tridiagonal
     extended[length - 1, length] = extended[length, length - 1] = residual
     extended[length, length] = anchor + delta[-1]
-    nodes, vectors = torch.linalg.eigh(extended)
-    return nodes.clamp_min(0.0), vectors[0].square()
+    return _rule(extended)
 
 
 def slq_values(
