@@ -179,13 +179,9 @@ class StoredRows:
         gradient = gradient.to(torch.float64)
         if not bool(torch.isfinite(gradient).all()):
             return math.nan, math.nan
-        runs = _run_sets(self.groups)
         device = self.blocks[0].device
-        kept = torch.ones(runs, self.groups, dtype=torch.float64, device=device)
-        scales = torch.ones(runs, dtype=torch.float64, device=device)
-        for group in range(self.groups if runs > 1 else 0):
-            kept[group + 1, group] = 0.0
-            scales[group + 1] = self.groups / (self.groups - 1)
+        kept, scales = _run_groups(self.groups, device)
+        runs = kept.shape[0]
         forms, bounds = stored_rows_forms(
             lambda block: self.parameter_products(block, kept, scales),
             gradient.to(device),
@@ -216,18 +212,30 @@ def _run_sets(groups: int) -> int:
     return 1 if groups < 2 else groups + 1
 
 
+def _run_groups(groups: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Which probe groups each run set keeps, ``(runs, G)`` of 0/1, and its scale ``(runs,)``:
+    the whole estimate, then (with two groups or more) each leave-one-group-out one, times
+    G/(G − 1)."""
+    runs = _run_sets(groups)
+    kept = torch.ones(runs, groups, dtype=torch.float64, device=device)
+    scales = torch.ones(runs, dtype=torch.float64, device=device)
+    for group in range(groups if runs > 1 else 0):
+        kept[group + 1, group] = 0.0
+        scales[group + 1] = groups / (groups - 1)
+    return kept, scales
+
+
 def _run_layout(store: StoredRows, probes: int, generator: torch.Generator) -> tuple:
     """Start vectors, masks and scales of the runs: each Rademacher probe on the whole kernel,
     then (with two groups or more) on each leave-one-group-out kernel."""
     device = store.blocks[0].device
     signs = torch.randint(0, 2, (probes, store.size), generator=generator, dtype=torch.float64)
     signs = (2 * signs - 1).to(device)
-    runs = _run_sets(store.groups)
-    masks = torch.ones(runs, probes, store.size, dtype=torch.float64, device=device)
-    scales = torch.ones(runs, probes, dtype=torch.float64, device=device)
-    for group in range(store.groups if runs > 1 else 0):
-        masks[group + 1, :, store.group_slice(group)] = 0.0
-        scales[group + 1] = store.groups / (store.groups - 1)
+    kept, run_scales = _run_groups(store.groups, device)
+    runs = kept.shape[0]
+    # each group's entries of the rows' space take its run set's 0/1
+    masks = kept.repeat_interleave(store.group_size, dim=1).unsqueeze(1).expand(-1, probes, -1)
+    scales = run_scales.unsqueeze(1).expand(-1, probes)
     start = (signs.unsqueeze(0) * masks).reshape(runs * probes, -1)
     return start, masks.reshape(runs * probes, -1), scales.reshape(-1), runs
 
