@@ -10,6 +10,8 @@ decrement"), from the same Cholesky factor.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from backpack.extensions import BatchGrad, SqrtGGNExact
 from torch import Tensor
@@ -21,7 +23,7 @@ from lightning_flatness.core.backpack.estimator import (
 )
 from lightning_flatness.core.backpack.extension import ExtendedModel
 from lightning_flatness.core.curvature.base import CurvatureEstimate
-from lightning_flatness.core.curvature.newton_decrement import failed_decrement, regularized_form
+from lightning_flatness.core.curvature.newton_decrement import guarded_decrement, regularized_form
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.spectral import (
     psd_eigenvalues,
@@ -95,9 +97,8 @@ class DenseFisher(CurvatureEstimator):
 
 def _exact_decrement(fisher: Tensor, lam: float, gradient: Tensor, factor=None) -> float:
     """``½ gᵀ(F+λI)⁻¹g`` of the exact Fisher; NaN (with a warning) when the solve fails."""
-    if not bool(torch.isfinite(gradient).all()):
-        return float("nan")
-    try:
-        return 0.5 * regularized_form(fisher, lam, gradient, factor)
-    except torch.linalg.LinAlgError as error:
-        return failed_decrement("dense", error)[0]
+
+    def compute(gradient: Tensor) -> tuple[float, float]:
+        return 0.5 * regularized_form(fisher, lam, gradient, factor), math.nan
+
+    return guarded_decrement("dense", gradient, compute)[0]

@@ -14,6 +14,8 @@ and so is the Newton decrement given the objective's gradient g,
 
 from __future__ import annotations
 
+import math
+
 import torch
 from backpack.extensions import BatchGrad, SqrtGGNExact
 from torch import Tensor
@@ -27,7 +29,7 @@ from lightning_flatness.core.backpack.estimator import (
 from lightning_flatness.core.backpack.extension import ExtendedModel
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.curvature.newton_decrement import (
-    failed_decrement,
+    guarded_decrement,
     regularized_form,
     woodbury_form,
 )
@@ -96,13 +98,13 @@ class GramFisher(CurvatureEstimator):
     def _decrement(self, scaled: Tensor, lam: float) -> float:
         """``½ gᵀ(ṼᵀṼ + λI)⁻¹g`` on the smaller side (module docstring); NaN (with a warning)
         when the solve fails."""
-        gradient = self.gradient.to(scaled)
-        if not bool(torch.isfinite(gradient).all()):
-            return float("nan")
-        try:
+
+        def compute(gradient: Tensor) -> tuple[float, float]:
+            gradient = gradient.to(scaled)
             if scaled.shape[1] <= scaled.shape[0]:
-                return 0.5 * regularized_form(scaled.T @ scaled, lam, gradient)
+                return 0.5 * regularized_form(scaled.T @ scaled, lam, gradient), math.nan
             norm_sq = float(gradient.square().sum())
-            return 0.5 * woodbury_form(scaled @ scaled.T, lam, scaled @ gradient, norm_sq, 1)
-        except torch.linalg.LinAlgError as error:
-            return failed_decrement("gram", error)[0]
+            form = woodbury_form(scaled @ scaled.T, lam, scaled @ gradient, norm_sq, 1)
+            return 0.5 * form, math.nan
+
+        return guarded_decrement("gram", self.gradient, compute)[0]

@@ -49,6 +49,7 @@ __all__ = [
     "kernel_decrement",
     "FORM_STEPS",
     "failed_decrement",
+    "guarded_decrement",
     "probe_decrement",
     "objective_gradient",
     "regularized_form",
@@ -217,6 +218,20 @@ def failed_decrement(structure: str, error: Exception) -> tuple[float, float]:
     return math.nan, math.nan
 
 
+def guarded_decrement(
+    structure: str, gradient: Tensor, compute: Callable[[Tensor], tuple[float, float]]
+) -> tuple[float, float]:
+    """``compute(g)`` (value, standard error) with ``g`` in float64; NaN for a non-finite
+    gradient, and NaN with a warning (:func:`failed_decrement`) when its solve fails."""
+    gradient = gradient.to(torch.float64)
+    if not bool(torch.isfinite(gradient).all()):
+        return math.nan, math.nan
+    try:
+        return compute(gradient)
+    except torch.linalg.LinAlgError as error:
+        return failed_decrement(structure, error)
+
+
 def kernel_decrement(
     gradient: Tensor,
     groups: int,
@@ -232,13 +247,11 @@ def kernel_decrement(
     made): P × P solves, or on the sample side the Woodbury form with ``u = Vg``
     (``projected``), a leave-out's ``u`` being its rows' entries (``kept_rows``) times
     √(G/(G − 1)) like its rows."""
-    gradient = gradient.to(torch.float64)
-    if not bool(torch.isfinite(gradient).all()):
-        return math.nan, math.nan
     keep = groups / (groups - 1) if groups > 1 else 1.0
-    norm_sq = float(gradient.square().sum())
-    values = []
-    try:
+
+    def compute(gradient: Tensor) -> tuple[float, float]:
+        norm_sq = float(gradient.square().sum())
+        values = []
         for index, (matrix, factor) in enumerate(zip(matrices, factors, strict=True)):
             if projected is None:
                 values.append(0.5 * regularized_form(matrix, lam, gradient, factor))
@@ -247,6 +260,6 @@ def kernel_decrement(
             if index > 0:
                 u = projected[kept_rows[index - 1]] * math.sqrt(keep)
             values.append(0.5 * woodbury_form(matrix, lam, u, norm_sq, num_samples, factor))
-    except torch.linalg.LinAlgError as error:
-        return failed_decrement("probe_kernel", error)
-    return probe_decrement(values[0], values[1:])
+        return probe_decrement(values[0], values[1:])
+
+    return guarded_decrement("probe_kernel", gradient, compute)

@@ -42,7 +42,11 @@ from lightning_flatness.core.curvature.lanczos_quadrature import (
     radau_quadrature,
     slq_values,
 )
-from lightning_flatness.core.curvature.newton_decrement import probe_decrement, stored_rows_forms
+from lightning_flatness.core.curvature.newton_decrement import (
+    guarded_decrement,
+    probe_decrement,
+    stored_rows_forms,
+)
 from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS, SLQ_TOLERANCE
 from lightning_flatness.core.spectral import SpectralSummary
@@ -176,24 +180,25 @@ class StoredRows:
         (with the half-width of its quadrature bracket in quadrature): Lanczos runs on ``F̂``
         and each leave-one-group-out estimate, a block of G + 1 runs bracketed to
         ``tolerance`` (module docstring)."""
-        gradient = gradient.to(torch.float64)
-        if not bool(torch.isfinite(gradient).all()):
-            return math.nan, math.nan
         device = self.blocks[0].device
         kept, scales = _run_groups(self.groups, device)
         runs = kept.shape[0]
-        forms, bounds = stored_rows_forms(
-            lambda block: self.parameter_products(block, kept, scales),
-            gradient.to(device),
-            runs,
-            lam,
-            tolerance=tolerance,
-        )
-        values = (0.5 * forms).tolist()
-        value, spread = probe_decrement(values[0], values[1:])
-        remaining = 0.5 * float(bounds[0])
-        stderr = math.hypot(0.0 if math.isnan(spread) else spread, remaining)
-        return value, stderr if runs > 1 or remaining > 0 else math.nan
+
+        def compute(gradient: Tensor) -> tuple[float, float]:
+            forms, bounds = stored_rows_forms(
+                lambda block: self.parameter_products(block, kept, scales),
+                gradient.to(device),
+                runs,
+                lam,
+                tolerance=tolerance,
+            )
+            values = (0.5 * forms).tolist()
+            value, spread = probe_decrement(values[0], values[1:])
+            remaining = 0.5 * float(bounds[0])
+            stderr = math.hypot(0.0 if math.isnan(spread) else spread, remaining)
+            return value, stderr if runs > 1 or remaining > 0 else math.nan
+
+        return guarded_decrement("probe_kernel", gradient, compute)
 
 
 def keeps_rows(
