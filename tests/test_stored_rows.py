@@ -86,13 +86,13 @@ def test_the_runs_stop_once_the_quadrature_bracket_is_within_its_tolerance(one_t
     within the bracket's tolerance (and its standard error) of the same rows' long run."""
     model, inputs, targets = many_classes()
     steps = []
-    products = stored_rows.StoredRows.products
+    advance = stored_rows.RowSpaceRuns.advance
 
     def counted(self, *args):
         steps.append(1)
-        return products(self, *args)
+        return advance(self, *args)
 
-    monkeypatch.setattr(stored_rows.StoredRows, "products", counted)
+    monkeypatch.setattr(stored_rows.RowSpaceRuns, "advance", counted)
     found = {}
     for tolerance in (1e-6, 0.05):
         steps.clear()
@@ -168,3 +168,31 @@ def test_the_monitor_predicts_the_quadrature_its_fit_start_trial_does_not_run(mo
     assert monitor._quadrature_seconds(_Module(1000, 10), 4000) == 7.0  # stored rows
     assert calls == [(16_000, 10_010, 2, KernelOptions().slq_probes)]
     assert quadrature_seconds(300, 50, groups=2, probes=2, steps=3) > 0.0
+
+
+def test_the_decrements_runs_share_the_soft_ranks_passes_and_change_nothing(one_thread):
+    """The Newton decrement's Lanczos runs advance in the soft rank's passes over the rows
+    (StoredRows.lockstep): the soft rank is the same with and without them, and the decrement
+    is the one of Lanczos runs on explicit F̂ products from g, for every group's estimate."""
+    generator = torch.Generator().manual_seed(3)
+    rows = [torch.randn(4, 13, 40, dtype=torch.float64, generator=generator) for _ in range(3)]
+    gradient = torch.randn(40, dtype=torch.float64, generator=generator)
+    budget = stored_rows.QuadratureBudget(probes=6, steps=30, tolerance=1e-9)
+
+    def estimate(with_gradient):
+        copies = [chunk.clone() for chunk in rows]
+        return stored_rows.stored_rows_estimate(
+            copies, 2, 39, LAM, budget=budget, gradient=gradient if with_gradient else None
+        )
+
+    alone, shared = estimate(False), estimate(True)
+    assert shared.summary.soft_rank == pytest.approx(alone.summary.soft_rank, rel=1e-12)
+    assert alone.newton_decrement != alone.newton_decrement  # NaN without a gradient
+    stacked = torch.cat(rows, dim=1)  # (4, 39, 40): groups of 2 probes
+    fishers = [stacked[2 * g : 2 * g + 2].reshape(-1, 40) for g in range(2)]
+    fishers = [block.T @ block / 39 for block in fishers]
+    whole = (fishers[0] + fishers[1]) + LAM * torch.eye(40, dtype=torch.float64)
+    leave_outs = [2 * fishers[1 - g] + LAM * torch.eye(40, dtype=torch.float64) for g in range(2)]
+    forms = [0.5 * float(gradient @ torch.linalg.solve(m, gradient)) for m in [whole, *leave_outs]]
+    expected, _ = stored_rows.probe_decrement(forms[0], forms[1:])
+    assert shared.newton_decrement == pytest.approx(expected, rel=1e-6)

@@ -30,6 +30,7 @@ from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 
 __all__ = [
     "LanczosDecomposition",
+    "LanczosRuns",
     "Reduce",
     "density_sample",
     "gauss_quadrature",
@@ -66,20 +67,15 @@ class LanczosDecomposition:
     residuals: Tensor | None = None
 
 
-def lanczos(
-    matmat: Callable[[Tensor], Tensor],
-    start: Tensor,
-    steps: int,
-    *,
-    reduce: Reduce | None = None,
-    breakdown_tol: float | None = None,
-    stop: Callable[[LanczosDecomposition], bool] | None = None,
-    check_every: int = 10,
-) -> LanczosDecomposition:
-    """K independent Lanczos runs in lockstep, with full reorthogonalization.
+class LanczosRuns:
+    """K independent Lanczos runs in lockstep, with full reorthogonalization, advanced one
+    product at a time: :meth:`block` is the vectors whose products the next step needs and
+    :meth:`advance` takes those products. A caller that owns the products can so interleave two
+    sets of runs through one pass over the data each step (the stored rows'
+    :meth:`~lightning_flatness.core.curvature.stored_rows.StoredRows.lockstep`); :func:`lanczos`
+    is the plain loop.
 
     Args:
-        matmat: maps a block (K, n) of vectors to their products with a symmetric PSD matrix.
         start: (K, n) start vectors (any norm; zero vectors give empty runs).
         steps: Lanczos steps (Krylov dimension) per run.
         reduce: sums a tensor of partial inner products across processes (for vectors that are
@@ -90,53 +86,122 @@ def lanczos(
             there when it returns True (``steps`` is then a cap).
         check_every: steps between calls of ``stop``.
 
-    Returns:
-        The tridiagonal coefficients. Reorthogonalization is classical Gram–Schmidt applied
-        twice against all previous vectors (kept in a (steps, K, n) basis).
+    Reorthogonalization is classical Gram–Schmidt applied twice against all previous vectors
+    (kept in a (steps, K, n) basis).
     """
-    reduce = reduce or _identity
-    num, dim = start.shape
-    tol = breakdown_tol if breakdown_tol is not None else math.sqrt(torch.finfo(start.dtype).eps)
-    float64 = {"dtype": torch.float64, "device": start.device}
-    alphas = torch.zeros(num, steps, **float64)
-    betas = torch.zeros(num, steps, **float64)
-    lengths = torch.zeros(num, dtype=torch.long, device=start.device)
-    norms = reduce(torch.einsum("kn,kn->k", start, start).to(torch.float64)).sqrt()
-    active = norms > 0
-    basis = start.new_zeros(steps, num, dim)
-    basis[0] = start / torch.where(active, norms, 1.0).to(start.dtype).unsqueeze(1)
-    scale = torch.zeros(num, **float64)
-    previous_beta = torch.zeros(num, **float64)
-    for j in range(steps):
-        q = basis[j]
-        w = matmat(q)
-        progress("lanczos", j + 1, steps, "steps")
+
+    def __init__(
+        self,
+        start: Tensor,
+        steps: int,
+        *,
+        reduce: Reduce | None = None,
+        breakdown_tol: float | None = None,
+        stop: Callable[[LanczosDecomposition], bool] | None = None,
+        check_every: int = 10,
+    ) -> None:
+        self.reduce = reduce or _identity
+        self.steps, self.stop, self.check_every = steps, stop, check_every
+        num, dim = start.shape
+        eps = torch.finfo(start.dtype).eps
+        self.tol = breakdown_tol if breakdown_tol is not None else math.sqrt(eps)
+        float64 = {"dtype": torch.float64, "device": start.device}
+        self.alphas = torch.zeros(num, steps, **float64)
+        self.betas = torch.zeros(num, steps, **float64)
+        self.lengths = torch.zeros(num, dtype=torch.long, device=start.device)
+        self.norms = self.reduce(torch.einsum("kn,kn->k", start, start).to(torch.float64)).sqrt()
+        self.active = self.norms > 0
+        self.basis = start.new_zeros(steps, num, dim)
+        divisor = torch.where(self.active, self.norms, 1.0).to(start.dtype).unsqueeze(1)
+        if steps > 0:
+            self.basis[0] = start / divisor
+        self.scale = torch.zeros(num, **float64)
+        self.previous_beta = torch.zeros(num, **float64)
+        self.residuals = torch.zeros(num, **float64)
+        self.step = 0
+        #: whether the runs have ended (every step taken, every run broken down, or ``stop``)
+        self.finished = steps < 1
+        self._result: LanczosDecomposition | None = None
+
+    def block(self) -> Tensor:
+        """The current Lanczos vectors (K, n), whose products :meth:`advance` takes next."""
+        return self.basis[self.step]
+
+    def advance(self, product: Tensor) -> None:
+        """One step of every run from ``product``, the products of :meth:`block`."""
+        j, w, reduce = self.step, product, self.reduce
+        q, basis = self.basis[j], self.basis
+        progress("lanczos", j + 1, self.steps, "steps")
         alpha = reduce(torch.einsum("kn,kn->k", q, w).to(torch.float64))
         w.sub_(alpha.to(w.dtype).unsqueeze(1) * q)
         if j > 0:
-            w.sub_(previous_beta.to(w.dtype).unsqueeze(1) * basis[j - 1])
+            w.sub_(self.previous_beta.to(w.dtype).unsqueeze(1) * basis[j - 1])
         for _ in range(2):
             coefficients = reduce(torch.einsum("skn,kn->sk", basis[: j + 1], w))
             w.sub_(torch.einsum("sk,skn->kn", coefficients, basis[: j + 1]))
         beta = reduce(torch.einsum("kn,kn->k", w, w).to(torch.float64)).sqrt()
-        alphas[:, j] = torch.where(active, alpha, 0.0)
-        lengths += active.long()
-        scale = torch.maximum(scale, alpha.abs() + beta + previous_beta)
-        active = active & (beta > tol * scale)
-        residuals = torch.where(active, beta, 0.0)
-        if j + 1 == steps or not bool(active.any()):
-            break
-        betas[:, j] = residuals
-        if stop is not None and (j + 1) % check_every == 0:
+        self.alphas[:, j] = torch.where(self.active, alpha, 0.0)
+        self.lengths += self.active.long()
+        self.scale = torch.maximum(self.scale, alpha.abs() + beta + self.previous_beta)
+        self.active = self.active & (beta > self.tol * self.scale)
+        self.residuals = torch.where(self.active, beta, 0.0)
+        if j + 1 == self.steps or not bool(self.active.any()):
+            self.finished = True
+            return
+        self.betas[:, j] = self.residuals
+        if self.stop is not None and (j + 1) % self.check_every == 0:
             so_far = LanczosDecomposition(
-                alphas[:, : j + 1], betas[:, : j + 1], lengths.clone(), norms, residuals
+                self.alphas[:, : j + 1],
+                self.betas[:, : j + 1],
+                self.lengths.clone(),
+                self.norms,
+                self.residuals,
             )
-            if stop(so_far):
-                return so_far
-        previous_beta = betas[:, j]
-        divisor = torch.where(active, beta, math.inf).to(w.dtype).unsqueeze(1)
+            if self.stop(so_far):
+                self.finished, self._result = True, so_far
+                return
+        self.previous_beta = self.betas[:, j]
+        divisor = torch.where(self.active, beta, math.inf).to(w.dtype).unsqueeze(1)
         torch.div(w, divisor, out=basis[j + 1])
-    return LanczosDecomposition(alphas, betas, lengths, norms, residuals)
+        self.step = j + 1
+
+    def decomposition(self) -> LanczosDecomposition:
+        """The tridiagonal coefficients of the steps taken (all of them once :attr:`finished`)."""
+        if self._result is not None:
+            return self._result
+        return LanczosDecomposition(
+            self.alphas, self.betas, self.lengths, self.norms, self.residuals
+        )
+
+
+def lanczos(
+    matmat: Callable[[Tensor], Tensor],
+    start: Tensor,
+    steps: int,
+    *,
+    reduce: Reduce | None = None,
+    breakdown_tol: float | None = None,
+    stop: Callable[[LanczosDecomposition], bool] | None = None,
+    check_every: int = 10,
+) -> LanczosDecomposition:
+    """K independent Lanczos runs in lockstep (:class:`LanczosRuns`, whose arguments these
+    are), ``matmat`` mapping a block (K, n) of vectors to their products with a symmetric PSD
+    matrix.
+
+    Returns:
+        The tridiagonal coefficients.
+    """
+    runs = LanczosRuns(
+        start,
+        steps,
+        reduce=reduce,
+        breakdown_tol=breakdown_tol,
+        stop=stop,
+        check_every=check_every,
+    )
+    while not runs.finished:
+        runs.advance(matmat(runs.block()))
+    return runs.decomposition()
 
 
 def truncated(decomposition: LanczosDecomposition, steps: int) -> LanczosDecomposition:

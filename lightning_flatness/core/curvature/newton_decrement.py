@@ -19,9 +19,9 @@ is a P × P solve (:func:`regularized_form`), or, by the push-through identity
 
     gᵀ(F̂+λI)⁻¹g = (‖g‖² − (1/m) uᵀ(K+λI)⁻¹u) / λ.
 
-On stored rows no matrix is formed: :func:`stored_rows_forms` brackets ``gᵀ(F̂+λI)⁻¹g``
-between the Gauss and Gauss–Radau rules of a Lanczos run from g with products ``Rᵀ(Rx)/m``
-through the rows.
+On stored rows no matrix is formed: :class:`FormRuns` brackets ``gᵀ(F̂+λI)⁻¹g`` between the
+Gauss and Gauss–Radau rules of a Lanczos run from g with products ``Rᵀ(Rx)/m`` through the
+rows.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from torch import Tensor
 from lightning_flatness.core.curvature.cg import conjugate_gradients
 from lightning_flatness.core.curvature.lanczos_quadrature import (
     LanczosDecomposition,
+    LanczosRuns,
     gauss_quadrature,
-    lanczos,
     radau_quadrature,
 )
 from lightning_flatness.core.decay import ParameterDecay
@@ -48,12 +48,12 @@ from lightning_flatness.core.spectral import regularized_cholesky
 __all__ = [
     "kernel_decrement",
     "FORM_STEPS",
+    "FormRuns",
     "failed_decrement",
     "guarded_decrement",
     "probe_decrement",
     "objective_gradient",
     "regularized_form",
-    "stored_rows_forms",
     "woodbury_form",
 ]
 
@@ -141,18 +141,11 @@ def woodbury_form(
     return (norm_sq - inner / num_samples) / lam
 
 
-def stored_rows_forms(
-    products: Callable[[Tensor], Tensor],
-    gradient: Tensor,
-    runs: int,
-    lam: float,
-    *,
-    steps: int = FORM_STEPS,
-    tolerance: float = SLQ_TOLERANCE,
-) -> tuple[Tensor, Tensor]:
-    """``gᵀ(F̂_k + λI)⁻¹g`` for ``runs`` estimates ``F̂_k`` whose products ``F̂_k x_k`` (one per
-    row of a (runs, P) block) ``products`` computes through the stored rows, by Lanczos runs
-    started at g, never forming a matrix.
+class FormRuns:
+    """Lanczos runs from g that bracket ``gᵀ(F̂_k + λI)⁻¹g`` for ``runs`` estimates ``F̂_k``,
+    advanced by whoever computes the products (:attr:`runs`, a
+    :class:`~lightning_flatness.core.curvature.lanczos_quadrature.LanczosRuns`: the stored rows
+    advance them in the same passes as the soft rank's runs).
 
     In the parameters' space, not the Woodbury form's: there the form is a small difference of
     two large numbers (``‖g‖²/λ`` and ``uᵀy/(mλ)``). ``1/(μ + λ)`` has positive even and
@@ -160,33 +153,41 @@ def stored_rows_forms(
     and its Gauss–Radau rule with a node at 0 an upper one
     (:mod:`~lightning_flatness.core.curvature.lanczos_quadrature`); the runs stop once every
     bracket's half-width is within ``tolerance`` of its midpoint, or after ``steps``.
-
-    Returns:
-        ``(forms, bounds)``: the brackets' midpoints (runs,) and half-widths.
     """
-    gradient = gradient.to(torch.float64)
-    norm_sq = float(gradient.square().sum())
-    if norm_sq == 0.0:
-        zeros = gradient.new_zeros(runs)
-        return zeros, zeros
 
-    def brackets(decomposition: LanczosDecomposition) -> tuple[Tensor, Tensor]:
+    def __init__(
+        self,
+        gradient: Tensor,
+        runs: int,
+        lam: float,
+        *,
+        steps: int = FORM_STEPS,
+        tolerance: float = SLQ_TOLERANCE,
+    ) -> None:
+        gradient = gradient.to(torch.float64)
+        self.count, self.lam, self.tolerance = runs, lam, tolerance
+        self.norm_sq = float(gradient.square().sum())
+        start = gradient.expand(runs, -1).clone()
+        steps = max(1, min(steps, gradient.numel())) if self.norm_sq > 0 else 0
+        self.runs = LanczosRuns(start, steps, stop=self._bracketed, check_every=5)
+
+    def brackets(self, decomposition: LanczosDecomposition | None = None) -> tuple[Tensor, Tensor]:
+        """Each run's bracket: its midpoint and half-width (zeros for g = 0)."""
+        if self.norm_sq == 0.0:
+            zeros = torch.zeros(self.count, dtype=torch.float64)
+            return zeros, zeros
+        decomposition = decomposition or self.runs.decomposition()
         bounds = []
-        for index in range(runs):
+        for index in range(self.count):
             for rule in (gauss_quadrature, radau_quadrature):
                 nodes, weights = rule(decomposition, index)
-                bounds.append(norm_sq * float((weights / (nodes + lam)).sum()))
-        pairs = torch.tensor(bounds, dtype=torch.float64).reshape(runs, 2)
+                bounds.append(self.norm_sq * float((weights / (nodes + self.lam)).sum()))
+        pairs = torch.tensor(bounds, dtype=torch.float64).reshape(self.count, 2)
         return pairs.mean(1), (pairs[:, 1] - pairs[:, 0]).abs() / 2
 
-    def bracketed(decomposition: LanczosDecomposition) -> bool:
-        forms, halves = brackets(decomposition)
-        return bool((halves <= tolerance * forms.abs() + 1e-12).all())
-
-    start = gradient.expand(runs, -1).clone()
-    steps = max(1, min(steps, gradient.numel()))
-    decomposition = lanczos(products, start, steps, stop=bracketed, check_every=5)
-    return brackets(decomposition)
+    def _bracketed(self, decomposition: LanczosDecomposition) -> bool:
+        forms, halves = self.brackets(decomposition)
+        return bool((halves <= self.tolerance * forms.abs() + 1e-12).all())
 
 
 def probe_decrement(plain: float, leave_outs: list[float]) -> tuple[float, float]:
