@@ -11,6 +11,7 @@ from conftest import batches, many_classes, random_data, tiny_model
 from lightning_flatness import FlatnessMonitor
 from lightning_flatness.core import memory, reference, spectral
 from lightning_flatness.core.curvature import stored_rows
+from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.stored_rows import quadrature_seconds
 from lightning_flatness.core.defaults import choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
@@ -180,9 +181,11 @@ def test_the_decrements_runs_share_the_soft_ranks_passes_and_change_nothing(one_
     budget = stored_rows.QuadratureBudget(probes=6, steps=30, tolerance=1e-9)
 
     def estimate(with_gradient):
-        copies = [chunk.clone() for chunk in rows]
+        store = RowStore(4, 40)
+        for chunk in rows:
+            store.append(chunk)
         return stored_rows.stored_rows_estimate(
-            copies, 2, 39, LAM, budget=budget, gradient=gradient if with_gradient else None
+            store, 2, 39, LAM, budget=budget, gradient=gradient if with_gradient else None
         )
 
     alone, shared = estimate(False), estimate(True)

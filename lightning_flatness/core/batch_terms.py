@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.layer_rules import (
-    KroneckerRule,
-    Rule,
+from lightning_flatness.core.layer_rules import KroneckerRule, Rule
+from lightning_flatness.core.linear_map_terms import (
     explicit_gradients_cheaper,
     kronecker_factors,
     weight_batch_gradient,
@@ -180,7 +179,8 @@ def add_weight(
         wanted = sorted({*rows.norms, *range(rows.curvature.start, rows.curvature.stop)})
         every = weight_rows(a, s[wanted], embedding, shape).detach()
         norms = torch.linalg.vecdot(every, every).sum(1)[[wanted.index(k) for k in rows.norms]]
-        found = every[[wanted.index(k) for k in range(rows.curvature.start, rows.curvature.stop)]]
+        first = wanted.index(rows.curvature.start)  # the curvature's rows are consecutive
+        found = every[first : first + rows.curvature.stop - rows.curvature.start]
     if norms is None:
         norms = weight_squared_norms(a, s[rows.norms], embedding)
     terms.grad_norm_sq += float(norms[0])

@@ -15,12 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_flatness.core.batches import Leaves, LogitsModule
-from lightning_flatness.core.layer_rules import (
-    KroneckerRule,
-    Rule,
-    weight_batch_gradient,
-    weight_squared_norms,
-)
+from lightning_flatness.core.layer_rules import KroneckerRule, Rule
+from lightning_flatness.core.linear_map_terms import weight_batch_gradient, weight_squared_norms
 from lightning_flatness.core.module_rules import LocalRule, RecurrentRule
 from lightning_flatness.core.row_gradients import call_gradients, output_gradients, recorded_outputs
 

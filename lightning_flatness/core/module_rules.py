@@ -33,7 +33,8 @@ from lightning_flatness.core.functional_linear import (
     linear_output_shapes,
     linear_plan,
 )
-from lightning_flatness.core.layer_rules import CHUNK_ELEMENTS, LayerCall, Rule, sample_chunks
+from lightning_flatness.core.layer_rules import LayerCall, Rule
+from lightning_flatness.core.linear_map_terms import CHUNK_ELEMENTS, sample_chunks
 from lightning_flatness.core.per_sample import map_samples
 from lightning_flatness.core.recurrent import (
     factored_parameters,

@@ -11,7 +11,8 @@ from torch import Tensor
 from torch.func import vjp, vmap
 
 from lightning_flatness.core.batches import Leaves, LogitsModule, take_rows, unsqueeze_leaves
-from lightning_flatness.core.layer_rules import CHUNK_ELEMENTS, Rule
+from lightning_flatness.core.layer_rules import Rule
+from lightning_flatness.core.linear_map_terms import CHUNK_ELEMENTS
 from lightning_flatness.core.per_sample import map_samples
 
 __all__ = ["call_gradients", "output_gradients", "recorded_outputs", "whole_model_gradients"]

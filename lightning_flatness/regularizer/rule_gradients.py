@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
-from lightning_flatness.core.layer_rules import KroneckerRule, Rule, weight_rows
+from lightning_flatness.core.layer_rules import KroneckerRule, Rule
+from lightning_flatness.core.linear_map_terms import weight_rows
 from lightning_flatness.core.rule_assignment import recording
 
 __all__ = ["hooked_logits", "hooked_rows", "output_gradients", "per_sample_rows"]

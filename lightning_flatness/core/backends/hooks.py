@@ -200,7 +200,7 @@ class HookBackend(Backend):
         if training and self.decay is not None:
             _scale_terms(terms, self.decay)
         if training and isinstance(self.estimator, ProbeKernelFisher):
-            self.estimator.add(torch.cat([terms.rows[n] for n in self.hooked.names], dim=-1))
+            self.estimator.add([terms.rows[n] for n in self.hooked.names])
             self.gradient_sum += torch.cat([terms.gradient[n] for n in self.hooked.names])
         elif training:
             self.estimator.add(terms)

@@ -41,6 +41,7 @@ from lightning_flatness.core.curvature.lanczos_quadrature import (
     lanczos,
 )
 from lightning_flatness.core.curvature.newton_decrement import kernel_decrement
+from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.stored_rows import (
     DEFAULT_QUADRATURE,
     QuadratureBudget,
@@ -118,7 +119,8 @@ class ProbeKernelFisher(CurvatureAccumulator):
         self.grams: list[Tensor] | None = None
         self._pending: list[Tensor] = []
         self._pending_rows = 0
-        self.rows: list[Tensor] = []
+        #: the kept rows on the sample side
+        self.store = RowStore(self.probes, self.num_parameters)
         self.kept_rows = 0
         self.precision = torch.float64  # the rows' dtype, once added
         if side == "parameters" or summable:
@@ -190,19 +192,17 @@ class ProbeKernelFisher(CurvatureAccumulator):
                 "(FlatnessMonitor(batch_size=...)), or use structure='cg'."
             )
 
-    def add(self, rows: Tensor) -> None:
-        """Add one batch's probe rows ``(s, N, P)``."""
-        if rows.shape[0] != self.probes or rows.shape[-1] != self.num_parameters:
-            raise ValueError(
-                f"expected probe rows of shape ({self.probes}, N, {self.num_parameters}), "
-                f"got {tuple(rows.shape)}."
-            )
-        self.precision = rows.dtype
+    def add(self, rows: Tensor | list[Tensor]) -> None:
+        """Add one batch's probe rows ``(s, N, P)``, or their pieces ``(s, N, P_l)`` for the
+        parameters in order (written once into the kept rows' slabs,
+        :class:`~lightning_flatness.core.curvature.row_store.RowStore`)."""
+        pieces = _pieces(rows, self.probes, self.num_parameters)
+        self.precision = pieces[0].dtype
         if self.grams is not None:
-            self._add_to_grams(rows)
+            self._add_to_grams(torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0])
             return
-        self.rows.append(rows.detach())
-        self.kept_rows += rows.shape[0] * rows.shape[1]
+        self.store.append([piece.detach() for piece in pieces])
+        self.kept_rows = self.store.samples * self.probes
         too_big = self.kept_rows * self.num_parameters > self.max_row_elements
         if self.side == "samples" and too_big:
             raise StructureTooLargeError(
@@ -231,9 +231,10 @@ class ProbeKernelFisher(CurvatureAccumulator):
     def _to_parameter_side(self) -> None:
         """Turn the kept rows into the P × P sums, and keep summing there."""
         self.grams = self._zero_grams()
-        for kept in self.rows:
+        for kept in self.store.chunks():
             self._add_to_grams(kept)
-        self.rows.clear()
+        self._flush()
+        self.store.clear()
 
     def summable_states(self) -> list[Tensor]:
         """The parameter side's P × P sums (the sample side is not summable)."""
@@ -252,7 +253,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         groups = self.groups
         keep = groups / (groups - 1) if groups > 1 else 1.0
         if self.grams is None and self.kept_rows <= self.num_parameters:
-            rows = torch.cat(self.rows, dim=1)  # (s, m, P)
+            rows = torch.cat(self.store.chunks(), dim=1)  # (s, m, P)
             flat = rows.reshape(-1, rows.shape[-1])
             kernel = symmetric_gram(flat.T) / num_samples
             per_group = rows.shape[1] * (self.probes // groups)
@@ -281,7 +282,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         Factorisations in float32 where that is accurate (:func:`factorisation_dtype`)."""
         if self.grams is None and self._keeps_rows():
             return stored_rows_estimate(
-                self.rows,
+                self.store,
                 self.groups,
                 num_samples,
                 lam,
@@ -289,7 +290,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
                 gradient=self.gradient,
             )
         on_samples = self.grams is None and self.kept_rows <= self.num_parameters
-        projected = _projected(self.rows, self.gradient) if on_samples else None
+        projected = _projected(self.store.chunks(), self.gradient) if on_samples else None
         matrix, leave_outs, kept_rows = self._matrices(num_samples)
         dtype = factorisation_dtype(float(matrix.diagonal().sum()), lam, self.precision)
         factor = None
@@ -320,6 +321,18 @@ class ProbeKernelFisher(CurvatureAccumulator):
             )
             estimate.newton_decrement, estimate.newton_decrement_stderr = decrement
         return estimate
+
+
+def _pieces(rows: Tensor | list[Tensor], probes: int, num_parameters: int) -> list[Tensor]:
+    """A batch's probe rows as a list of pieces, checked to make ``(probes, N, P)``."""
+    pieces = [rows] if isinstance(rows, Tensor) else list(rows)
+    width = sum(piece.shape[-1] for piece in pieces)
+    if pieces[0].shape[0] != probes or width != num_parameters:
+        shape = (*pieces[0].shape[:2], width)
+        raise ValueError(
+            f"expected probe rows of shape ({probes}, N, {num_parameters}), got {shape}."
+        )
+    return pieces
 
 
 def _projected(rows: list[Tensor], gradient: Tensor | None) -> Tensor | None:
