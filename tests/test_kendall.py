@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lightning_flatness.sweep.kendall import kendall_tau_b
+from lightning_flatness.sweep.report import kendall_rows
 
 
 def test_no_ties_hand_computed():
@@ -49,8 +50,37 @@ def test_undefined_cases():
 
 
 def test_matches_scipy_with_ties():
+    """torchmetrics' τ-b against scipy's, to single precision (its result is float32)."""
     stats = pytest.importorskip("scipy.stats")
     rng = np.random.default_rng(0)
     x = rng.integers(0, 6, size=60).astype(float)
     y = x + rng.integers(-3, 4, size=60)
-    assert kendall_tau_b(x, y)[0] == pytest.approx(stats.kendalltau(x, y).statistic, abs=1e-12)
+    assert kendall_tau_b(x, y)[0] == pytest.approx(stats.kendalltau(x, y).statistic, abs=1e-6)
+
+
+def test_a_sweeps_records_give_scipys_tau_for_every_measure():
+    """The report's table (kendall_rows) from records shaped as a sweep writes them: each
+    structure's τ of each measure against the gap is scipy's, over the runs where both are
+    finite (a failed measurement is None in the record)."""
+    stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(1)
+    records = []
+    for index in range(40):
+        gap = float(rng.gamma(2.0, 0.05))
+        n = int(rng.choice([500, 1000, 2000]))
+        kfac = {"soft_rank": gap * n * float(rng.lognormal(0, 0.3)), "logdet": float(rng.normal())}
+        diag = {"soft_rank": None if index in (3, 17) else round(gap * 100 + rng.normal(0, 3))}
+        records.append({"n": n, "gap": gap, "measures": {"kfac": kfac, "diag": diag}})
+    rows = {(row["measure"], row["scaled"]): row for row in kendall_rows(records)}
+    gaps = np.array([r["gap"] for r in records])
+    for structure, measure in [("kfac", "soft_rank"), ("kfac", "logdet"), ("diag", "soft_rank")]:
+        for scaled in (False, True) if measure == "soft_rank" else (False,):
+            values = [r["measures"][structure][measure] for r in records]
+            values = np.array([np.nan if v is None else v for v in values], dtype=float)
+            if scaled:
+                values = values / np.array([r["n"] for r in records])
+            keep = np.isfinite(values)
+            expected = stats.kendalltau(values[keep], gaps[keep]).statistic
+            row = rows[(measure, scaled)]
+            assert row["count"][structure] == int(keep.sum())
+            assert row["tau"][structure] == pytest.approx(expected, abs=1e-6), (structure, measure)

@@ -9,8 +9,10 @@ concordant and discordant counts,
     τ_b = (C − D) / √((n₀ − n₁)(n₀ − n₂)),
 
 which is the plain τ-a = (C − D)/n₀ when there are no ties. This is the variant
-``scipy.stats.kendalltau`` computes by default; the implementation here needs only NumPy and
-``O(n)`` memory (``O(n²)`` time, fine for the few thousand runs of a sweep).
+``scipy.stats.kendalltau`` computes by default. The statistic is torchmetrics'
+``kendall_rank_corrcoef(..., variant="b")``; what is this module's own is the sweep's
+bookkeeping around it: pairs with a non-finite value left out, their count, NaN where τ is
+undefined.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import torch
+from torchmetrics.functional.regression import kendall_rank_corrcoef
 
 __all__ = ["kendall_tau_b"]
 
@@ -53,16 +57,5 @@ def kendall_tau_b(x: Sequence[float], y: Sequence[float]) -> tuple[float, int]:
     count = int(xs.size)
     if count < 2:
         return math.nan, count
-    score = 0  # C − D
-    tied_x = tied_y = 0
-    for i in range(count - 1):
-        sign_x = np.sign(xs[i + 1 :] - xs[i])
-        sign_y = np.sign(ys[i + 1 :] - ys[i])
-        score += int(np.dot(sign_x, sign_y))
-        tied_x += int(np.count_nonzero(sign_x == 0))
-        tied_y += int(np.count_nonzero(sign_y == 0))
-    pairs = count * (count - 1) // 2
-    denominator = math.sqrt((pairs - tied_x) * (pairs - tied_y))
-    if denominator == 0:
-        return math.nan, count
-    return score / denominator, count
+    tau = kendall_rank_corrcoef(torch.from_numpy(xs), torch.from_numpy(ys), variant="b")
+    return float(tau), count  # NaN when one variable is constant
