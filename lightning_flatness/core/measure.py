@@ -5,11 +5,13 @@ averaged over m samples is a concave function of a sample mean and so is biased 
 (docs/math.md, "Sample size"). Every structure runs through one pipeline
 (:func:`~lightning_flatness.core.pipeline.run_pipeline`: one loop over the batches, one
 cross-process failure check, one reduction, one report) with one of three backends
-(:mod:`lightning_flatness.core.backends`): layer hooks on the live model for ``kfac``, ``diag`` and
-``diag_mc``, ``torch.func`` for the matrix-free ones, and BackPACK on a private extended copy
-for ``dense`` and ``gram``. Every one evaluates the model in eval mode; the user's
-model, its gradients, its mode, its BatchNorm statistics and the global RNG state are left
-exactly as found, and a ``torch.compile`` wrapper is measured as the module it compiles.
+(:mod:`lightning_flatness.core.backends`): layer hooks on the live model for ``probe_kernel``
+(the default wherever it fits, docs/guide.md), ``kfac``, ``diag`` and ``diag_mc``; ``torch.func``
+for the matrix-free ``cg`` (the default past the probe kernel's memory), ``lanczos`` and
+``hutchinson``; and BackPACK on a private extended copy for ``dense`` and ``gram``. Every one
+evaluates the model in eval mode; the user's model, its gradients, its mode, its BatchNorm
+statistics and the global RNG state are left exactly as found, and a ``torch.compile`` wrapper
+is measured as the module it compiles.
 
 The report combines (docs/math.md, "Generalization gap"):
 

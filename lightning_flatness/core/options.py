@@ -16,6 +16,7 @@ structure                    dataclass              options
                                                     ``trace_estimator``
 ``dense``                    :class:`DenseOptions`  ``trace_estimator``, ``dense_max_parameters``
 ``gram``                     :class:`GramOptions`   ``trace_estimator``, ``gram_max_kernel_size``
+``cg``                       :class:`MatrixFreeOptions`  as ``lanczos``, ``hutchinson``
 ``lanczos``, ``hutchinson``  :class:`MatrixFreeOptions`  ``matrix_free_options`` (table in
                                                     :mod:`lightning_flatness.core.backends.matrix_free`)
                                                     and ``trace_estimator``

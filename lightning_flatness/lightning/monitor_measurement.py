@@ -193,7 +193,7 @@ class MonitorMeasurement:
         arguments: dict[str, Any] | None = None,
     ) -> FlatnessReport:
         """:func:`measure` with this monitor's arguments; ``arguments`` replaces what
-        :meth:`_structure_arguments` says for ``structure`` (the active one by default)."""
+        :meth:`measure_arguments` says for ``structure`` (the active one by default)."""
         if arguments is None:
             arguments = self.measure_arguments(structure or self._active_structure)
         with torch.inference_mode(False), torch.enable_grad():

@@ -1,8 +1,8 @@
 """The backends of :func:`~lightning_flatness.core.pipeline.run_pipeline`, and the one place that
-picks a structure's backend: layer hooks for ``kfac``, ``diag`` and ``diag_mc`` (any
-differentiable model, and faster than BackPACK's extensions on the paper's models, see
-docs/RESULTS.md), ``torch.func`` for ``lanczos`` and ``hutchinson``, BackPACK for ``dense`` and
-``gram`` (exact P × P and kernel matrices from its square-root factors)."""
+picks a structure's backend: layer hooks for ``probe_kernel``, ``kfac``, ``diag`` and
+``diag_mc`` (any differentiable model, and faster than BackPACK's extensions on the paper's
+models, see docs/RESULTS.md), ``torch.func`` for ``cg``, ``lanczos`` and ``hutchinson``, BackPACK
+for ``dense`` and ``gram`` (exact P × P and kernel matrices from its square-root factors)."""
 
 from __future__ import annotations
 
