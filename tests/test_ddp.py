@@ -73,13 +73,15 @@ def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure, mod
     assert rank0["num_samples"] == 200 and rank0["num_val_samples"] == 100
     # float32 model: the probe kernel factorises in float32, where a last-bit difference in the
     # summed P × P matrix moves the soft rank by up to ~1e-4 (spectral.factorisation_dtype)
-    for key in ("soft_rank", "logdet", "trace_fisher", "trace_cov", "predicted_gap", "val_nll"):
+    keys = ("soft_rank", "logdet", "trace_fisher", "trace_cov", "predicted_gap", "val_nll")
+    for key in (*keys, "newton_decrement"):
         if structure == "cg" and key == "logdet":  # cg estimates the soft rank only
             assert math.isnan(rank0[key]) and math.isnan(single[key])
             continue
         # cg's float32 products, summed in another order, move its stopping step: ~1e-3
-        tolerance = 2e-3 if structure == "cg" and key in ("soft_rank", "predicted_gap") else 1e-4
-        assert rank0[key] == pytest.approx(single[key], rel=tolerance), key
+        moved = ("soft_rank", "predicted_gap", "newton_decrement")
+        tolerance = 2e-3 if structure == "cg" and key in moved else 1e-4
+        assert rank0[key] == pytest.approx(single[key], rel=tolerance, nan_ok=True), key
 
 
 #: the record's entries that are no measured quantity, or that one process does not report

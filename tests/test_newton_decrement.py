@@ -2,8 +2,8 @@
 reference (float64): g from scratch with ``torch.autograd`` on the whole set's mean loss plus
 the decay term, F the dense reference Fisher. Exact for ``dense`` and ``gram`` and for the
 probe kernel's exact rows (as many probes as classes) on each of its sides; with fewer probes
-the jackknifed value converges to it as the probes grow; per-group decay; a sum of the states
-of two processes equals one process."""
+the jackknifed value converges to it as the probes grow; ``cg`` brackets it with one more
+solve; per-group decay; a sum of the states of two processes equals one process."""
 
 from __future__ import annotations
 
@@ -186,7 +186,9 @@ class _TwoProcesses:
 
 def test_two_processes_summing_their_states_equal_one_process(one_thread):
     """Each of two processes measures every other sample (``shard``); their summed states give
-    the decrement of one process on the union (its P × P side, the summable one)."""
+    the decrement of one process on the union (its P × P side, the summable one). ``cg``'s,
+    whose products use forward-mode autodiff that two threads cannot share, is checked over two
+    real processes (test_ddp)."""
     model = tiny_model("mlp").eval()
     inputs, targets = random_data(N)
     options = {"probes": 4, "groups": 2}
@@ -268,6 +270,42 @@ def test_a_minimum_has_a_tiny_decrement_and_one_step_from_it_a_large_one(one_thr
     assert verdict(1.0, "dense", 10.0, 100.0, settled.newton_decrement) == 1.0
 
 
+@pytest.mark.parametrize("architecture", ["mlp", "cnn"])
+@pytest.mark.parametrize("batch_size", [1, 7, N])
+def test_cg_brackets_the_reference_decrement_with_one_more_solve(
+    architecture, batch_size, one_thread
+):
+    """``cg`` solves for g in the block of its probes: ``gᵀx`` below the form and ``gᵀx +
+    ‖r‖²/λ`` above it, so the reference is within the reported half-width of the value, for
+    any batch size; with a tight stopping share the bracket closes on it."""
+    model = tiny_model(architecture).eval()
+    inputs, targets = random_data(N)
+    expected = reference_decrement(model, inputs, targets)
+    report = _measure(model, inputs, targets, batch_size, "cg")
+    assert abs(report.newton_decrement - expected) <= report.newton_decrement_stderr * (1 + 1e-9)
+    assert report.newton_decrement_stderr < 0.02 * expected
+    tight = _measure(
+        model, inputs, targets, batch_size, "cg", matrix_free_options={"cg_tol": 1e-10}
+    )
+    assert tight.newton_decrement == pytest.approx(expected, rel=1e-6)
+
+
+def test_cg_gives_the_reference_decrement_under_per_group_decay(one_thread):
+    """λ_j per parameter tensor: ``cg`` solves ``(F + D) x = g`` in the parameters' own
+    coordinates, with the decay term ``D θ`` in g."""
+    model = tiny_model("mlp").eval()
+    inputs, targets = random_data(N)
+    names = [name for name, _ in model.named_parameters()]
+    lams = {name: LAM * (3.0 if "bias" in name else 1.0) * (i + 1) for i, name in enumerate(names)}
+    sizes = [(n, p.numel()) for n, p in model.named_parameters()]
+    decays = torch.cat([torch.full((k,), lams[n], dtype=torch.float64) for n, k in sizes])
+    expected = reference_decrement(model, inputs, targets, decays=decays)
+    report = _measure(
+        model, inputs, targets, 7, "cg", lam=lams, matrix_free_options={"cg_tol": 1e-10}
+    )
+    assert report.newton_decrement == pytest.approx(expected, rel=1e-6)
+
+
 def test_structures_without_the_decrement_report_nan_and_keep_the_rule(one_thread):
     model = tiny_model("mlp").eval()
     inputs, targets = random_data(N)
@@ -275,7 +313,8 @@ def test_structures_without_the_decrement_report_nan_and_keep_the_rule(one_threa
         report = _measure(model, inputs, targets, 8, structure)
         assert math.isnan(report.newton_decrement), structure
         assert report.trusted == 0.0  # not of exact quality
-    assert verdict(1.0, "cg", 10.0, 100.0, math.nan) == 1.0  # cg: the rule without it
+    # a NaN decrement (a non-finite gradient, a failed solve) is not read
+    assert verdict(1.0, "cg", 10.0, 100.0, math.nan) == 1.0
     assert verdict(1.0, "probe_kernel", 10.0, 100.0, DECREMENT_LIMIT) == 1.0
     assert verdict(1.0, "probe_kernel", 10.0, 100.0, DECREMENT_LIMIT * 1.01) == 0.0
 

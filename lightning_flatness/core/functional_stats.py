@@ -200,6 +200,7 @@ def batch_statistics(
     generator: torch.Generator,
     chunk_elements: int,
     grad_sq_sum: Tensor | None = None,
+    grad_sum: Tensor | None = None,
 ) -> tuple[StatisticSums, Tensor]:
     """The :class:`StatisticSums` of one batch and its logits (float64).
 
@@ -217,7 +218,8 @@ def batch_statistics(
 
     ``targets`` are the batch's raw targets; they are checked against the logits here.
     Per-sample gradients and Jacobians are computed ``chunk_elements`` numbers at a time. When
-    ``grad_sq_sum`` (P,) is given, ``Σ_i g_i∘g_i`` is added to it (the diagonal of C, for the TIC).
+    ``grad_sq_sum`` (P,) is given, ``Σ_i g_i∘g_i`` is added to it (the diagonal of C, for the TIC);
+    when ``grad_sum`` (P,) is, ``Σ_i g_i`` (the objective's gradient, for the Newton decrement).
     """
     likelihood = get_likelihood(loss)
     with torch.no_grad(), model.capture_last_layer_input() as captured:
@@ -237,6 +239,9 @@ def batch_statistics(
             for name, view in model.unflatten(grad_sq_sum).items():
                 for row in grads[name]:
                     view.addcmul_(row, row)
+        if grad_sum is not None:
+            for name, view in model.unflatten(grad_sum).items():
+                view += grads[name].sum(0).to(view.dtype)
     if trace_estimator == "exact":  # C·P small: the (B, C, C) output Fisher is too
         core64 = likelihood.fisher_matrices(logits64)
         for rows in _chunks(batch, max(1, chunk_elements // (num_params * classes))):

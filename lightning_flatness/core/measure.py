@@ -24,7 +24,8 @@ The report combines (docs/math.md, "Generalization gap"):
   diag/diag_mc/hutchinson: the diagonal formula; kfac, lanczos: NaN);
 - ``newton_decrement`` = ``½ gᵀ(F+λI)⁻¹g`` with g the gradient of the regularized objective
   over the measured training samples (``dense``, ``gram``: exact; ``probe_kernel``: jackknifed,
-  with a standard error; the other structures: NaN), which ``trusted`` requires to be at most
+  ``cg``: bracketed by one more solve, each with a standard error; the other structures: NaN),
+  which ``trusted`` requires to be at most
   0.1 nat (docs/math.md, "The Newton decrement");
 - ``observed_gap`` = ``val_nll − train_nll``: the negative log-likelihood of the model's own
   likelihood on each split (plain: no label smoothing, no regularizer, whatever the user's

@@ -33,8 +33,9 @@ class FlatnessReport:
     g the gradient of the objective ``mean NLL + ½λ‖θ‖²`` over the measured training samples:
     what one Newton step would still take off it, about 0 at a minimum (docs/math.md, "The
     Newton decrement"); exact for ``dense`` and ``gram``, jackknifed over the probe groups for
-    ``probe_kernel`` (``newton_decrement_stderr`` its standard error, NaN where exact), NaN for
-    the other structures.
+    ``probe_kernel``, bracketed by one more conjugate-gradient solve for ``cg``
+    (``newton_decrement_stderr`` its standard error, NaN where exact), NaN for the other
+    structures.
     ``trust_score`` is the training error/uncertainty ratio and ``trusted`` is 1.0 while it is
     at least :data:`~lightning_flatness.core.trust.TRUST_THRESHOLD`, the structure is of exact
     quality, the soft rank is at most ``rank_bound`` and the Newton decrement (where measured)

@@ -80,6 +80,7 @@ from lightning_flatness.core.curvature.fisher_products import ParameterSpaceFish
 from lightning_flatness.core.curvature.hutchinson import VARIANTS, HutchinsonFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.lanczos import LanczosFisher
+from lightning_flatness.core.curvature.newton_decrement import objective_gradient
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import check_finite_loss
 from lightning_flatness.core.functional_stats import (
@@ -186,8 +187,12 @@ class MatrixFreeBackend(Backend):
             self.chunker = Chunker(functional, settings, settings.probes * variants)
             self.cache = CachedInputs(self.chunker)
             self.fingerprints: list[tuple[int, float]] = []
-            self.hutchinson = self.grad_sq_sum = None
+            self.hutchinson = self.grad_sq_sum = self.gradient_sum = None
             self.hooked = self.kfac = None
+            if self.structure == "cg":  # Σ_i ∇ℓ_i, for the Newton decrement
+                self.gradient_sum = torch.zeros(
+                    functional.num_parameters, dtype=torch.float64, device=functional.device
+                )
             if self.structure == "cg" and settings.preconditioner == "kfac":
                 self.kfac = KFACFisher()
                 self.hooked = HookedPass(
@@ -242,6 +247,7 @@ class MatrixFreeBackend(Backend):
             generator=self.local,
             chunk_elements=self.settings.chunk_elements,
             grad_sq_sum=self.grad_sq_sum if training else None,
+            grad_sum=self.gradient_sum if training else None,
         )
         check_finite_loss(sums.loss, split, index)
         if training:
@@ -266,6 +272,8 @@ class MatrixFreeBackend(Backend):
 
     def summable_states(self) -> list[Tensor]:
         states = self.kfac.summable_states() if self.kfac is not None else []
+        if self.gradient_sum is not None:
+            states.append(self.gradient_sum)
         if self.hutchinson is None:
             return states
         return [*states, *self.hutchinson.summable_states()]
@@ -298,7 +306,12 @@ class MatrixFreeBackend(Backend):
             )
         settings = self.settings
         if self.structure == "cg":
-            return self._solver(source, num_samples, classes).estimate(num_samples, lam)
+            solver = self._solver(source, num_samples, classes)
+            decay = self.decay if self.decay is not None else lam
+            solver.gradient = _own_coordinates_gradient(
+                self.functional, self.gradient_sum, num_samples, decay
+            )
+            return solver.estimate(num_samples, lam)
         estimator = LanczosFisher(
             self.functional,
             source,
@@ -344,3 +357,21 @@ class MatrixFreeBackend(Backend):
             decay=self.decay,
             transposed=self.hooked.transposed_weights() if self.hooked else frozenset(),
         )
+
+
+def _own_coordinates_gradient(
+    functional: FunctionalModel,
+    gradient_sum: Tensor,
+    num_samples: int,
+    decay: float | ParameterDecay,
+) -> Tensor:
+    """g of the regularized objective in the parameters' own coordinates, where ``cg`` solves
+    with ``F + D`` (:func:`objective_gradient` gives it times ``D^{-1/2}`` under per-group
+    decay, the coordinates of the other structures)."""
+    names = functional.names
+    parameters = [functional.params[name] for name in names]
+    gradient = objective_gradient(gradient_sum, num_samples, names, parameters, decay)
+    if not isinstance(decay, ParameterDecay):
+        return gradient
+    scale = decay.column_scale(names, [p.numel() for p in parameters])
+    return gradient / scale.to(gradient)

@@ -16,7 +16,9 @@ lower bound of ``w_kᵀ(F+λI)⁻¹w_k`` that rises with the steps, and since ``
 is at most ``‖r_k‖²/λ`` (``r_k = w_k − (F+λI)x_k``): the iteration stops when that bound, summed
 over the probes, is below ``tol`` times the estimate, or after ``max_steps``. The reported soft
 rank is the mean of the probes' values, with the standard error over probes and the remaining
-bound of the solves (``blocks["cg_gap"]``).
+bound of the solves (``blocks["cg_gap"]``). Given the objective's gradient g (the accumulator's
+``gradient``), one more solve in the same block gives the Newton decrement ``½ gᵀ(F+λI)⁻¹g``
+(:func:`hutchinson_cg`).
 """
 
 from __future__ import annotations
@@ -155,6 +157,7 @@ def conjugate_gradients(
     preconditioner: MatMat | None = None,
     max_steps: int,
     tol: float,
+    stopping_rows: int | None = None,
 ) -> tuple[Tensor, Tensor, int]:
     """Solve ``(F + λI) X = W`` for a block (K, P) of right-hand sides by block preconditioned
     conjugate gradients (O'Leary 1980): the K solves share one search space.
@@ -173,7 +176,9 @@ def conjugate_gradients(
     Returns:
         ``(values, gaps, steps)``: ``wᵀx`` of each solve (a lower bound of ``wᵀ(F+λI)⁻¹w``),
         the bound ``‖r‖²/λ`` on what each still misses, and the block products used. Stops when
-        ``Σ gaps ≤ tol · Σ values`` or after ``max_steps`` products.
+        ``Σ gaps ≤ tol · Σ values`` over the first ``stopping_rows`` solves (all by default; the
+        others share the search space without setting its length) or after ``max_steps``
+        products.
     """
     apply = preconditioner or (lambda v: v)
     damping = lam.to(rhs) if isinstance(lam, Tensor) else lam
@@ -184,10 +189,11 @@ def conjugate_gradients(
     values = torch.zeros(rhs.shape[0], dtype=torch.float64, device=rhs.device)
     gaps = _dot(r, r) / smallest
     steps = 0
+    counted = slice(0, stopping_rows)
     while (
         steps < max_steps
         and directions.shape[0] > 0
-        and float(gaps.sum()) > tol * max(float(values.sum()), 1e-300)
+        and float(gaps[counted].sum()) > tol * max(float(values[counted].sum()), 1e-300)
     ):
         product = fisher(directions) + damping * directions
         steps += 1
@@ -212,20 +218,38 @@ def hutchinson_cg(
     preconditioner: MatMat | None,
     max_steps: int,
     tol: float,
+    gradient: Tensor | None = None,
 ) -> CurvatureEstimate:
     """The soft rank ``mean_k w_kᵀ(F+λI)⁻¹w_k`` over the probe rows ``w_k`` (K, P), with its
     standard error over probes (``blocks["stderr"]``) and the solves' remaining bound
     (``blocks["cg_gap"]``, in the soft rank's field; ``blocks["cg_steps"]`` the products).
     The other trace functions are not estimated (NaN). ``lam``: λ, or the diagonal D (P,) of
-    per-parameter decays (the soft rank ``Tr(F(F+D)⁻¹)``)."""
+    per-parameter decays (the soft rank ``Tr(F(F+D)⁻¹)``).
+
+    With the objective's ``gradient`` g, the Newton decrement ``½ gᵀ(F+λI)⁻¹g`` from one more
+    solve in the same block (no pass over the data of its own; the probes' solves set the
+    length): ``gᵀx`` is below the form and ``gᵀx + ‖r‖²/λ`` above it, so the decrement is half
+    their midpoint and its standard error half their half-width."""
     if isinstance(lam, Tensor):
         check_lam(float(lam.min()))
     else:
         lam = check_lam(lam)
+    count = probes.shape[0]
+    finite = gradient is not None and bool(torch.isfinite(gradient).all())
+    block = torch.cat([probes, gradient.to(probes)[None]]) if finite else probes
     values, gaps, steps = conjugate_gradients(
-        fisher, probes, lam, preconditioner=preconditioner, max_steps=max_steps, tol=tol
+        fisher,
+        block,
+        lam,
+        preconditioner=preconditioner,
+        max_steps=max_steps,
+        tol=tol,
+        stopping_rows=count,
     )
-    count = values.numel()
+    decrement = (math.nan, math.nan)
+    if finite:
+        decrement = (0.5 * float(values[count] + gaps[count] / 2), 0.25 * float(gaps[count]))
+        values, gaps = values[:count], gaps[:count]
     mean = float(values.mean())
     spread = float(values.std() / math.sqrt(count)) if count > 1 else math.nan
     nan = math.nan
@@ -238,6 +262,8 @@ def hutchinson_cg(
             "cg_gap": SpectralSummary(float(gaps.mean()), nan, nan, nan, nan),
             "cg_steps": SpectralSummary(float(steps), nan, nan, nan, nan),
         },
+        newton_decrement=decrement[0],
+        newton_decrement_stderr=decrement[1],
     )
 
 
@@ -312,4 +338,5 @@ class CGFisher(CurvatureAccumulator):
             preconditioner=preconditioner,
             max_steps=self.max_steps,
             tol=self.tol,
+            gradient=self.gradient,
         )
