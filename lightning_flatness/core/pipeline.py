@@ -31,6 +31,7 @@ from lightning_flatness.core.failures import (
     TrainingSplitError,
     agreed,
 )
+from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.progress import progress
 from lightning_flatness.core.statistics import StatisticSums
 
@@ -43,7 +44,13 @@ SPLITS = ("training", "validation")
 
 
 class Backend(ABC):
-    """Turns batches into statistic sums and summable curvature states (module docstring)."""
+    """Turns batches into statistic sums and summable curvature states (module docstring).
+
+    Attributes:
+        likelihood: the measured loss's likelihood (its Fisher's rank bound).
+    """
+
+    likelihood: Likelihood
 
     @abstractmethod
     def session(self) -> AbstractContextManager[None]:
@@ -65,10 +72,39 @@ class Backend(ABC):
         sums of its own, such as a preconditioner's)."""
         return []
 
-    @abstractmethod
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        """The curvature estimate of the Fisher averaged over ``num_samples`` samples (all
-        processes' states already summed; may make further passes, e.g. Lanczos steps)."""
+        """The finished curvature estimate of the Fisher averaged over ``num_samples`` samples
+        (all processes' states already summed), the same step for every backend: the structure's
+        own estimate (:meth:`curvature`) at ``lam``, or at λ = 1 where the structure works in the
+        coordinates ``D^{-1/2}`` of per-group decay (:meth:`scales_by_decay`); the largest rank
+        the Fisher of the measured samples can have (``rank_bound``, from the likelihood and
+        :meth:`rank_shape`); and, where the backend knows it, which parameters the structure's
+        blocks cover (:meth:`coverage`)."""
+        curvature = self.curvature(num_samples, 1.0 if self.scales_by_decay() else lam)
+        parameters, outputs = self.rank_shape()
+        curvature.rank_bound = self.likelihood.fisher_rank_bound(parameters, num_samples, outputs)
+        coverage = self.coverage()
+        if coverage is not None:
+            curvature.coverage = coverage
+        return curvature
+
+    @abstractmethod
+    def curvature(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        """The structure's estimate of the Fisher averaged over ``num_samples`` samples at
+        ``lam`` (may make further passes, e.g. Lanczos steps or conjugate gradients)."""
+
+    @abstractmethod
+    def rank_shape(self) -> tuple[int, int]:
+        """The measured model's parameters and outputs (all processes'), after
+        :meth:`curvature`: what bounds the Fisher's rank."""
+
+    def scales_by_decay(self) -> bool:
+        """Whether the structure measures ``D^{-1/2} F D^{-1/2}`` at λ = 1 (per-group decay)."""
+        return False
+
+    def coverage(self) -> dict[str, str] | None:
+        """Which parameters the structure's blocks cover, where the backend records it."""
+        return None
 
 
 def model_device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:

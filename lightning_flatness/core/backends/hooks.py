@@ -235,9 +235,9 @@ class HookBackend(Backend):
         states = self.estimator.summable_states() if self.estimator is not None else []
         return states if self.gradient_sum is None else [*states, self.gradient_sum]
 
-    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        """The estimate at ``lam``; with per-parameter decays, of the scaled Fisher at λ = 1.
-        ``probe_kernel`` also gets the objective's gradient, for the Newton decrement."""
+    def curvature(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        """The estimate at ``lam``; ``probe_kernel`` also gets the objective's gradient, for
+        the Newton decrement."""
         if self.gradient_sum is not None and isinstance(self.estimator, ProbeKernelFisher):
             params = dict(self.model.model.named_parameters())
             names = self.hooked.names
@@ -248,13 +248,19 @@ class HookBackend(Backend):
                 [params[name] for name in names],
                 self.decay if self.decay is not None else lam,
             )
-        curvature = self.estimator.estimate(num_samples, 1.0 if self.decay else lam)
-        if not isinstance(self.estimator, ProbeKernelFisher):  # block structures say how
-            curvature.coverage = self.hooked.coverage()
-        curvature.rank_bound = self.likelihood.fisher_rank_bound(
-            self.num_parameters, num_samples, self.num_outputs or 0
-        )
-        return curvature
+        return self.estimator.estimate(num_samples, lam)
+
+    def rank_shape(self) -> tuple[int, int]:
+        return self.num_parameters, self.num_outputs or 0
+
+    def scales_by_decay(self) -> bool:
+        return self.decay is not None
+
+    def coverage(self) -> dict[str, str] | None:
+        """The block structures' coverage (the probe kernel has every cross-layer block)."""
+        if isinstance(self.estimator, ProbeKernelFisher):
+            return None
+        return self.hooked.coverage()
 
 
 def _scale_terms(terms: BatchTerms, decay: ParameterDecay) -> None:

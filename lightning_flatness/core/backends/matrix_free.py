@@ -89,7 +89,7 @@ from lightning_flatness.core.functional_stats import (
     resolve_trace_estimator,
 )
 from lightning_flatness.core.hooked_pass import HookedPass
-from lightning_flatness.core.likelihoods import get_likelihood
+from lightning_flatness.core.likelihoods import Likelihood, get_likelihood
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
 from lightning_flatness.core.pipeline import SPLITS, Backend
@@ -278,18 +278,22 @@ class MatrixFreeBackend(Backend):
             return states
         return [*states, *self.hutchinson.summable_states()]
 
-    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        classes, all_reduce = self.classes, self.all_reduce
-        if all_reduce is not None:  # a process without samples learns C from the others
-            known = all_reduce(torch.tensor([float(classes), float(classes > 0)]))
-            classes = round(float(known[0]) / max(1.0, float(known[1])))
-        if self.decay is not None and self.structure != "cg":  # the spectrum of D^-½ F D^-½
-            lam = 1.0
-        curvature = self._curvature(num_samples, classes, lam)
-        curvature.rank_bound = get_likelihood(self.loss).fisher_rank_bound(
-            self.functional.num_parameters, num_samples, classes
-        )
-        return curvature
+    @property
+    def likelihood(self) -> Likelihood:
+        return get_likelihood(self.loss)
+
+    def curvature(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        if self.all_reduce is not None:  # a process without samples learns C from the others
+            known = self.all_reduce(torch.tensor([float(self.classes), float(self.classes > 0)]))
+            self.classes = round(float(known[0]) / max(1.0, float(known[1])))
+        return self._curvature(num_samples, self.classes, lam)
+
+    def rank_shape(self) -> tuple[int, int]:
+        return self.functional.num_parameters, self.classes
+
+    def scales_by_decay(self) -> bool:
+        """``D^{-1/2} F D^{-1/2}`` at λ = 1, except ``cg`` (it solves with ``F + D``)."""
+        return self.decay is not None and self.structure != "cg"
 
     def _curvature(self, num_samples: int, classes: int, lam: float) -> CurvatureEstimate:
         if self.hutchinson is not None:

@@ -135,10 +135,8 @@ class BackpackBackend(Backend):
     def summable_states(self) -> list[Tensor]:
         return [*self.estimator.summable_states(), self.gradient_sum]
 
-    def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        """The estimate at ``lam``; with per-parameter decays, of the scaled Fisher at λ = 1
-        (``D^{-1/2} F D^{-1/2}`` has the rank of F, so the rank bound is the same), with the
-        Newton decrement from the objective's gradient."""
+    def curvature(self, num_samples: int, lam: float) -> CurvatureEstimate:
+        """The estimate at ``lam``, with the Newton decrement from the objective's gradient."""
         model = self.extended
         self.estimator.gradient = objective_gradient(
             self.gradient_sum,
@@ -147,11 +145,14 @@ class BackpackBackend(Backend):
             list(model.parameters),
             self.decay if self.decay is not None else lam,
         )
-        curvature = self.estimator.estimate(num_samples, 1.0 if self.decay is not None else lam)
-        curvature.rank_bound = self.likelihood.fisher_rank_bound(
-            self.num_parameters, num_samples, self.num_outputs or 0
-        )
-        return curvature
+        return self.estimator.estimate(num_samples, lam)
+
+    def rank_shape(self) -> tuple[int, int]:
+        # D^{-1/2} F D^{-1/2} (per-group decay) has the rank of F
+        return self.num_parameters, self.num_outputs or 0
+
+    def scales_by_decay(self) -> bool:
+        return self.decay is not None
 
 
 def make_estimator(
