@@ -441,8 +441,10 @@ def _with_probe_noise(
     return SpectralSummary(*combined.sqrt().tolist(), max_eig=math.nan)
 
 
-#: the most numbers of the random rows :func:`quadrature_seconds` times its products on
-TIMING_NUMBERS = 2**23
+#: the most numbers of the random rows :func:`quadrature_seconds` times its products on (128 MiB
+#: of float32: on fewer, the products' time per row is higher than on the whole rows; 2²³ put
+#: the quadrature of 20,000 rows of 14,514 parameters at 19–20 s, 2²⁵ at 12–14 s, measured 11 s)
+TIMING_NUMBERS = 2**25
 
 
 def quadrature_seconds(
@@ -456,14 +458,16 @@ def quadrature_seconds(
 ) -> float:
     """The predicted seconds of :func:`stored_rows_estimate`'s products on ``num_rows`` rows of
     ``num_parameters``: one Lanczos step's two products timed on random float32 rows (at most
-    :data:`TIMING_NUMBERS` numbers of them), scaled to all rows and all steps. A fit-start
-    trial on a few samples never takes the stored-row path, so its own time does not contain
-    this part (a measurement of 16,000 rows of 61,514 parameters was predicted at 13 s from
-    the trial and took 82 s)."""
+    :data:`TIMING_NUMBERS` numbers of them), scaled to all rows and all steps. A step's columns
+    are what reaches each row: the whole kernel's probes and the one leave-one-group-out run
+    set that keeps the row's group (G·probes over all rows), and the Newton decrement's G + 1
+    runs that share the passes. A fit-start trial on a few samples never takes the stored-row
+    path, so its own time does not contain this part (a measurement of 16,000 rows of 61,514
+    parameters was predicted at 13 s from the trial and took 82 s)."""
     sample = max(1, min(num_rows, TIMING_NUMBERS // max(num_parameters, 1)))
-    runs = _run_sets(groups) * probes
+    columns = (groups if groups > 1 else 1) * probes + _run_sets(groups)
     rows = torch.randn(sample, num_parameters, device=device)
-    block = torch.randn(runs, sample, device=device)
+    block = torch.randn(columns, sample, device=device)
     best = math.inf
     for _ in range(2):
         started = time.perf_counter()
