@@ -168,7 +168,9 @@ def test_the_monitor_predicts_the_quadrature_its_fit_start_trial_does_not_run(mo
     assert monitor._quadrature_seconds(_Module(1000, 10), 2000) == 0.0  # a formed kernel
     assert monitor._quadrature_seconds(_Module(1000, 10), 4000) == 7.0  # stored rows
     assert calls == [(16_000, 10_010, 2, KernelOptions().slq_probes)]
+    state = torch.get_rng_state()
     assert quadrature_seconds(300, 50, groups=2, probes=2, steps=3) > 0.0
+    assert torch.equal(torch.get_rng_state(), state)  # the training's RNG is not drawn from
 
 
 def test_the_decrements_runs_share_the_soft_ranks_passes_and_change_nothing(one_thread):

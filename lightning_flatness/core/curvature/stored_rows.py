@@ -466,8 +466,10 @@ def quadrature_seconds(
     parameters was predicted at 13 s from the trial and took 82 s)."""
     sample = max(1, min(num_rows, TIMING_NUMBERS // max(num_parameters, 1)))
     columns = (groups if groups > 1 else 1) * probes + _run_sets(groups)
-    rows = torch.randn(sample, num_parameters, device=device)
-    block = torch.randn(columns, sample, device=device)
+    # its own generator: the global RNG, which the user's training draws from, is not touched
+    generator = torch.Generator(device=device or "cpu").manual_seed(0)
+    rows = torch.randn(sample, num_parameters, device=device, generator=generator)
+    block = torch.randn(columns, sample, device=device, generator=generator)
     best = math.inf
     for _ in range(2):
         started = time.perf_counter()
