@@ -146,15 +146,21 @@ def test_a_plain_value_replaces_a_jackknife_out_of_its_reach(one_thread):
     assert report.newton_decrement - report.newton_decrement_stderr < expected
 
 
+def _per_group_decays(model) -> tuple[dict[str, float], torch.Tensor]:
+    """A λ_j per parameter tensor (each different, the biases' larger) and its diagonal D."""
+    names = [name for name, _ in model.named_parameters()]
+    lams = {name: LAM * (3.0 if "bias" in name else 1.0) * (i + 1) for i, name in enumerate(names)}
+    sizes = [(n, p.numel()) for n, p in model.named_parameters()]
+    decays = torch.cat([torch.full((k,), lams[n], dtype=torch.float64) for n, k in sizes])
+    return lams, decays
+
+
 def test_per_group_decay_gives_the_reference_decrement(one_thread):
     """λ_j per parameter tensor: ``½ gᵀ(F + D)⁻¹g`` with the decay term ``D θ`` in g, for the
     exact rows on each side and for ``dense``."""
     model = tiny_model("mlp").eval()
     inputs, targets = random_data(N)
-    names = [name for name, _ in model.named_parameters()]
-    lams = {name: LAM * (3.0 if "bias" in name else 1.0) * (i + 1) for i, name in enumerate(names)}
-    sizes = [(n, p.numel()) for n, p in model.named_parameters()]
-    decays = torch.cat([torch.full((k,), lams[n], dtype=torch.float64) for n, k in sizes])
+    lams, decays = _per_group_decays(model)
     expected = reference_decrement(model, inputs, targets, decays=decays)
     for side in SIDES.values():
         options = {"probes": 10, "groups": 1, **side}
@@ -295,10 +301,7 @@ def test_cg_gives_the_reference_decrement_under_per_group_decay(one_thread):
     coordinates, with the decay term ``D θ`` in g."""
     model = tiny_model("mlp").eval()
     inputs, targets = random_data(N)
-    names = [name for name, _ in model.named_parameters()]
-    lams = {name: LAM * (3.0 if "bias" in name else 1.0) * (i + 1) for i, name in enumerate(names)}
-    sizes = [(n, p.numel()) for n, p in model.named_parameters()]
-    decays = torch.cat([torch.full((k,), lams[n], dtype=torch.float64) for n, k in sizes])
+    lams, decays = _per_group_decays(model)
     expected = reference_decrement(model, inputs, targets, decays=decays)
     report = _measure(
         model, inputs, targets, 7, "cg", lam=lams, matrix_free_options={"cg_tol": 1e-10}

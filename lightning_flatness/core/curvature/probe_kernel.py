@@ -201,7 +201,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         if self.grams is not None:
             self._add_to_grams(torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0])
             return
-        self.store.append([piece.detach() for piece in pieces])
+        self.store.append(pieces)  # copied without autograd: no graph is kept
         self.kept_rows = self.store.samples * self.probes
         too_big = self.kept_rows * self.num_parameters > self.max_row_elements
         if self.side == "samples" and too_big:

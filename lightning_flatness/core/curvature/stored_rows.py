@@ -161,32 +161,21 @@ class StoredRows:
             # first half, products with V: rows' side Vᵀ(Mx), parameters' side Vᵀ(Vx)
             masked = (sample.runs.block() * sample.masks).to(dtype) if rows_side else None
             sums = self._through_rows(masked, reach, in_flight)
+            weights = None
             if rows_side:
                 weights = masked.new_zeros(masked.shape[0], self.width)
                 for group, total in sums.items():
                     weights[reach[group]] += total[: len(reach[group])]
             if in_flight is not None:
-                outcome = torch.zeros(parameter.kept.shape[0], self.width, dtype=dtype)
-                outcome = outcome.to(self.device)
+                count = parameter.kept.shape[0]
+                outcome = torch.zeros(count, self.width, dtype=dtype, device=self.device)
                 for group, total in sums.items():
                     outcome[kept[group]] += total[len(reach[group]) if rows_side else 0 :]
                 parameter.advance(outcome, self.num_samples)
             # second half, products with Vᵀ: rows' side V(Vᵀ M x), parameters' side V x
             vectors = parameter.next_block(dtype) if parameter is not None else None
             out = masked.new_zeros(masked.shape) if rows_side else None
-            in_flight = None if vectors is None else []
-            for group, rows, span in self.blocks:
-                parts = [weights[reach[group]]] if rows_side else []
-                if vectors is not None:
-                    parts.append(vectors[kept[group]])
-                if not parts:
-                    break
-                product = torch.cat(parts) @ rows.T
-                split = parts[0].shape[0] if rows_side else 0
-                if rows_side:
-                    out[reach[group], span] = product[:split]
-                if vectors is not None:
-                    in_flight.append(product[split:])
+            in_flight = self._back_through_rows(weights, reach, vectors, kept, out)
             if rows_side:
                 sample.advance(out, self.num_samples)
 
@@ -209,6 +198,33 @@ class StoredRows:
                 sums[group] = block.new_zeros(block.shape[0], self.width)
             sums[group].addmm_(block, rows)
         return sums
+
+    def _back_through_rows(
+        self,
+        weights: Tensor | None,
+        reach: list[Tensor],
+        vectors: Tensor | None,
+        kept: list[Tensor] | None,
+        out: Tensor | None,
+    ) -> list[Tensor] | None:
+        """Each block's ``X V_jᵀ``, the second half of :meth:`_through_rows`: the rows'-side
+        ``weights`` of the runs reaching its group go into ``out`` on the block's span, the
+        parameter runs' ``vectors`` that keep its group give the block's products in flight
+        (returned; None without parameter runs)."""
+        in_flight = None if vectors is None else []
+        for group, rows, span in self.blocks:
+            parts = [weights[reach[group]]] if weights is not None else []
+            if vectors is not None:
+                parts.append(vectors[kept[group]])
+            if not parts:
+                break
+            product = torch.cat(parts) @ rows.T
+            split = parts[0].shape[0] if weights is not None else 0
+            if weights is not None:
+                out[reach[group], span] = product[:split]
+            if vectors is not None:
+                in_flight.append(product[split:])
+        return in_flight
 
 
 @dataclass
