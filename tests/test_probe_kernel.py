@@ -190,6 +190,31 @@ def test_both_sides_and_a_summed_run_give_the_same_numbers(one_thread):
         )
 
 
+@pytest.mark.parametrize("batch_size", [1, 7, 48])
+def test_the_first_half_of_a_formed_kernel_is_a_measurement_of_those_samples(
+    one_thread, batch_size
+):
+    """A formed sample-side kernel's ``first_half`` block is what measuring the first half of
+    its samples alone gives (the same probe rows: they are drawn by sample position), at any
+    batch size, jackknife included; the parameter side, which sums over samples, has none."""
+    model, inputs, targets = many_classes()
+    half_size = inputs.shape[0] // 2
+    options = {"options": {"side": "samples"}, "batch_size": batch_size}
+    whole = _probe_report(model, inputs, targets, 4, 2, **options)
+    half = _probe_report(model, inputs[:half_size], targets[:half_size], 4, 2, **options)
+    first_half = whole.blocks[probe_kernel.FIRST_HALF]
+    assert first_half.soft_rank == pytest.approx(half.soft_rank, rel=1e-9)
+    assert first_half.logdet == pytest.approx(half.logdet, rel=1e-9)
+    assert first_half.soft_rank < whole.soft_rank  # fewer samples, a smaller soft rank
+    one_group = _probe_report(model, inputs, targets, 4, 1, **options)
+    alone = _probe_report(model, inputs[:half_size], targets[:half_size], 4, 1, **options)
+    assert one_group.blocks[probe_kernel.FIRST_HALF].soft_rank == pytest.approx(
+        alone.soft_rank, rel=1e-9
+    )
+    parameters = _probe_report(model, inputs, targets, 4, 2, options={"side": "parameters"})
+    assert probe_kernel.FIRST_HALF not in parameters.blocks
+
+
 def test_size_guards_name_the_fix():
     model, inputs, targets = many_classes()
     with pytest.raises(StructureTooLargeError, match="max_row_elements"):

@@ -21,11 +21,13 @@ two of them). At each scheduled epoch it runs, in this order of preference, what
    predicted at fit start), its soft rank scaled by the ratio
    exact ÷ cheap of the last exact measurement (both are measured then) and logged with
    ``fill_in = 1``. Before any exact measurement of the whole set has run, the ratio is taken
-   on the fill-in's own samples (the exact structure on that subset: a lower estimate of the
-   whole set's soft rank, which grows with the samples measured) whenever that fits; the
-   reserve for the fit-end measurement counts against a fill-in only while that measurement
-   can still fit, so that a fit whose one exact measurement alone exceeds what it may spend
-   still gets its curves;
+   on the fill-in's own samples (the exact structure on that subset and on its first half,
+   extrapolated to the whole set: the soft rank grows with the samples measured,
+   :mod:`~lightning_flatness.core.sample_growth`) whenever that fits, and taken again so at the
+   last epoch (the ratio drifts over a fit); the reserve for the fit-end measurement counts
+   against a fill-in only while that measurement can still fit (once it cannot, the reserve is
+   that last calibration's, while it can), so that a fit whose one exact measurement alone
+   exceeds what it may spend still gets its curves;
 3. else nothing — unless another callback reads the values every scheduled epoch
    (``EarlyStopping`` or ``ModelCheckpoint`` monitoring one of them): then the cheapest one runs,
    over the budget if need be.
@@ -134,6 +136,8 @@ class OverheadBudget:
     #: the last exact-quality measurement's seconds (or a prediction), and the cheap one's
     exact_seconds: float | None = None
     cheap_seconds: float | None = None
+    #: the last calibration's on the fill-in's samples (the exact structure on them)
+    subset_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.share is not None and not (
@@ -221,9 +225,16 @@ class OverheadBudget:
         return exact <= self.allowance and self.spent <= self.allowance
 
     def _live_reserve(self, reserve: float, projected: float) -> float:
-        """The fit-end reserve while the exact measurement can still fit, else none (so that a
-        fit whose one exact measurement exceeds what it may spend still gets fill-ins)."""
-        return reserve if self._fits(reserve, 0.0, projected) else 0.0
+        """The fit-end reserve while the exact measurement can still fit; else, once the fill-in
+        has been calibrated on its own samples, that calibration's cost while it can still fit
+        (the last value is calibrated again); else none (so that a fit whose one exact
+        measurement exceeds what it may spend still gets fill-ins)."""
+        if self._fits(reserve, 0.0, projected):
+            return reserve
+        if not self.subset_seconds:
+            return 0.0
+        again = self.subset_seconds + (self.cheap_seconds or 0.0)  # it runs the fill-in too
+        return again if self._fits(again, 0.0, projected) else 0.0
 
     def decide(
         self,
@@ -281,24 +292,28 @@ def fill_in_record(
 class Calibration:
     """The ratio exact ÷ fill-in soft rank that scales the fill-in, and where it was taken: at
     an exact measurement of the whole measured set (``samples`` None), or, before any, the
-    exact structure on the fill-in's own ``samples`` (a lower estimate of the whole set's soft
-    rank, which grows with the samples measured)."""
+    exact structure on the fill-in's own ``samples``, extrapolated to the ``target_samples`` of
+    the whole set from its first half's value
+    (:func:`~lightning_flatness.core.sample_growth.extrapolated_soft_rank`: the soft rank grows
+    with the samples measured)."""
 
     ratio: float = math.nan
     epoch: float = math.nan
     samples: int | None = None
-    #: the rank bound of the measurement the ratio came from (caps the scaled values)
+    #: the rank bound of the measurement the ratio stands for (caps the scaled values)
     rank_bound: float | None = None
+    #: the samples the subset's soft rank was extrapolated to (None: not extrapolated)
+    target_samples: int | None = None
 
     def describe(self) -> str:
         """How a fill-in value is made, for the per-epoch line and the summary."""
         if not math.isfinite(self.ratio):
             return f"{FILL_IN}, unscaled: an upper estimate"
-        where = (
-            f"at epoch {int(self.epoch)}"
-            if self.samples is None
-            else f"on its {self.samples:,} samples at epoch {int(self.epoch)}: a lower estimate"
-        )
+        where = f"at epoch {int(self.epoch)}"
+        if self.samples is not None:
+            where = f"on its {self.samples:,} samples at epoch {int(self.epoch)}"
+            if self.target_samples is not None and self.target_samples > self.samples:
+                where += f", extrapolated to {self.target_samples:,}"
         return f"{FILL_IN} × {self.ratio:.3g}, the exact ÷ {FILL_IN} ratio {where}"
 
 

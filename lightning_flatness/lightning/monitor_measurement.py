@@ -161,18 +161,26 @@ class MonitorMeasurement:
         pl_module: LightningModule,
         structure: str | None = None,
         limit: int | None = None,
+        half: bool = False,
     ) -> FlatnessReport:
         """``structure`` (the active one by default) on the fixed subsets; the fill-in, or any
-        structure given a ``limit``, on the fill-in's subset of at most that many samples."""
-        val_loaders = trainer.val_dataloaders if self.use_val else None
+        structure given a ``limit``, on the fill-in's subset of at most that many samples;
+        ``half``: the soft rank of the first half of each process's samples of that subset
+        only (no held-out set), which with every process's half is the first half of the
+        subset (its samples are dealt to the processes in turn)."""
         if structure == FILL_IN:
             limit = FILL_IN_SAMPLES
         train_batches = self._batches(trainer, trainer.train_dataloader, "training", limit)
-        val_batches = (
-            None
-            if val_loaders is None
-            else self._batches(trainer, val_loaders, "validation", limit)
-        )
+        val_batches = None
+        if self.use_val and not half and trainer.val_dataloaders is not None:
+            val_batches = self._batches(trainer, trainer.val_dataloaders, "validation", limit)
+        arguments = None
+        if half:
+            held = sum(leading_size(batch) for batch in train_batches)
+            arguments = {
+                **self.measure_arguments(structure or self._active_structure),
+                "max_samples": max(held // 2, 1),
+            }
         return self._call_measure(
             pl_module,
             train_batches,
@@ -180,6 +188,7 @@ class MonitorMeasurement:
             all_reduce=self._all_reduce(trainer),
             shard=self._shard(trainer),
             structure=structure,
+            arguments=arguments,
         )
 
     def _call_measure(

@@ -17,7 +17,10 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_flatness.core.curvature.probe_kernel import FIRST_HALF
 from lightning_flatness.core.progress import reporting_progress
+from lightning_flatness.core.report import FlatnessReport
+from lightning_flatness.core.sample_growth import extrapolated_soft_rank
 from lightning_flatness.lightning.budget import (
     CHEAP,
     EXACT,
@@ -32,12 +35,24 @@ from lightning_flatness.lightning.budget import (
 )
 from lightning_flatness.lightning.figures import summary_table
 
-__all__ = ["ANNOUNCE_SECONDS", "PROGRESS_SECONDS", "MeasurementSchedule", "quiet_fill_in"]
+__all__ = [
+    "ANNOUNCE_SECONDS",
+    "PROGRESS_SECONDS",
+    "MeasurementSchedule",
+    "announce",
+    "rank_zeros",
+    "reads_every_epoch",
+    "whole_set_soft_rank",
+    "quiet_fill_in",
+]
 
 #: an exact measurement expected to take longer is announced with one line
 ANNOUNCE_SECONDS = 5.0
 #: during an exact measurement, one line of progress at most this often (seconds)
 PROGRESS_SECONDS = 10.0
+#: the subset's calibration with the measurement of its first half, ÷ without it (a half costs
+#: at most half as much: its sums grow faster than the samples)
+HALF_TOO = 1.5
 
 
 @contextmanager
@@ -48,6 +63,45 @@ def quiet_fill_in() -> Iterator[None]:
         pattern = re.escape(f"structure={FILL_IN!r} reports a soft rank")
         warnings.filterwarnings("ignore", message=pattern)
         yield
+
+
+def announce(expected: float | None, structure: str, epoch: int) -> None:
+    """One line before an exact measurement expected to take more than
+    :data:`ANNOUNCE_SECONDS`, so that a long pause is explained."""
+    if expected is not None and expected > ANNOUNCE_SECONDS:
+        rank_zero_info(
+            f"FlatnessMonitor: measuring epoch {epoch} with {structure} "
+            f"(about {expected:.0f} s; Ctrl-C stops the fit)"
+        )
+
+
+def reads_every_epoch(trainer: Trainer, log_prefix: str) -> bool:
+    """Whether EarlyStopping or ModelCheckpoint monitors one of the monitor's values (those
+    under ``log_prefix``: it then needs one at every scheduled epoch)."""
+    return any(
+        isinstance(callback, (EarlyStopping, ModelCheckpoint))
+        and str(getattr(callback, "monitor", None) or "").startswith(log_prefix)
+        for callback in trainer.callbacks
+    )
+
+
+def whole_set_soft_rank(
+    subset: FlatnessReport, half_soft_rank: float, target: int, parameters: int
+) -> tuple[float, float, int]:
+    """The soft rank of the ``target`` samples of the whole measured set from a ``subset``
+    report and the soft rank of the subset's first half
+    (:func:`~lightning_flatness.core.sample_growth.extrapolated_soft_rank`), its rank bound (the
+    subset's per sample, at most the ``parameters``), and the samples it stands for."""
+    soft_rank = extrapolated_soft_rank(half_soft_rank, subset.soft_rank, subset.num_samples, target)
+    bound = min(float(parameters), subset.rank_bound * target / subset.num_samples)
+    return soft_rank, bound, target
+
+
+def rank_zeros(trainer: Trainer, value: object) -> object:
+    """Rank 0's ``value`` on every process (decisions taken on each rank's own clock)."""
+    if trainer.world_size > 1:
+        return trainer.strategy.broadcast(value, src=0)
+    return value
 
 
 class MeasurementSchedule:
@@ -105,16 +159,13 @@ class MeasurementSchedule:
     ) -> str:
         """The budget's decision (:meth:`OverheadBudget.decide`), rank 0's on every process."""
         decision = self.budget.decide(
-            epochs_done, max_epochs, last, self._has_fill_in(), self._read_every_epoch(trainer)
+            epochs_done,
+            max_epochs,
+            last,
+            self._has_fill_in(),
+            reads_every_epoch(trainer, self.log_prefix),
         )
-        return self._rank_zeros(trainer, decision)
-
-    @staticmethod
-    def _rank_zeros(trainer: Trainer, value: object) -> object:
-        """Rank 0's ``value`` on every process (decisions taken on each rank's own clock)."""
-        if trainer.world_size > 1:
-            return trainer.strategy.broadcast(value, src=0)
-        return value
+        return rank_zeros(trainer, decision)
 
     def _budgeted_record(
         self,
@@ -128,7 +179,7 @@ class MeasurementSchedule:
         the last exact ratio, or before any by the ratio on its own samples when that fits), or
         None (skipped, or the fill-in cannot measure this model)."""
         if decision == EXACT:
-            self._announce(epoch)
+            announce(self.budget.exact_seconds, self._active_structure, epoch)
             with reporting_progress(
                 lambda line: rank_zero_info(f"FlatnessMonitor: {line}"), PROGRESS_SECONDS
             ):
@@ -136,7 +187,10 @@ class MeasurementSchedule:
             record.update(fill_in=0.0, calibration=1.0)
             return record
         if decision == CHEAP:
-            if not math.isfinite(self._calibration.ratio) and self._subset_fits(trainer, horizon):
+            # the last value again on the subset: the fill-in's ratio drifts over a fit
+            again = horizon[2] and self._calibration.samples is not None
+            uncalibrated = not math.isfinite(self._calibration.ratio)
+            if (uncalibrated or again) and self._subset_fits(trainer, horizon):
                 return self._calibrate_on_subset(trainer, pl_module)
             cheap = self._cheap_record(trainer, pl_module)
             if cheap is None:
@@ -145,10 +199,15 @@ class MeasurementSchedule:
         return None
 
     def _subset_seconds(self) -> float:
-        """The exact structure's predicted cost on the fill-in's samples: the whole set's, per
-        sample (an upper estimate: the probe kernel's sums grow faster than the samples)."""
+        """The exact structure's cost on the fill-in's samples (and their first half): the last
+        such calibration's, or before any the whole set's per sample (an upper estimate: the
+        probe kernel's sums grow faster than the samples)."""
+        if self.budget.subset_seconds is not None:
+            return self.budget.subset_seconds
         samples = min(self.resolved_num_train_samples or 0, self.max_samples or math.inf)
         share = min(FILL_IN_SAMPLES / samples, 1.0) if samples > 0 else 1.0
+        # and, below the whole set, its first half for the extrapolation to it
+        share *= HALF_TOO if share < 1.0 else 1.0
         return (self.budget.exact_seconds or 0.0) * share
 
     def _subset_fits(self, trainer: Trainer, horizon: tuple[int, int | None, bool]) -> bool:
@@ -157,18 +216,19 @@ class MeasurementSchedule:
         if self._subset_failed:
             return False
         fits = self.budget.fits_beside_fill_in(self._subset_seconds(), *horizon)
-        return bool(self._rank_zeros(trainer, fits))
+        return bool(rank_zeros(trainer, fits))
 
     def _calibrate_on_subset(
         self, trainer: Trainer, pl_module: LightningModule
     ) -> dict[str, float] | None:
-        """Before any exact measurement of the whole set: the exact structure and the fill-in on
-        the fill-in's own samples, their ratio the calibration (a lower estimate of the whole
-        set's soft rank, which grows with the samples measured) and the fill-in's record scaled
-        by it."""
+        """Before any exact measurement of the whole set, and again at the last epoch: the exact
+        structure and the fill-in on the fill-in's own samples, the exact soft rank
+        extrapolated to the whole set (:meth:`_whole_set_soft_rank`), their ratio the
+        calibration, and the fill-in's record scaled by it."""
         started = time.perf_counter()
         try:
             exact = self._run_measure(trainer, pl_module, limit=FILL_IN_SAMPLES)
+            whole = self._whole_set_soft_rank(trainer, pl_module, exact)
         except Exception as error:  # said once; the fill-in goes on unscaled
             self._subset_failed = True
             rank_zero_warn(
@@ -177,38 +237,36 @@ class MeasurementSchedule:
             )
             exact = None
         seconds = time.perf_counter() - started
+        self.budget.subset_seconds = rank_zeros(trainer, seconds)
         cheap = self._cheap_record(trainer, pl_module)
         if cheap is None:
             return None
-        if exact is not None and cheap["soft_rank"] > 0 and math.isfinite(exact.soft_rank):
+        if exact is not None and cheap["soft_rank"] > 0 and math.isfinite(whole[0]):
             self._calibration = Calibration(
-                exact.soft_rank / cheap["soft_rank"],
+                whole[0] / cheap["soft_rank"],
                 float(trainer.current_epoch),
                 samples=exact.num_samples,
-                rank_bound=exact.rank_bound,
+                rank_bound=whole[1],
+                target_samples=whole[2],
             )
         record = fill_in_record(cheap, self._calibration.ratio, self._calibration.rank_bound)
         record["seconds"] += seconds
         return record
 
-    def _announce(self, epoch: int) -> None:
-        """One line before an exact measurement expected to take more than
-        :data:`ANNOUNCE_SECONDS`, so that a long pause is explained."""
-        expected = self.budget.exact_seconds
-        if expected is not None and expected > ANNOUNCE_SECONDS:
-            rank_zero_info(
-                f"FlatnessMonitor: measuring epoch {epoch} with {self._active_structure} "
-                f"(about {expected:.0f} s; Ctrl-C stops the fit)"
-            )
-
-    def _read_every_epoch(self, trainer: Trainer) -> bool:
-        """Whether EarlyStopping or ModelCheckpoint monitors one of this monitor's values (it
-        then needs one at every scheduled epoch)."""
-        return any(
-            isinstance(callback, (EarlyStopping, ModelCheckpoint))
-            and str(getattr(callback, "monitor", None) or "").startswith(self.log_prefix)
-            for callback in trainer.callbacks
-        )
+    def _whole_set_soft_rank(
+        self, trainer: Trainer, pl_module: LightningModule, subset: FlatnessReport
+    ) -> tuple[float, float, int]:
+        """:func:`whole_set_soft_rank` from the exact structure's ``subset`` report on the
+        fill-in's samples, with their first half's soft rank from a formed kernel's own rows or
+        else measured."""
+        target = int(min(self.resolved_num_train_samples or 0, self.max_samples or math.inf))
+        if not math.isfinite(subset.soft_rank) or subset.num_samples >= target:
+            return subset.soft_rank, subset.rank_bound, subset.num_samples
+        first_half = subset.blocks.get(FIRST_HALF)
+        if first_half is None:
+            first_half = self._run_measure(trainer, pl_module, limit=FILL_IN_SAMPLES, half=True)
+        parameters = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        return whole_set_soft_rank(subset, first_half.soft_rank, target, parameters)
 
     def _cheap_record(self, trainer: Trainer, pl_module: LightningModule) -> dict | None:
         """The fill-in structure's record, or None (it cannot measure this model: said once,

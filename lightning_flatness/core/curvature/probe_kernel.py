@@ -59,7 +59,7 @@ from lightning_flatness.core.spectral import (
     spectral_summary,
 )
 
-__all__ = ["SIDES", "ProbeKernelFisher", "symmetric_gram"]
+__all__ = ["FIRST_HALF", "SIDES", "ProbeKernelFisher", "symmetric_gram"]
 
 #: where the spectrum is computed: the cheaper of the two, the P × P matrix, the ms × ms kernel
 SIDES = ("auto", "parameters", "samples")
@@ -72,6 +72,9 @@ EIGEN_SIZE_LIMIT = 2048
 SPECTRUM_STEPS = 40
 #: entries of the histogram sample of a large estimate's spectrum
 HISTOGRAM_ENTRIES = 100_000
+#: the ``blocks`` entry of a formed sample-side kernel's estimate from the first half of its
+#: samples alone
+FIRST_HALF = "first_half"
 
 
 class ProbeKernelFisher(CurvatureAccumulator):
@@ -256,16 +259,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
             rows = torch.cat(self.store.chunks(), dim=1)  # (s, m, P)
             flat = rows.reshape(-1, rows.shape[-1])
             kernel = symmetric_gram(flat.T) / num_samples
-            per_group = rows.shape[1] * (self.probes // groups)
-            if groups < 2:
-                return kernel, [], []
-            leave_outs, kept_rows = [], []
-            for g in range(groups):
-                kept = [h for h in range(groups) if h != g]
-                others = torch.cat([torch.arange(h * per_group, (h + 1) * per_group) for h in kept])
-                leave_outs.append(kernel[others][:, others] * keep)
-                kept_rows.append(others)
-            return kernel, leave_outs, kept_rows
+            return kernel, *_group_leave_outs(kernel, groups, rows.shape[1] * self.probes)
         if self.grams is None:
             self._to_parameter_side()
         self._flush()
@@ -301,11 +295,12 @@ class ProbeKernelFisher(CurvatureAccumulator):
             plain, spectrum = spectral_summary(full, lam), full[full > 0]
         parts = [_leave_out_summary(m, lam, dtype) for m in leave_outs]
         corrected, stderr = jackknife(plain, [summary for summary, _ in parts])
+        blocks = {"stderr": stderr, "uncorrected": plain}
+        if on_samples and num_samples == self.store.samples:
+            half = _first_half(matrix, self.store.samples, self.probes)
+            blocks[FIRST_HALF] = _jackknifed_summary(half, self.groups, lam, dtype)
         estimate = CurvatureEstimate(
-            summary=corrected,
-            eigenvalues=spectrum,
-            blocks={"stderr": stderr, "uncorrected": plain},
-            tic_trace=math.nan,
+            summary=corrected, eigenvalues=spectrum, blocks=blocks, tic_trace=math.nan
         )
         if self.gradient is not None:
             factors = [factor, *(leave_factor for _, leave_factor in parts)]
@@ -321,6 +316,48 @@ class ProbeKernelFisher(CurvatureAccumulator):
             )
             estimate.newton_decrement, estimate.newton_decrement_stderr = decrement
         return estimate
+
+
+def _group_leave_outs(
+    kernel: Tensor, groups: int, num_rows: int
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Each leave-one-probe-group-out kernel of a sample-side ``kernel`` whose ``num_rows`` rows
+    are ordered by probe group (scaled by groups / (groups − 1): each is an estimate in its own
+    right), and the positions of its rows in the whole kernel; none with fewer than 2 groups."""
+    if groups < 2:
+        return [], []
+    keep, per_group = groups / (groups - 1), num_rows // groups
+    leave_outs, kept_rows = [], []
+    for group in range(groups):
+        others = torch.cat(
+            [torch.arange(h * per_group, (h + 1) * per_group) for h in range(groups) if h != group]
+        )
+        leave_outs.append(kernel[others][:, others] * keep)
+        kept_rows.append(others)
+    return leave_outs, kept_rows
+
+
+def _first_half(kernel: Tensor, samples: int, probes: int) -> Tensor:
+    """The sample-side kernel of the first ⌊m/2⌋ of its m ``samples`` alone: its rows of those
+    samples (rows are ordered by probe, then sample), times m / ⌊m/2⌋ — what a measurement of
+    those samples alone would form (the soft rank's growth with the samples measured,
+    :mod:`~lightning_flatness.core.sample_growth`)."""
+    half = max(samples // 2, 1)
+    positions = torch.arange(half, device=kernel.device)
+    starts = torch.arange(probes, device=kernel.device) * samples
+    rows = (starts[:, None] + positions[None, :]).reshape(-1)
+    return kernel[rows][:, rows] * (samples / half)
+
+
+def _jackknifed_summary(
+    kernel: Tensor, groups: int, lam: float, dtype: torch.dtype
+) -> SpectralSummary:
+    """The probe-group-jackknifed trace functions of a sample-side ``kernel`` (module
+    docstring), by dense factorisations."""
+    plain, _ = _leave_out_summary(kernel, lam, dtype)
+    leave_outs, _ = _group_leave_outs(kernel, groups, kernel.shape[0])
+    parts = [_leave_out_summary(matrix, lam, dtype)[0] for matrix in leave_outs]
+    return jackknife(plain, parts)[0] if parts else plain
 
 
 def _pieces(rows: Tensor | list[Tensor], probes: int, num_parameters: int) -> list[Tensor]:
