@@ -5,11 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from conftest import batches, random_data, tiny_model
 
 from lightning_flatness import measure
 from lightning_flatness.core.trust import (
     DECREMENT_LIMIT,
+    RATIO_DISAGREEMENT_LIMIT,
     TRUST_THRESHOLD,
     TRUSTED_WITHIN_2X,
     trusted,
@@ -91,3 +93,49 @@ def test_verdict_cases_of_the_study(score, structure, soft_rank, expected):
 
 def test_threshold_is_the_studied_one():
     assert TRUST_THRESHOLD == 0.3
+
+
+@pytest.mark.parametrize(
+    ("disagreement", "expected"),
+    [
+        (1.05, 1.0),  # an MLP of the study trained at c = 100: the two ratios agree
+        (1.71, 1.0),  # the main job: Eq. 13 at 1.8× the observed gap
+        (RATIO_DISAGREEMENT_LIMIT, 1.0),
+        (4.16, 0.0),  # trained at c = 1, α_train 0.34: Eq. 13 at 0.56× the gap
+        (5.89, 0.0),  # trained at c = 1, α_train 0.55: Eq. 13 at 0.21× the gap
+        (math.nan, 1.0),  # no held-out data: not read
+    ],
+)
+def test_a_held_out_trace_ratio_far_above_the_training_one_is_not_trusted(disagreement, expected):
+    assert verdict(0.5, "probe_kernel", 100.0, 1000.0, 0.01, disagreement=disagreement) == expected
+
+
+def test_a_report_untrusts_a_model_whose_held_out_ratio_is_far_above_its_training_one():
+    """measure() passes the ratio of its two trace ratios to the verdict: the same model is
+    trusted on held-out data that agrees with its training data and not on data it gets
+    confidently wrong (the training data with shuffled labels)."""
+    torch.manual_seed(0)
+    inputs, targets = torch.randn(64, 5), torch.randint(0, 3, (64,))
+    model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    for _ in range(300):  # fit the labels (α_train stays above 0.3 at this decay)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+        (loss + 0.5e-2 * sum(p.square().sum() for p in model.parameters())).backward()
+        optimizer.step()
+    wrong = targets[torch.randperm(64, generator=torch.Generator().manual_seed(1))]
+
+    def report(val_targets):
+        return measure(
+            model,
+            [(inputs, targets)],
+            lam=1e-2,
+            num_train_samples=64,
+            val_batches=[(inputs, val_targets)],
+            structure="dense",
+        )
+
+    agreeing, wrong_held_out = report(targets), report(wrong)
+    assert agreeing.trace_ratio_val == pytest.approx(agreeing.trace_ratio_train)
+    assert wrong_held_out.trace_ratio_val > RATIO_DISAGREEMENT_LIMIT * agreeing.trace_ratio_train
+    assert agreeing.trusted == 1.0 and wrong_held_out.trusted == 0.0

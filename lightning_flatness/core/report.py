@@ -204,6 +204,7 @@ def build_report(
             summary.soft_rank,
             curvature.rank_bound,
             curvature.newton_decrement,
+            disagreement=_ratio(ratio_val, ratio_train),
         ),
         newton_decrement=curvature.newton_decrement,
         newton_decrement_stderr=curvature.newton_decrement_stderr,
