@@ -14,6 +14,7 @@ import torch
 from conftest import assert_records_equal
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness.core.options import structure_options
 from lightning_flatness.core.trust import SETTLED_DROP
 from lightning_flatness.lightning.monitor import DEFAULT_MAX_VAL_SAMPLES
 from lightning_flatness.lightning.monitor_measurement import MEASUREMENT_BATCH_SIZE
@@ -61,14 +62,16 @@ def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure, mod
     data.setup("fit")
     union = fixed_subset_batches(data.train_dataloader(), 200, 256, seed=0)
     val_union = fixed_subset_batches(data.val_dataloader(), 100, 256, seed=0)
+    # the options object the ranks' monitor was given (tests/scripts/ddp_fit.py)
+    rows = {"trace_estimator": "sampled" if mode else "exact"}
+    rows["kfac_mode"] = rows["trace_estimator"]
     single = measure(
         model,
         union,
         lam=1e-3,
         num_train_samples=256,
-        structure=structure,
+        structure=structure_options(structure, **rows),
         val_batches=val_union,
-        **({"kfac_mode": "sampled", "trace_estimator": "sampled"} if mode else {}),
     ).as_dict()
     assert rank0["num_samples"] == 200 and rank0["num_val_samples"] == 100
     # float32 model: the probe kernel factorises in float32, where a last-bit difference in the

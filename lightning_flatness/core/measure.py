@@ -64,6 +64,7 @@ from lightning_flatness.core.options import (
     structure_options,
 )
 from lightning_flatness.core.pipeline import model_device_dtype, run_pipeline
+from lightning_flatness.core.probe_bias import exact_rows_options
 from lightning_flatness.core.report import FlatnessReport, build_report
 from lightning_flatness.core.spectral import check_lam
 from lightning_flatness.core.statistics import StatisticSums
@@ -184,9 +185,10 @@ def measure(
             raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
     seen = min(int(num_train_samples), int(max_samples or num_train_samples))
     if isinstance(structure, OPTION_CLASSES):
-        options = structure
+        options, default_rows = structure, False
     else:
-        if not {"probes", "groups"} & set(kernel_options or {}):
+        default_rows = not {"probes", "groups"} & set(kernel_options or {})
+        if default_rows:
             kernel_options = {**(kernel_options or {}), "probes": default_probes(seen)}
         if structure == AUTO:
             kernel = KernelOptions.from_dict(kernel_options, "exact")
@@ -208,22 +210,33 @@ def measure(
     structure = options.structure
     get_likelihood(loss)
     start = time.perf_counter()
-    curvature, train_sums, val_sums = curvature_and_sums(
-        model,
-        train_batches,
-        options,
-        lam=lam,
-        decay=decay if isinstance(decay, ParameterDecay) else None,
-        val_batches=val_batches,
-        max_samples=max_samples,
-        max_val_samples=max_val_samples,
-        loss=loss,
-        seed=seed,
-        all_reduce=all_reduce,
-        shard=shard,
-        unpack_batch=unpack_batch,
-        logits_fn=logits_fn,
+
+    def measured(options: StructureOptions) -> tuple[object, StatisticSums, StatisticSums | None]:
+        return curvature_and_sums(
+            model,
+            train_batches,
+            options,
+            lam=lam,
+            decay=decay if isinstance(decay, ParameterDecay) else None,
+            val_batches=val_batches,
+            max_samples=max_samples,
+            max_val_samples=max_val_samples,
+            loss=loss,
+            seed=seed,
+            all_reduce=all_reduce,
+            shard=shard,
+            unpack_batch=unpack_batch,
+            logits_fn=logits_fn,
+        )
+
+    curvature, train_sums, val_sums = measured(options)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    batches = (train_batches, val_batches)
+    exact_rows = default_rows and exact_rows_options(
+        options, curvature, int(train_sums.count), trainable, batches, all_reduce is not None
     )
+    if exact_rows:  # the default probes' bias near m·s: the exact rows instead
+        curvature, train_sums, val_sums = measured(exact_rows)
     return build_report(
         curvature,
         train_sums,

@@ -248,7 +248,10 @@ class HookBackend(Backend):
                 [params[name] for name in names],
                 self.decay if self.decay is not None else lam,
             )
-        return self.estimator.estimate(num_samples, lam)
+        estimate = self.estimator.estimate(num_samples, lam)
+        if isinstance(self.estimator, ProbeKernelFisher):
+            estimate.probe_rows = (self.estimator.probes, int(self.num_outputs or 0))
+        return estimate
 
     def rank_shape(self) -> tuple[int, int]:
         return self.num_parameters, self.num_outputs or 0

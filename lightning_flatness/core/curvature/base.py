@@ -43,6 +43,8 @@ class CurvatureEstimate:
             mse); a soft rank above it is impossible. Every backend sets it
             (:meth:`~lightning_flatness.core.likelihoods.Likelihood.fisher_rank_bound`);
             infinite, so never checked, on an estimate made outside one.
+        probe_rows: of a probe-kernel estimate, ``(s, C)``: the rows per sample it used and
+            the model's outputs (s = C: the exact rows); None for the other structures.
     """
 
     summary: SpectralSummary
@@ -53,6 +55,7 @@ class CurvatureEstimate:
     rank_bound: float = math.inf
     newton_decrement: float = math.nan
     newton_decrement_stderr: float = math.nan
+    probe_rows: tuple[int, int] | None = None
 
 
 class CurvatureAccumulator(ABC):
