@@ -19,6 +19,8 @@ each measurement.
         --skip-formed
     python benchmarks/bench_stored_rows.py --rungs 16,32,64:10000 --c 5 --certified --skip-cg \
         --skip-formed
+    python benchmarks/bench_stored_rows.py --rungs 16,32,64:10000 --c 5 --skip-cg --skip-formed \
+        --epochs 5 --tolerances 0.05 0.1
 """
 
 from __future__ import annotations
@@ -93,6 +95,13 @@ def main() -> None:
         action="store_true",
         help="reference: stored rows of 4 probes with a ±0.2% quadrature bracket (past dense)",
     )
+    parser.add_argument(
+        "--tolerances",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also the default with these slq_tolerance brackets (e.g. 0.05 0.1)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     set_threads(args.threads)
@@ -129,6 +138,11 @@ def main() -> None:
                     {"kernel_options": {"side": "samples", "max_kernel_size": 10**6}},
                 )
             runs["stored rows (the default)"] = ("auto", {})
+            for tolerance in args.tolerances:
+                runs[f"stored rows, bracket ±{tolerance:.0%}"] = (
+                    "auto",
+                    {"kernel_options": {"slq_tolerance": tolerance}},
+                )
             if not args.skip_cg:
                 runs["cg (the default before)"] = ("cg", {})
             results = {name: _measure(model, data, lam, s, **o) for name, (s, o) in runs.items()}

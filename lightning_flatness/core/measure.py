@@ -153,7 +153,9 @@ def measure(
         kernel_options: options of ``probe_kernel`` (``probes``, ``groups``, ``side``, size
             guards; :class:`~lightning_flatness.core.options.KernelOptions`). Without
             ``probes`` or ``groups``: 4 probes in 2 groups, and 2 probes from 8,192 measured
-            samples on (:func:`~lightning_flatness.core.defaults.default_probes`).
+            samples on (:func:`~lightning_flatness.core.defaults.default_probes`), measured
+            again with the exact output rows where the soft rank nears the probe rows
+            (:mod:`~lightning_flatness.core.probe_bias`).
         unpack_batch: ``batch -> (inputs, targets)``; default
             :func:`~lightning_flatness.core.batches.default_unpack_batch` (sequences and mappings
             with a ``labels``/``label``/``targets``/``target``/``y`` key).
