@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
 from _common import environment_note, markdown_table, set_threads
-from study_trust import GRIDS, load_data, train
+from study_trust import GRIDS, train, untrained
 
 from lightning_flatness import measure
-from lightning_flatness.core.models import build_model
 
 #: (grid, n, c) of the trained models measured, learning rate 1e-3
 CASES = (
@@ -47,12 +45,9 @@ def main() -> None:
     rows = []
     for grid, n, c in CASES:
         run = next(r for r in GRIDS[grid].runs() if (r["n"], r["c"], r["lr"]) == (n, c, 1e-3))
-        x, y, _, _ = load_data(run["image_size"], n, run["seed"])
-        torch.manual_seed(run["seed"])
-        model = build_model(run["architecture"], tuple(x.shape[1:]), 10, hidden=run["hidden"] or 70)
+        model, x, y, _, _ = untrained(run)
         train(model, x, y, run)
         data = [(x[i : i + 500], y[i : i + 500]) for i in range(0, n, 500)]
-
         lam = run["lam"]
         dense, dense_s = _measured(model, data, lam, n, structure="dense")
         default, default_s = _measured(model, data, lam, n)

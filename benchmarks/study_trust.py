@@ -251,11 +251,17 @@ def decrements(model: nn.Module, x: Tensor, y: Tensor, lam: float) -> dict[str, 
     }
 
 
-def one_run(run: dict) -> dict:
-    """Train one model of ``run``, measure it and return its record."""
+def untrained(run: dict) -> tuple[nn.Module, Tensor, Tensor, Tensor, Tensor]:
+    """``run``'s model, seeded and not yet trained, and its data ``(x, y, x_val, y_val)``."""
     x, y, x_val, y_val = load_data(run["image_size"], run["n"], run["seed"])
     torch.manual_seed(run["seed"])
     model = build_model(run["architecture"], tuple(x.shape[1:]), 10, hidden=run["hidden"] or 70)
+    return model, x, y, x_val, y_val
+
+
+def one_run(run: dict) -> dict:
+    """Train one model of ``run``, measure it and return its record."""
+    model, x, y, x_val, y_val = untrained(run)
     start = time.perf_counter()
     history = train(model, x, y, run)
     train_seconds = time.perf_counter() - start

@@ -186,6 +186,7 @@ def measure(
         if value is not None and int(value) < 1:
             raise ValueError(f"{name} must be ≥ 1 or None (all samples), got {value!r}.")
     seen = min(int(num_train_samples), int(max_samples or num_train_samples))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if isinstance(structure, OPTION_CLASSES):
         options, default_rows = structure, False
     else:
@@ -194,7 +195,6 @@ def measure(
             kernel_options = {**(kernel_options or {}), "probes": default_probes(seen)}
         if structure == AUTO:
             kernel = KernelOptions.from_dict(kernel_options, "exact")
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
             summable = all_reduce is not None
             device = next((p.device for p in model.parameters()), None)
             choice = choose_structure(trainable, seen, kernel, summable=summable, device=device)
@@ -232,7 +232,6 @@ def measure(
         )
 
     curvature, train_sums, val_sums = measured(options)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     batches = (train_batches, val_batches)
     exact_rows = default_rows and exact_rows_options(
         options, curvature, int(train_sums.count), trainable, batches, all_reduce is not None
