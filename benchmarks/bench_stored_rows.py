@@ -21,6 +21,8 @@ each measurement.
         --skip-formed
     python benchmarks/bench_stored_rows.py --rungs 16,32,64:10000 --c 5 --skip-cg --skip-formed \
         --epochs 5 --tolerances 0.05 0.1
+    python benchmarks/bench_stored_rows.py --rungs 16,32,64:10000 --c 5 --certified --skip-cg \
+        --skip-formed --epochs 5 --unsketched --sketch-factors 8 16
 """
 
 from __future__ import annotations
@@ -102,6 +104,30 @@ def main() -> None:
         default=[],
         help="also the default with these slq_tolerance brackets (e.g. 0.05 0.1)",
     )
+    parser.add_argument(
+        "--unsketched", action="store_true", help="also the default's rows kept whole"
+    )
+    parser.add_argument(
+        "--sketch-factors",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also the rows sketched this many times shorter, whatever P (e.g. 4 16)",
+    )
+    parser.add_argument(
+        "--sketch-groups",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also the rows sketched 8× shorter in this many jackknife groups (e.g. 4 8)",
+    )
+    parser.add_argument(
+        "--reference-factor",
+        type=int,
+        default=None,
+        help="reference: rows sketched this many times shorter, 16 × ≤ 150 steps, ±0.2% "
+        "(past the memory of whole rows)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     set_threads(args.threads)
@@ -127,10 +153,23 @@ def main() -> None:
                     "slq_steps": 150,
                     "slq_tolerance": 0.002,
                     "max_row_elements": 2**34,
+                    "sketch_factor": 1,
                 }
                 runs["stored rows, 4 probes, 16 × ≤ 150 steps, bracket ±0.2%"] = (
                     "probe_kernel",
                     {"kernel_options": certified},
+                )
+            if args.reference_factor is not None:
+                sketched = {
+                    "slq_probes": 16,
+                    "slq_steps": 150,
+                    "slq_tolerance": 0.002,
+                    "max_row_elements": 2**34,
+                    "sketch_factor": args.reference_factor,
+                }
+                runs[f"rows {args.reference_factor}× shorter, 16 × ≤ 150 steps, ±0.2%"] = (
+                    "probe_kernel",
+                    {"kernel_options": sketched},
                 )
             if not args.skip_formed:
                 runs["formed kernel, default's rows"] = (
@@ -138,6 +177,21 @@ def main() -> None:
                     {"kernel_options": {"side": "samples", "max_kernel_size": 10**6}},
                 )
             runs["stored rows (the default)"] = ("auto", {})
+            if args.unsketched:
+                runs["stored rows kept whole"] = ("auto", {"kernel_options": {"sketch_factor": 1}})
+            for groups in args.sketch_groups:
+                sketched = {"sketch_factor": 8, "sketch_groups": groups}
+                sketched["sketch_from_parameters"] = 1
+                runs[f"stored rows 8× shorter, {groups} sketch groups"] = (
+                    "auto",
+                    {"kernel_options": sketched},
+                )
+            for factor in args.sketch_factors:
+                sketched = {"sketch_factor": factor, "sketch_from_parameters": 1}
+                runs[f"stored rows sketched {factor}× shorter"] = (
+                    "auto",
+                    {"kernel_options": sketched},
+                )
             for tolerance in args.tolerances:
                 runs[f"stored rows, bracket ±{tolerance:.0%}"] = (
                     "auto",

@@ -138,14 +138,26 @@ def test_the_rows_memory_is_the_guard(monkeypatch):
 
 
 def test_the_default_keeps_rows_past_the_formed_kernels_guard(monkeypatch):
-    """78,000 parameters and 10,000 samples of 2 probes: 1.6·10⁹ numbers of rows, stored when
-    they fit in memory (6 GiB of float32), the matrix-free cg when not or across processes."""
-    options = KernelOptions(probes=2)
+    """78,000 parameters and 10,000 samples of 2 probes: 1.6·10⁹ numbers of rows (6 GiB of
+    float32), sketched 4 times shorter at the default (1.5 GiB); stored when they fit in memory,
+    sketched shorter still where that makes them fit, the matrix-free cg when nothing does or
+    across processes."""
+    options, unsketched = KernelOptions(probes=2), KernelOptions(probes=2, sketch_factor=1)
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: 20 * 2**30)
-    choice = choose_structure(78_000, 10_000, options)
-    assert choice.structure == "probe_kernel" and "Lanczos quadrature" in choice.reason
-    assert choose_structure(78_000, 10_000, options, summable=True).structure == "cg"
+    for chosen in (options, unsketched):
+        choice = choose_structure(78_000, 10_000, chosen)
+        assert choice.structure == "probe_kernel" and "Lanczos quadrature" in choice.reason
+        assert ("sketched to 19,584" in choice.reason) == (chosen is options)
+        assert choice.sketch_factor is None  # the option's own factor fits
+        assert choose_structure(78_000, 10_000, chosen, summable=True).structure == "cg"
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: 8 * 2**30)
+    assert choose_structure(78_000, 10_000, unsketched).structure == "cg"
+    assert choose_structure(78_000, 10_000, options).sketch_factor is None
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: 2**30)  # 0.4 GiB for rows
+    choice = choose_structure(78_000, 10_000, options)
+    assert choice.structure == "probe_kernel" and choice.sketch_factor == 16
+    assert "sketched to 4,896" in choice.reason
+    monkeypatch.setattr(memory, "free_bytes", lambda device=None: 2**24)
     assert choose_structure(78_000, 10_000, options).structure == "cg"
 
 

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_flatness.core.curvature.row_sketch import SketchPlan, kept_width
 from lightning_flatness.core.curvature.stored_rows import keeps_rows
 from lightning_flatness.core.memory import row_elements
 from lightning_flatness.core.options import KernelOptions
 
-__all__ = ["AUTO", "StructureChoice", "choose_structure", "default_probes"]
+__all__ = ["AUTO", "StructureChoice", "choose_structure", "default_probes", "row_width"]
 
 #: the structure argument that asks for this choice
 AUTO = "auto"
@@ -45,12 +46,46 @@ def default_probes(num_samples: int | None) -> int:
     return KernelOptions.probes
 
 
+#: the largest sketch factor the automatic choice raises ``sketch_factor`` to where the rows of
+#: the measured samples do not fit their memory otherwise
+MAX_SKETCH_FACTOR = 64
+
+
+def row_width(num_parameters: int, options: KernelOptions, factor: int | None = None) -> int:
+    """The numbers the probe kernel keeps per probe row of ``num_parameters`` past its formed
+    kernel: P, or the sketched width where its options sketch such rows
+    (:mod:`~lightning_flatness.core.curvature.row_sketch`), at ``factor`` if given."""
+    factor = options.sketch_factor if factor is None else factor
+    plan = SketchPlan(factor, options.sketch_groups, options.sketch_from_parameters)
+    if not plan.applies(num_parameters, options.max_parameters, options.side):
+        return num_parameters
+    return kept_width(num_parameters, factor, options.sketch_groups)
+
+
+def fitting_sketch_factor(
+    num_parameters: int, rows: int, options: KernelOptions, device: torch.device | str | None
+) -> int | None:
+    """The smallest of ``sketch_factor``, twice it, … up to :data:`MAX_SKETCH_FACTOR` at which
+    ``rows`` probe rows fit their memory (:func:`row_width`); None where none does."""
+    limit = row_elements(options, device)
+    factor = options.sketch_factor
+    while True:
+        width = row_width(num_parameters, options, factor)
+        if rows * width <= limit:
+            return factor
+        if width == num_parameters or factor * 2 > MAX_SKETCH_FACTOR:
+            return None
+        factor *= 2
+
+
 @dataclass(frozen=True)
 class StructureChoice:
     """The structure ``"auto"`` resolves to, and why (one sentence for a log message)."""
 
     structure: str
     reason: str
+    #: the probe kernel's sketch factor that fits the rows in memory (None: its option's)
+    sketch_factor: int | None = None
 
 
 def choose_structure(
@@ -78,7 +113,9 @@ def choose_structure(
         )
     if not summable and num_samples is not None:
         rows = num_samples * options.probes
-        if rows * num_parameters <= row_elements(options, device):
+        factor = fitting_sketch_factor(num_parameters, rows, options, device)
+        if factor is not None:
+            width = row_width(num_parameters, options, factor)
             stored = keeps_rows(
                 num_parameters,
                 rows,
@@ -91,9 +128,12 @@ def choose_structure(
                 if stored
                 else "the sample-side kernel"
             )
+            if width < num_parameters:
+                how += f", each sketched to {width:,} numbers (docs/math.md, sketched rows)"
             return StructureChoice(
                 "probe_kernel",
                 f"probe_kernel: {rows:,} probe rows of {num_parameters:,} parameters fit {how}",
+                factor if factor != options.sketch_factor else None,
             )
     across = " across processes" if summable else ""
     samples = "an unknown number of" if num_samples is None else f"{num_samples:,}"

@@ -199,6 +199,9 @@ def measure(
             device = next((p.device for p in model.parameters()), None)
             choice = choose_structure(trainable, seen, kernel, summable=summable, device=device)
             structure = choice.structure
+            named = "sketch_factor" in (kernel_options or {})
+            if choice.sketch_factor is not None and not named:  # they fit sketched shorter
+                kernel_options = {**(kernel_options or {}), "sketch_factor": choice.sketch_factor}
         options = structure_options(
             structure,
             trace_estimator=trace_estimator,

@@ -8,12 +8,16 @@ import os
 
 import torch
 
+from lightning_flatness.core.curvature.row_sketch import RowSketch
+from lightning_flatness.core.failures import StructureTooLargeError
+
 __all__ = [
     "FALLBACK_ROW_ELEMENTS",
     "ROW_MEMORY_SHARE",
     "free_bytes",
     "row_element_limit",
     "row_elements",
+    "rows_refusal",
 ]
 
 #: the share of the free memory the kept rows may take (the rest: the model, the products'
@@ -62,3 +66,25 @@ def row_elements(options: object, device: torch.device | str | None = None) -> i
     the free memory of ``device`` (:func:`row_element_limit`)."""
     given = getattr(options, "max_row_elements", None)
     return int(given) if given is not None else row_element_limit(device)
+
+
+def rows_refusal(
+    kept_rows: int, width: int, max_row_elements: int, sketch: RowSketch | None
+) -> StructureTooLargeError:
+    """The error for ``kept_rows`` probe rows of ``width`` numbers over ``max_row_elements``
+    where the probe kernel cannot move to its P × P side: the sample side asked for, or rows
+    already sketched (named by their ``sketch``), with the fixes."""
+    if sketch is not None:
+        return StructureTooLargeError(
+            f"structure='probe_kernel' keeps {kept_rows:,} probe rows sketched to {width:,} "
+            f"numbers (kernel_options['sketch_factor']={sketch.factor}), above kernel_options"
+            f"['max_row_elements']={max_row_elements:,} (the rows' memory); pass a larger "
+            "sketch_factor, leave it to structure='auto' (which sketches until the rows fit), "
+            "or max_samples=."
+        )
+    return StructureTooLargeError(
+        f"structure='probe_kernel' on the sample side keeps {kept_rows:,} probe rows of "
+        f"{width:,} parameters, above kernel_options['max_row_elements']={max_row_elements:,} "
+        "(the rows' memory); pass max_samples=, side='parameters' (P ≤ max_parameters) or "
+        "structure='cg'."
+    )

@@ -17,7 +17,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_flatness.core.curvature.stored_rows import keeps_rows, quadrature_seconds
-from lightning_flatness.core.defaults import choose_structure, default_probes
+from lightning_flatness.core.defaults import choose_structure, default_probes, row_width
 from lightning_flatness.core.failures import (
     MeasurementError,
     UnsupportedModelError,
@@ -233,10 +233,13 @@ class FitStartChecks:
             return 0.0
         return quadrature_seconds(
             rows,
-            parameters,
+            row_width(parameters, options),
             groups=options.groups,
             probes=options.slq_probes,
             steps=options.slq_steps,
+            sketch_groups=options.sketch_groups
+            if row_width(parameters, options) < parameters
+            else 0,
             device=pl_module.device,
         )
 

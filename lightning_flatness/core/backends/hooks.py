@@ -229,6 +229,7 @@ class HookBackend(Backend):
             quadrature=QuadratureBudget(
                 options.slq_probes, options.slq_steps, options.slq_tolerance
             ),
+            sketching=options.sketching,
         )
 
     def summable_states(self) -> list[Tensor]:

@@ -41,6 +41,7 @@ from lightning_flatness.core.curvature.lanczos_quadrature import (
     lanczos,
 )
 from lightning_flatness.core.curvature.newton_decrement import kernel_decrement
+from lightning_flatness.core.curvature.row_sketch import RowSketch, SketchPlan
 from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.stored_rows import (
     DEFAULT_QUADRATURE,
@@ -50,6 +51,7 @@ from lightning_flatness.core.curvature.stored_rows import (
 )
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.jackknife import jackknife
+from lightning_flatness.core.memory import rows_refusal
 from lightning_flatness.core.spectral import (
     SpectralSummary,
     cholesky_summary,
@@ -94,6 +96,8 @@ class ProbeKernelFisher(CurvatureAccumulator):
         summable: the state must add up across processes (the parameter side from the start).
         device: where the P × P sums live (the model's: no copy to the host per batch).
         quadrature: the stored-row estimate's probes, steps and tolerance.
+        sketching: when rows kept for the stored-row estimate are sketched, from the moment
+            they pass the formed kernel's size or their memory (None: never).
     """
 
     name = "probe_kernel"
@@ -111,8 +115,12 @@ class ProbeKernelFisher(CurvatureAccumulator):
         summable: bool = False,
         device: torch.device | str | None = None,
         quadrature: QuadratureBudget = DEFAULT_QUADRATURE,
+        sketching: SketchPlan | None = None,
     ) -> None:
         self.quadrature = quadrature
+        self.sketching = sketching
+        #: the projection of the kept rows, once they are sketched
+        self.sketch: RowSketch | None = None
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_parameters = int(num_parameters)
         self.probes, self.groups = int(probes), int(groups)
@@ -130,6 +138,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
             self._check_parameter_side(summable)
             self.grams = self._zero_grams()
         self.side = side
+        self.summable = summable
 
     # -- the state ---------------------------------------------------------------------------
 
@@ -204,17 +213,20 @@ class ProbeKernelFisher(CurvatureAccumulator):
         if self.grams is not None:
             self._add_to_grams(torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0])
             return
-        self.store.append(pieces)  # copied without autograd: no graph is kept
+        # copied without autograd: no graph is kept
+        self.store.append(pieces, sketch=self.sketch)
         self.kept_rows = self.store.samples * self.probes
-        too_big = self.kept_rows * self.num_parameters > self.max_row_elements
-        if self.side == "samples" and too_big:
-            raise StructureTooLargeError(
-                f"structure='probe_kernel' on the sample side keeps {self.kept_rows:,} probe "
-                f"rows of {self.num_parameters:,} parameters, above kernel_options"
-                f"['max_row_elements']={self.max_row_elements:,} (the rows' memory); pass "
-                "max_samples=, side='parameters' (P ≤ max_parameters) or structure='cg'."
-            )
+        too_big = self.kept_rows * self.store.width > self.max_row_elements
         beyond_kernel = self.kept_rows > self.max_kernel_size
+        sketches = self.sketching is not None and self.sketching.applies(
+            self.num_parameters, self.max_parameters, self.side, self.summable
+        )
+        if self.sketch is None and (too_big or beyond_kernel) and sketches:
+            self.sketch = self.sketching.build(self.num_parameters, pieces[0])
+            self.store = self.store.sketched(self.sketch)
+            too_big = self.kept_rows * self.store.width > self.max_row_elements
+        if too_big and (self.side == "samples" or self.sketch is not None):
+            raise rows_refusal(self.kept_rows, self.store.width, self.max_row_elements, self.sketch)
         if too_big or (beyond_kernel and not self._keeps_rows()):
             # "auto": move to the parameter side, which does not grow; where P is too large for
             # it, rows too many for a formed kernel stay for the stored-row estimate
@@ -274,7 +286,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         errors (``blocks["stderr"]``) and the plain summary (``blocks["uncorrected"]``), and
         the jackknifed Newton decrement when :attr:`gradient` is set (module docstring).
         Factorisations in float32 where that is accurate (:func:`factorisation_dtype`)."""
-        if self.grams is None and self._keeps_rows():
+        if self.grams is None and (self.sketch is not None or self._keeps_rows()):
             return stored_rows_estimate(
                 self.store,
                 self.groups,
@@ -282,6 +294,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
                 lam,
                 budget=self.quadrature,
                 gradient=self.gradient,
+                sketch=self.sketch,
             )
         on_samples = self.grams is None and self.kept_rows <= self.num_parameters
         projected = _projected(self.store.chunks(), self.gradient) if on_samples else None

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_flatness.core.curvature.row_sketch import RowSketch
+
 __all__ = ["FIRST_SLAB_SAMPLES", "SLAB_NUMBERS", "RowStore"]
 
 #: the most numbers of one slab (4 GiB of float32). Products over many small slabs are slow
@@ -45,22 +47,53 @@ class RowStore:
         #: samples kept
         self.samples = 0
 
-    def append(self, pieces: list[Tensor] | Tensor) -> None:
+    def append(
+        self,
+        pieces: list[Tensor] | Tensor,
+        squared_norms: Tensor | None = None,
+        sketch: RowSketch | None = None,
+    ) -> None:
         """Keep one batch's rows: ``pieces``, ``(probes, N, P_l)`` each, the parameters in order
-        (their widths sum to :attr:`width`), or one ``(probes, N, width)`` tensor."""
+        (their widths sum to :attr:`width`), or one ``(probes, N, width)`` tensor; with
+        ``sketch``, the rows sketched by it (:attr:`width` is then its sketched width), their
+        whole squared norms counted; ``squared_norms`` (per probe) where the pieces are already
+        a sketch of rows whose norms count."""
         pieces = [pieces] if isinstance(pieces, Tensor) else list(pieces)
+        if sketch is not None:
+            rows = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
+            with torch.no_grad():
+                squared_norms = torch.linalg.vecdot(rows, rows).sum(1, dtype=torch.float64)
+                pieces = [sketch.project(rows)]
         count = pieces[0].shape[1]
         if sum(piece.shape[-1] for piece in pieces) != self.width:
             widths = [piece.shape[-1] for piece in pieces]
             raise ValueError(f"row pieces of widths {widths} do not make {self.width} parameters")
         with torch.no_grad():
+            if squared_norms is None:
+                for piece in pieces:
+                    norms = torch.linalg.vecdot(piece, piece).sum(1, dtype=torch.float64)
+                    self.squared_norms += norms.cpu()
+            else:
+                self.squared_norms += squared_norms.to(torch.float64).cpu()
             self._write(pieces, count)
         self.samples += count
 
+    def sketched(self, sketch: RowSketch) -> RowStore:
+        """A store of these rows sketched by ``sketch`` (the same squared norms), each slab
+        freed once it is sketched."""
+        store = RowStore(self.probes, sketch.sketched_width)
+        while self._slabs:
+            slab, filled = self._slabs.pop(0), self._filled.pop(0)
+            rows = torch.stack(
+                [sketch.project(slab[probe, :filled]) for probe in range(self.probes)]
+            )
+            store.append(rows, torch.zeros(self.probes))
+            del slab
+        store.squared_norms += self.squared_norms
+        self.clear()
+        return store
+
     def _write(self, pieces: list[Tensor], count: int) -> None:
-        for piece in pieces:
-            norms = torch.linalg.vecdot(piece, piece).sum(1, dtype=torch.float64)
-            self.squared_norms += norms.cpu()
         done = 0
         while done < count:
             slab, filled = self._room(pieces[0])

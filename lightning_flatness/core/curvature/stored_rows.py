@@ -49,8 +49,9 @@ from lightning_flatness.core.curvature.newton_decrement import (
     guarded_decrement,
     probe_decrement,
 )
+from lightning_flatness.core.curvature.row_sketch import RowSketch
 from lightning_flatness.core.curvature.row_store import RowStore
-from lightning_flatness.core.jackknife import jackknife
+from lightning_flatness.core.curvature.run_sets import RunSets
 from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS, SLQ_TOLERANCE
 from lightning_flatness.core.spectral import SpectralSummary
 from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
@@ -166,6 +167,8 @@ class StoredRows:
                 weights = masked.new_zeros(masked.shape[0], self.width)
                 for group, total in sums.items():
                     weights[reach[group]] += total[: len(reach[group])]
+                if sample.columns is not None:  # a left-out sketch group's columns
+                    weights *= sample.columns.to(dtype)
             if in_flight is not None:
                 count = parameter.kept.shape[0]
                 outcome = torch.zeros(count, self.width, dtype=dtype, device=self.device)
@@ -230,11 +233,14 @@ class StoredRows:
 @dataclass
 class RowSpaceRuns:
     """Lanczos runs on the kernel restricted by each run's 0/1 row mask ``(k, R)`` and scaled by
-    ``scales`` (k,): the soft rank's runs on the whole kernel and its leave-one-group-out ones."""
+    ``scales`` (k,): the soft rank's runs on the whole kernel and its leave-one-group-out ones;
+    on sketched rows each run's 0/1 ``columns`` ``(k, width)`` keep the sketch groups it keeps
+    (``V Mᶜ Vᵀ``; None: every column)."""
 
     runs: LanczosRuns
     masks: Tensor
     scales: Tensor
+    columns: Tensor | None = None
 
     def advance(self, product: Tensor, num_samples: int) -> None:
         """One step from ``V Vᵀ M x`` (the rows' dtype)."""
@@ -280,7 +286,8 @@ def _form_runs(
     """The Newton decrement's Lanczos runs from g on ``F̂`` and each leave-one-group-out
     estimate: a block of G + 1 runs bracketed to ``tolerance`` (module docstring)."""
     device = store.device
-    kept, scales = _run_groups(store.groups, device)
+    sets = RunSets(store.groups)
+    kept, scales = sets.kept_groups(device), sets.scales(device)
     forms = FormRuns(gradient.to(device), kept.shape[0], lam, tolerance=tolerance)
     return ParameterSpaceRuns(forms, kept, scales)
 
@@ -307,31 +314,13 @@ def keeps_rows(
     return side == "samples" or num_parameters > max_parameters
 
 
-def _run_sets(groups: int) -> int:
-    """The kernels each probe runs on: the whole one, and each leave-one-group-out one."""
-    return 1 if groups < 2 else groups + 1
-
-
-def _run_groups(groups: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Which probe groups each run set keeps, ``(runs, G)`` of 0/1, and its scale ``(runs,)``:
-    the whole estimate, then (with two groups or more) each leave-one-group-out one, times
-    G/(G − 1)."""
-    runs = _run_sets(groups)
-    kept = torch.ones(runs, groups, dtype=torch.float64, device=device)
-    scales = torch.ones(runs, dtype=torch.float64, device=device)
-    for group in range(groups if runs > 1 else 0):
-        kept[group + 1, group] = 0.0
-        scales[group + 1] = groups / (groups - 1)
-    return kept, scales
-
-
-def _run_layout(store: StoredRows, probes: int, generator: torch.Generator) -> tuple:
-    """Start vectors, masks and scales of the runs: each Rademacher probe on the whole kernel,
-    then (with two groups or more) on each leave-one-group-out kernel."""
+def _run_layout(store: StoredRows, probes: int, generator: torch.Generator, sets: RunSets) -> tuple:
+    """Start vectors, masks and scales of the runs: each Rademacher probe on every run set's
+    kernel (:class:`~lightning_flatness.core.curvature.run_sets.RunSets`)."""
     device = store.device
     signs = torch.randint(0, 2, (probes, store.size), generator=generator, dtype=torch.float64)
     signs = (2 * signs - 1).to(device)
-    kept, run_scales = _run_groups(store.groups, device)
+    kept, run_scales = sets.kept_groups(device), sets.scales(device)
     runs = kept.shape[0]
     # each group's entries of the rows' space take its run set's 0/1
     masks = kept.repeat_interleave(store.group_size, dim=1).unsqueeze(1).expand(-1, probes, -1)
@@ -349,13 +338,19 @@ def stored_rows_estimate(
     budget: QuadratureBudget = DEFAULT_QUADRATURE,
     seed: int = 0,
     gradient: Tensor | None = None,
+    sketch: RowSketch | None = None,
 ) -> CurvatureEstimate:
     """The jackknifed trace functions of the kernel of ``rows`` by stochastic Lanczos
     quadrature (module docstring), with standard errors that add the probe groups' spread,
     the Hutchinson probes' and what is left of the quadrature's bracket in quadrature
     (``blocks["stderr"]``), and the plain estimate (``blocks["uncorrected"]``); with the
     objective's ``gradient``, the Newton decrement (:func:`_form_runs`), whose runs share the
-    soft rank's passes over the rows (:meth:`StoredRows.lockstep`).
+    soft rank's passes over the rows (:meth:`StoredRows.lockstep`). On rows sketched by
+    ``sketch`` (:mod:`~lightning_flatness.core.curvature.row_sketch`) the runs also take each
+    leave-one-sketch-group-out kernel, and the two jackknifes' corrections add
+    (:class:`~lightning_flatness.core.curvature.run_sets.RunSets`). Sketched rows give no
+    Newton decrement (NaN): ``gᵀ(F̂+λI)⁻¹g`` lives on the part of g outside the rows' span, which
+    a space k times smaller than P shrinks, and no jackknife of the sketch's groups restores it.
 
     Each run's value is the midpoint of its Gauss and Gauss–Radau rules, which bracket the
     soft rank; the runs stop as soon as the jackknifed soft rank's bracket is within the
@@ -363,26 +358,27 @@ def stored_rows_estimate(
     probes, tolerance = budget.probes, budget.tolerance
     store = StoredRows(rows, groups, num_samples)
     generator = torch.Generator().manual_seed(seed)
-    start, masks, scales, runs = _run_layout(store, probes, generator)
+    sets = RunSets(groups, sketch.groups if sketch is not None else 0)
+    start, masks, scales, runs = _run_layout(store, probes, generator, sets)
+    columns = None
+    if sketch is not None:
+        columns = sets.column_keep(sketch).repeat_interleave(probes, dim=0)
     steps = max(1, min(budget.steps, store.size))
     traces = store.squared_norms()  # the trace is exact: the rows' squared norms
 
     def bracketed(decomposition: LanczosDecomposition) -> bool:
         values, width = _run_values(decomposition, runs, probes, lam)
-        value, half = _jackknifed_bracket(values, width, groups)
+        value, half = _jackknifed_bracket(values, width, sets)
         return half <= tolerance * abs(value)
 
     soft_rank_runs = LanczosRuns(start, steps, stop=bracketed, check_every=CHECK_EVERY)
     forms = None
-    if gradient is not None and bool(torch.isfinite(gradient).all()):
+    if sketch is None and gradient is not None and bool(torch.isfinite(gradient).all()):
         forms = _form_runs(store, gradient, lam, DECREMENT_LOOSENESS * tolerance)
-    store.lockstep(RowSpaceRuns(soft_rank_runs, masks, scales), forms)
+    store.lockstep(RowSpaceRuns(soft_rank_runs, masks, scales, columns), forms)
     decomposition = soft_rank_runs.decomposition()
     values, width = _run_values(decomposition, runs, probes, lam)
-    trace = FIELDS.index("trace")
-    values[0, :, trace] = float(traces.sum())
-    for group in range(runs - 1):
-        values[group + 1, :, trace] = float(traces.sum() - traces[group]) * groups / (groups - 1)
+    values[:, :, FIELDS.index("trace")] = sets.traces(traces)[:, None]
     largest, all_nodes, all_weights = 0.0, [], []
     for index in range(probes):  # the whole kernel's runs: its spectrum and top eigenvalue
         nodes, weights = gauss_quadrature(decomposition, index)
@@ -392,12 +388,12 @@ def stored_rows_estimate(
     means = values.mean(1)
     plain = SpectralSummary(*means[0].tolist(), max_eig=largest)
     leave_outs = [SpectralSummary(*means[r].tolist(), max_eig=largest) for r in range(1, runs)]
-    corrected, spread = jackknife(plain, leave_outs)
-    _, half = _jackknifed_bracket(values, width, groups)
-    stderr = _with_probe_noise(values, spread, groups, half)
+    corrected, spread = sets.jackknife(plain, leave_outs)
+    _, half = _jackknifed_bracket(values, width, sets)
+    stderr = _with_probe_noise(values, spread, sets, half)
     eigenvalues = density_sample(torch.cat(all_nodes), torch.cat(all_weights), HISTOGRAM_ENTRIES)
     decrement = (math.nan, math.nan)
-    if gradient is not None:
+    if gradient is not None and sketch is None:
         decrement = guarded_decrement("probe_kernel", gradient, lambda g: _decrement(forms))
     return CurvatureEstimate(
         summary=corrected,
@@ -430,26 +426,22 @@ def _run_values(
     return values, width
 
 
-def _jackknifed_bracket(values: Tensor, width: Tensor, groups: int) -> tuple[float, float]:
+def _jackknifed_bracket(values: Tensor, width: Tensor, sets: RunSets) -> tuple[float, float]:
     """The jackknifed soft rank of the runs' midpoints and the half-width of its bracket: the
-    jackknife ``G·θ − (G − 1)·mean θ₋g`` of values each known to within ±width/2."""
+    jackknife (:meth:`RunSets.combine`) of values each known to within ±width/2."""
     soft_rank = FIELDS.index("soft_rank")
     means, widths = values[:, :, soft_rank].mean(1), width.mean(1) / 2
-    if means.shape[0] < 2:
-        return float(means[0]), float(widths[0])
-    value = groups * means[0] - (groups - 1) * means[1:].mean()
-    half = groups * widths[0] + (groups - 1) * widths[1:].mean()
-    return float(value), float(half)
+    return float(sets.combine(means)), sets.half_width(widths)
 
 
 def _with_probe_noise(
-    values: Tensor, spread: SpectralSummary, groups: int, quadrature: float = 0.0
+    values: Tensor, spread: SpectralSummary, sets: RunSets, quadrature: float = 0.0
 ) -> SpectralSummary:
-    """The jackknife's spread over probe groups and the Hutchinson probes' standard error of
-    the corrected value (per probe: G·θ − (G − 1)·mean of the leave-outs), added in
-    quadrature; the soft rank's also with the half-width of its quadrature bracket."""
-    runs, probes = values.shape[:2]
-    per_probe = values[0] if runs < 2 else groups * values[0] - (groups - 1) * values[1:].mean(0)
+    """The jackknife's spread over groups and the Hutchinson probes' standard error of the
+    corrected value (per probe: the jackknife of its runs), added in quadrature; the soft
+    rank's also with the half-width of its quadrature bracket."""
+    probes = values.shape[1]
+    per_probe = sets.combine(values)
     noise = per_probe.std(0) / math.sqrt(probes) if probes > 1 else torch.zeros(len(FIELDS))
     group_spread = torch.tensor([getattr(spread, f) for f in FIELDS], dtype=torch.float64)
     combined = group_spread.nan_to_num(0.0).square() + noise.square()
@@ -470,6 +462,7 @@ def quadrature_seconds(
     groups: int,
     probes: int = SLQ_PROBES,
     steps: int = SLQ_STEPS,
+    sketch_groups: int = 0,
     device: torch.device | str | None = None,
 ) -> float:
     """The predicted seconds of :func:`stored_rows_estimate`'s products on ``num_rows`` rows of
@@ -481,7 +474,11 @@ def quadrature_seconds(
     path, so its own time does not contain this part (a measurement of 16,000 rows of 61,514
     parameters was predicted at 13 s from the trial and took 82 s)."""
     sample = max(1, min(num_rows, TIMING_NUMBERS // max(num_parameters, 1)))
-    columns = (groups if groups > 1 else 1) * probes + _run_sets(groups)
+    # each row: the whole kernel's probes, the one probe leave-out that keeps it, every sketch
+    # leave-out; and without a sketch the decrement's runs
+    sets = RunSets(groups, sketch_groups)
+    reach = (groups if groups > 1 else 1) + sets.sketch_families
+    columns = reach * probes + (0 if sketch_groups else RunSets(groups).count)
     # its own generator: the global RNG, which the user's training draws from, is not touched
     generator = torch.Generator(device=device or "cpu").manual_seed(0)
     rows = torch.randn(sample, num_parameters, device=device, generator=generator)
