@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import batches, random_data, tiny_model
 
+from lightning_flatness import FlatnessMonitor
 from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
 from lightning_flatness.core.curvature.row_sketch import RowSketch, SketchPlan, kept_width
 from lightning_flatness.core.curvature.row_store import RowStore
@@ -176,3 +177,14 @@ def test_auto_sketches_shorter_where_the_rows_would_not_fit_otherwise(one_thread
     assert chosen.soft_rank == pytest.approx(named.soft_rank, rel=1e-12)
     with pytest.raises(StructureTooLargeError, match="sketch_factor'\\]=2"):
         report("auto", sketch_factor=2)
+
+
+def test_the_monitor_measures_with_the_factor_auto_chose():
+    """Where structure='auto' found the rows fit only sketched shorter, the monitor's exact
+    measurements name that factor; its fill-in and the default factor are left alone."""
+    monitor = FlatnessMonitor()
+    assert "kernel_options" not in monitor.measure_arguments("probe_kernel")
+    monitor._sketch_factor = 8
+    arguments = monitor.measure_arguments("probe_kernel")
+    assert arguments["kernel_options"] == {"sketch_factor": 8}
+    assert "kernel_options" not in monitor.measure_arguments("kfac")

@@ -219,6 +219,9 @@ class FlatnessMonitor(
         self.resolved_lam: float | None = None
         self.resolved_num_train_samples: int | None = None
         self._active_structure = self.structure
+        #: the probe kernel's sketch factor that fits the rows in memory, where "auto" chose
+        #: one above the option's (None: the option's)
+        self._sketch_factor: int | None = None
         self._coverage_logged = False
         self._last_report: FlatnessReport | None = None
         #: batches the loops drew this epoch, measured when the dataset is a stream

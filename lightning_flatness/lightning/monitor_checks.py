@@ -106,6 +106,7 @@ class FitStartChecks:
             device=pl_module.device,
         )
         self._active_structure = choice.structure
+        self._sketch_factor = choice.sketch_factor
         rank_zero_info(f"FlatnessMonitor: structure='auto' measures {choice.reason}.")
 
     def _check_configuration(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -231,15 +232,14 @@ class FitStartChecks:
             max_kernel_size=options.max_kernel_size,
         ):
             return 0.0
+        width = row_width(parameters, options, self._sketch_factor)
         return quadrature_seconds(
             rows,
-            row_width(parameters, options),
+            width,
             groups=options.groups,
             probes=options.slq_probes,
             steps=options.slq_steps,
-            sketch_groups=options.sketch_groups
-            if row_width(parameters, options) < parameters
-            else 0,
+            sketch_groups=options.sketch_groups if width < parameters else 0,
             device=pl_module.device,
         )
 

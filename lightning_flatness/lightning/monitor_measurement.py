@@ -222,11 +222,11 @@ class MonitorMeasurement:
     def measure_arguments(self, structure: str) -> dict[str, Any]:
         """:func:`measure`'s arguments that say what to measure ``structure`` with: the options
         object passed as ``structure=`` for its structure, else the name with
-        :data:`MONITOR_DEFAULTS` (the ``measure`` subcommand measures with these too)."""
+        :data:`MONITOR_DEFAULTS` and the factor "auto" chose (:func:`sketched`)."""
         chosen = self.structure_options
         if chosen is not None and chosen.structure == structure:
             return {"structure": chosen}
-        return {"structure": structure, **MONITOR_DEFAULTS}
+        return {"structure": structure, **MONITOR_DEFAULTS, **sketched(structure, self)}
 
     def _lam_argument(self) -> float | dict[str, float]:
         """λ for :func:`measure`: one value, or each parameter's (per-group decay)."""
@@ -332,3 +332,13 @@ class MonitorMeasurement:
         loader = select_dataloader(trainer.val_dataloaders, self.val_dataloader_idx)
         if loader is not None and not is_sized(loader):
             self._streams["validation"].add(batch)
+
+
+def sketched(structure: str, monitor: Any) -> dict[str, Any]:
+    """The probe kernel's ``kernel_options`` where ``structure="auto"`` found its rows fit
+    memory only sketched shorter than the default (the monitor's ``_sketch_factor``), else
+    none."""
+    factor = getattr(monitor, "_sketch_factor", None)
+    if structure != "probe_kernel" or factor is None:
+        return {}
+    return {"kernel_options": {"sketch_factor": factor}}
