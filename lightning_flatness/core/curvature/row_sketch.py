@@ -15,8 +15,8 @@ term that falls like 1/k. Leaving out sketch group g (its columns dropped, the r
 G/(G − 1)) gives the delete-one-group jackknife of that bias, beside the probe groups' own
 (:class:`~lightning_flatness.core.curvature.run_sets.RunSets`). It removes most of it, not all:
 on the 78,042-parameter ladder ResNet (20,000 rows, soft rank 2,928 from the whole rows) the
-jackknifed value was 0.98 of the whole rows' at k = P/4, 0.95 at P/8 and 0.88 at P/16, the
-same for 2, 4 or 8 sketch groups (docs/RESULTS.md, "Sketched rows"). The trace stays exact:
+jackknifed value was 0.98 of the whole rows' at k = P/4, 0.95 at P/8 and 0.86 at P/16 (at P/8
+the same for 2, 4 or 8 sketch groups; docs/RESULTS.md, "Sketched rows"). The trace stays exact:
 the whole rows' squared norms, summed before the projection.
 """
 
