@@ -13,7 +13,7 @@ from lightning_flatness.core import memory, reference, spectral
 from lightning_flatness.core.curvature import stored_rows
 from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.stored_rows import quadrature_seconds
-from lightning_flatness.core.defaults import choose_structure
+from lightning_flatness.core.defaults import StructureChoice, choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.measure import measure
 from lightning_flatness.core.options import KernelOptions
@@ -216,3 +216,24 @@ def test_the_decrements_runs_share_the_soft_ranks_passes_and_change_nothing(one_
     forms = [0.5 * float(gradient @ torch.linalg.solve(m, gradient)) for m in [whole, *leave_outs]]
     expected, _ = stored_rows.probe_decrement(forms[0], forms[1:])
     assert shared.newton_decrement == pytest.approx(expected, rel=1e-6)
+
+
+def test_the_monitors_choice_counts_the_probes_its_measurements_take(monkeypatch):
+    """From 8,192 measured samples measure() takes 2 probes per sample; the monitor's fit-start
+    choice (and its sketch factor) counts the same rows, not 4 per sample."""
+    seen = []
+
+    def choose(parameters, samples, options, **kwargs):
+        seen.append((samples, options.probes))
+        return StructureChoice("probe_kernel", "probe_kernel: the rows fit")
+
+    class _Trainer:
+        world_size = 1
+        train_dataloader = None
+
+    monkeypatch.setattr(monitor_checks, "choose_structure", choose)
+    for samples in (10_000, 1_000):
+        monitor = FlatnessMonitor()
+        monitor.resolved_num_train_samples = samples
+        monitor._choose_structure(_Trainer(), _Module(10, 3))
+    assert seen == [(10_000, 2), (1_000, 4)]

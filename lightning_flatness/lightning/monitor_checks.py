@@ -96,6 +96,9 @@ class FitStartChecks:
             cap = self._streams["training"].max_samples
         if samples is not None and cap is not None:
             samples = min(samples, cap)
+        if samples is not None:  # the probes measure() takes for that many samples
+            probes = {"probes": default_probes(samples)}
+            options = structure_options("probe_kernel", **MONITOR_DEFAULTS, kernel_options=probes)
         if samples is not None and trainer.world_size > 1:
             samples = math.ceil(samples / trainer.world_size)
         choice = choose_structure(
