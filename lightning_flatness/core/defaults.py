@@ -14,11 +14,10 @@ log-det or spectrum).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from lightning_flatness.core.curvature.row_sketch import SketchPlan, kept_width
 from lightning_flatness.core.curvature.stored_rows import keeps_rows
 from lightning_flatness.core.memory import row_elements
 from lightning_flatness.core.options import KernelOptions
@@ -55,11 +54,10 @@ def row_width(num_parameters: int, options: KernelOptions, factor: int | None = 
     """The numbers the probe kernel keeps per probe row of ``num_parameters`` past its formed
     kernel: P, or the sketched width where its options sketch such rows
     (:mod:`~lightning_flatness.core.curvature.row_sketch`), at ``factor`` if given."""
-    factor = options.sketch_factor if factor is None else factor
-    plan = SketchPlan(factor, options.sketch_groups, options.sketch_from_parameters)
+    plan = options.sketching if factor is None else replace(options.sketching, factor=factor)
     if not plan.applies(num_parameters, options.max_parameters, options.side):
         return num_parameters
-    return kept_width(num_parameters, factor, options.sketch_groups)
+    return plan.width(num_parameters)
 
 
 def fitting_sketch_factor(

@@ -87,7 +87,6 @@ class FitStartChecks:
         """Resolve ``structure="auto"`` once, for this model and the samples measured, and say
         which structure was chosen and why
         (:func:`~lightning_flatness.core.defaults.choose_structure`)."""
-        options = structure_options("probe_kernel", **MONITOR_DEFAULTS)
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         samples = self.resolved_num_train_samples
         cap = self.max_samples
@@ -96,9 +95,8 @@ class FitStartChecks:
             cap = self._streams["training"].max_samples
         if samples is not None and cap is not None:
             samples = min(samples, cap)
-        if samples is not None:  # the probes measure() takes for that many samples
-            probes = {"probes": default_probes(samples)}
-            options = structure_options("probe_kernel", **MONITOR_DEFAULTS, kernel_options=probes)
+        probes = {"probes": default_probes(samples)}  # what measure() takes for that many
+        options = structure_options("probe_kernel", **MONITOR_DEFAULTS, kernel_options=probes)
         if samples is not None and trainer.world_size > 1:
             samples = math.ceil(samples / trainer.world_size)
         choice = choose_structure(

@@ -63,12 +63,8 @@ class RowSketch:
                 f"a row sketch needs factor ≥ 1 and groups ≥ 1, not {factor}, {groups}"
             )
         self.width, self.factor, self.groups = int(width), int(factor), int(groups)
-        self.blocks = math.ceil(self.width / SKETCH_BLOCK)
-        block = min(SKETCH_BLOCK, self.width)
-        #: columns of one group per block (the last, shorter block is zero-padded)
-        self.per_block = max(1, math.ceil(block / (self.factor * self.groups)))
-        if self.factor == 1:
-            self.per_block = block  # every direction of each group: an exact rotation
+        #: blocks, coordinates of a block, columns of one group per block (:func:`_layout`)
+        self.blocks, block, self.per_block = _layout(self.width, self.factor, self.groups)
         generator = torch.Generator().manual_seed(seed)
         mats = torch.zeros(self.blocks, block, self.groups * self.per_block, dtype=torch.float64)
         for index in range(self.blocks):
@@ -135,11 +131,23 @@ class SketchPlan:
         """The projection of rows of ``width``, on ``like``'s device and in its dtype."""
         return RowSketch(width, self.factor, self.groups, device=like.device, dtype=like.dtype)
 
+    def width(self, num_parameters: int) -> int:
+        """k, the length of a sketched row of ``num_parameters`` (:func:`kept_width`)."""
+        return kept_width(num_parameters, self.factor, self.groups)
+
+
+def _layout(width: int, factor: int, groups: int) -> tuple[int, int, int]:
+    """A sketch's blocks of rows of ``width``, the coordinates of a block (the last, shorter
+    block is zero-padded), and each group's columns per block (at factor 1 all of them: every
+    direction of each group, an exact rotation)."""
+    blocks = math.ceil(width / SKETCH_BLOCK)
+    block = min(SKETCH_BLOCK, width)
+    per_block = block if factor == 1 else max(1, math.ceil(block / (factor * groups)))
+    return blocks, block, per_block
+
 
 def kept_width(num_parameters: int, factor: int, groups: int) -> int:
     """k, the length of a row of ``num_parameters`` sketched ``factor`` times shorter in
     ``groups`` groups (:class:`RowSketch`), without building the projection."""
-    blocks = math.ceil(num_parameters / SKETCH_BLOCK)
-    block = min(SKETCH_BLOCK, num_parameters)
-    per_block = block if factor == 1 else max(1, math.ceil(block / (factor * groups)))
+    blocks, _, per_block = _layout(num_parameters, factor, groups)
     return groups * blocks * per_block
