@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from lightning_flatness.core.measure import measure
 from lightning_flatness.core.models import build_model
 
 #: Small widths keep the dense P × P reference fast; the structure of each model is the paper's.
@@ -45,6 +46,18 @@ def batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> lis
         (inputs[i : i + batch_size], targets[i : i + batch_size])
         for i in range(0, inputs.shape[0], batch_size)
     ]
+
+
+def probe_kernel_report(model, inputs, targets, batch_size: int = 7, **options):
+    """``measure()`` of ``probe_kernel`` with these ``kernel_options`` at λ = 1e-3, n = 100."""
+    return measure(
+        model,
+        batches(inputs, targets, batch_size),
+        lam=1e-3,
+        num_train_samples=100,
+        structure="probe_kernel",
+        kernel_options=options,
+    )
 
 
 def quiet_trainer(tmp_path, callbacks, max_epochs: int = 1, **kwargs):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import batches, random_data, tiny_model
+from conftest import batches, probe_kernel_report, random_data, tiny_model
 
 from lightning_flatness import FlatnessMonitor
 from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
@@ -82,14 +82,8 @@ def test_rows_sketched_at_factor_one_give_the_rows_estimate():
 
 
 def _measure(model, inputs, targets, batch_size: int, **options):
-    return measure(
-        model,
-        batches(inputs, targets, batch_size),
-        lam=LAM,
-        num_train_samples=100,
-        structure="probe_kernel",
-        kernel_options={"probes": 4, "groups": 2, "slq_probes": 64, "slq_steps": 100, **options},
-    )
+    budget = {"probes": 4, "groups": 2, "slq_probes": 64, "slq_steps": 100}
+    return probe_kernel_report(model, inputs, targets, batch_size, **{**budget, **options})
 
 
 @pytest.mark.parametrize("architecture", ["mlp", "cnn"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import batches, many_classes, random_data, tiny_model
+from conftest import many_classes, probe_kernel_report, random_data, tiny_model
 
 from lightning_flatness import FlatnessMonitor
 from lightning_flatness.core import memory, reference, spectral
@@ -15,24 +15,12 @@ from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.stored_rows import quadrature_seconds
 from lightning_flatness.core.defaults import StructureChoice, choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
-from lightning_flatness.core.measure import measure
 from lightning_flatness.core.options import KernelOptions
 from lightning_flatness.lightning import monitor_checks
 
 LAM = 1e-3
 #: a formed-kernel guard every run here exceeds, and a P × P guard below P: the stored rows
 STORED = {"max_kernel_size": 10, "max_parameters": 10}
-
-
-def _report(model, inputs, targets, batch_size=7, **options):
-    return measure(
-        model,
-        batches(inputs, targets, batch_size),
-        lam=LAM,
-        num_train_samples=100,
-        structure="probe_kernel",
-        kernel_options=options,
-    )
 
 
 def _exact(model, inputs) -> spectral.SpectralSummary:
@@ -49,7 +37,7 @@ def test_exact_rows_converge_to_the_dense_fishers_trace_functions(batch_size, on
     model, inputs, targets = many_classes()
     exact = _exact(model, inputs)
     options = {"probes": 30, "groups": 1, "slq_probes": 32, "slq_steps": 100, **STORED}
-    report = _report(model, inputs, targets, batch_size, **options)
+    report = probe_kernel_report(model, inputs, targets, batch_size, **options)
     stderr = report.blocks["stderr"]
     for field in ("soft_rank", "soft_rank2", "logdet"):
         error = abs(getattr(report, field) - getattr(exact, field))
@@ -57,7 +45,7 @@ def test_exact_rows_converge_to_the_dense_fishers_trace_functions(batch_size, on
         assert error < 0.05 * getattr(exact, field), field
     assert report.trace_fisher == pytest.approx(exact.trace, rel=1e-9)
     assert report.max_eig == pytest.approx(exact.max_eig, rel=1e-8)
-    other = _report(model, inputs, targets, 5, **options)
+    other = probe_kernel_report(model, inputs, targets, 5, **options)
     assert other.soft_rank == pytest.approx(report.soft_rank, rel=1e-9)
 
 
@@ -65,10 +53,10 @@ def test_probe_rows_converge_to_the_formed_kernel_of_the_same_rows(one_thread):
     """4 probes in 2 groups: the stored-row estimate jackknifes the probes' bias as the formed
     kernel does, and converges to it as its Hutchinson probes grow."""
     model, inputs, targets = many_classes()
-    formed = _report(model, inputs, targets, probes=4, side="samples")
+    formed = probe_kernel_report(model, inputs, targets, probes=4, side="samples")
     errors = {}
     for slq_probes in (8, 256):
-        stored = _report(
+        stored = probe_kernel_report(
             model, inputs, targets, probes=4, slq_probes=slq_probes, slq_steps=100, **STORED
         )
         errors[slq_probes] = abs(stored.soft_rank / formed.soft_rank - 1)
@@ -97,7 +85,7 @@ def test_the_runs_stop_once_the_quadrature_bracket_is_within_its_tolerance(one_t
     found = {}
     for tolerance in (1e-6, 0.05):
         steps.clear()
-        report = _report(
+        report = probe_kernel_report(
             model, inputs, targets, probes=4, slq_steps=120, slq_tolerance=tolerance, **STORED
         )
         found[tolerance] = (report.soft_rank, report.blocks["stderr"].soft_rank, len(steps))
@@ -116,8 +104,8 @@ def test_the_papers_mlp_at_its_default_slq_budget(one_thread):
     # the probes named: at the default ones the formed kernel of this small model, whose soft
     # rank nears its probe rows, would be measured again with the exact rows
     probes = {"probes": 4, "groups": 2}
-    formed = _report(model, inputs, targets, 20, side="samples", **probes)
-    stored = _report(model, inputs, targets, 20, **STORED, **probes)
+    formed = probe_kernel_report(model, inputs, targets, 20, side="samples", **probes)
+    stored = probe_kernel_report(model, inputs, targets, 20, **STORED, **probes)
     assert stored.soft_rank == pytest.approx(formed.soft_rank, rel=0.05)
     assert stored.logdet == pytest.approx(formed.logdet, rel=0.05)
 
@@ -128,7 +116,7 @@ def test_the_rows_memory_is_the_guard(monkeypatch):
     model, inputs, targets = many_classes()
     per_batch = 4 * 7 * 326
     with pytest.raises(StructureTooLargeError, match="max_row_elements"):
-        _report(model, inputs, targets, side="samples", max_row_elements=2 * per_batch)
+        probe_kernel_report(model, inputs, targets, side="samples", max_row_elements=2 * per_batch)
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: 10 * 2**30)
     assert memory.row_element_limit() == int(memory.ROW_MEMORY_SHARE * 10 * 2**30) // 4
     assert memory.row_elements(KernelOptions()) == memory.row_element_limit()
