@@ -3,6 +3,7 @@
 ::
 
     lightning-flatness sweep --config configs/sweep_quick.yaml [--output DIR] [--workers N]
+    lightning-flatness sweep --config configs/sweep_paper.yaml --engine ray --address auto
     lightning-flatness sweep report DIR
 """
 
@@ -37,6 +38,17 @@ def _run_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--threads-per-worker", type=int, help="torch threads per run (default: cores // workers)"
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("process", "ray"),
+        help="where runs execute: a local process pool or Ray tasks (default: the config's, "
+        "else process)",
+    )
+    parser.add_argument(
+        "--address",
+        help="with --engine ray: the cluster (auto, ray://head:10001; default: the config's, "
+        "else a local Ray instance)",
     )
     parser.add_argument(
         "--skip-failed", action="store_true", help="do not rerun runs recorded as failed"
@@ -100,6 +112,8 @@ def main(args: Sequence[str] | None = None) -> int:
         retry_failed=not options.skip_failed,
         progress=not options.no_progress,
         report=not options.no_report,
+        engine=options.engine,
+        address=options.address,
     )
     print(
         f"Sweep: {summary.finished} runs finished, {summary.failed} failed, {summary.skipped} "

@@ -28,6 +28,19 @@ A sweep file has the sections of a ``lightning-flatness fit`` config (``model``,
 ``output_dir``, ``workers``, ``threads_per_worker``
     Where the results go, how many worker processes run at once (``null``: one per core) and
     how many threads each uses (``null``: cores // workers).
+``logs_dir``
+    Where the runs' Lightning logs go, one folder per run key (``null``:
+    ``<output_dir>/lightning``); made absolute on the driver, so on a cluster it must be storage
+    every worker sees.
+``engine``
+    ``process`` (the default: a local process pool of ``workers``) or ``ray`` (every run a Ray
+    task: :mod:`~lightning_flatness.sweep.ray_engine`).
+``address``, ``cpus_per_run``, ``gpus_per_run``, ``runtime_env``
+    For ``engine: ray``: the cluster (``auto``, ``ray://head:10001``; ``null``: a local Ray
+    instance), the CPUs and GPUs each run reserves (``cpus_per_run`` is also its thread count
+    unless ``threads_per_worker`` is set) and Ray's ``runtime_env`` of the job. ``workers``
+    sizes the local pool only; under Ray, ``--workers`` on the command line caps the tasks in
+    flight. None of these change a run's record or key.
 
 Every run has a stable *key*: a hash of everything that determines its record (model, data,
 trainer, seed, steps, λ, structures and measurement options), so a rerun skips the runs already
@@ -52,6 +65,7 @@ from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, STRUCTURES
 from lightning_flatness.lightning.class_paths import DEFAULT_DATA, DEFAULT_MODEL
 
 __all__ = [
+    "ENGINES",
     "EXACT",
     "MONITOR_DEFAULT",
     "SWEEP_STRUCTURES",
@@ -97,7 +111,15 @@ _KEYS = {
     "output_dir",
     "workers",
     "threads_per_worker",
+    "logs_dir",
+    "engine",
+    "address",
+    "cpus_per_run",
+    "gpus_per_run",
+    "runtime_env",
 }
+#: The sweep's engines: a local process pool (the default) or Ray tasks.
+ENGINES = ("process", "ray")
 _SCALAR_GRID_KEYS = ("seed", "steps", "lam", "measure_batch_size")
 #: The fields of a run that make up its key.
 _KEYED_FIELDS = (
@@ -201,6 +223,12 @@ class SweepConfig:
         output_dir: Default output folder.
         workers: Worker processes (``None``: one per core).
         threads_per_worker: Torch threads per worker (``None``: cores // workers).
+        logs_dir: Folder of the runs' Lightning logs (``None``: ``<output_dir>/lightning``).
+        engine: ``"process"`` or ``"ray"``.
+        address: The Ray cluster's address (``None``: a local Ray instance).
+        cpus_per_run: CPUs each Ray task reserves.
+        gpus_per_run: GPUs each Ray task reserves.
+        runtime_env: Ray's ``runtime_env`` of the job.
         source: The file the config came from, if any.
     """
 
@@ -219,6 +247,12 @@ class SweepConfig:
     output_dir: str | None = None
     workers: int | None = None
     threads_per_worker: int | None = None
+    logs_dir: str | None = None
+    engine: str = "process"
+    address: str | None = None
+    cpus_per_run: int = 1
+    gpus_per_run: float = 0.0
+    runtime_env: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
 
     @classmethod
@@ -258,10 +292,24 @@ class SweepConfig:
         sample = raw.get("sample")
         if sample is not None and (isinstance(sample, bool) or int(sample) < 1):
             raise ValueError(f"`sample` must be a positive number of runs or null, got {sample!r}.")
-        for name in ("workers", "threads_per_worker", "measure_batch_size"):
+        for name in ("workers", "threads_per_worker", "measure_batch_size", "cpus_per_run"):
             value = raw.get(name)
             if value is not None and (isinstance(value, bool) or int(value) < 1):
                 raise ValueError(f"`{name}` must be a positive integer or null, got {value!r}.")
+        engine = raw.get("engine") or "process"
+        if engine not in ENGINES:
+            raise ValueError(f"`engine` must be one of {ENGINES}, got {engine!r}.")
+        gpus = raw.get("gpus_per_run") or 0.0
+        if isinstance(gpus, bool) or not isinstance(gpus, (int, float)) or gpus < 0:
+            raise ValueError(f"`gpus_per_run` must be a number ≥ 0, got {gpus!r}.")
+        if gpus and trainer.get("accelerator", "cpu") == "cpu":
+            raise ValueError(
+                f"`gpus_per_run` is {gpus}, but the runs train on the CPU (the sweep's default "
+                "accelerator); set trainer.accelerator: gpu to use the GPUs each run reserves."
+            )
+        runtime_env = raw.get("runtime_env") or {}
+        if not isinstance(runtime_env, Mapping):
+            raise ValueError(f"`runtime_env` must be a mapping (Ray's), got {runtime_env!r}.")
         config = cls(
             model=_class_spec(raw.get("model"), DEFAULT_MODEL, "model"),
             data=None
@@ -280,6 +328,12 @@ class SweepConfig:
             output_dir=raw.get("output_dir"),
             workers=raw.get("workers"),
             threads_per_worker=raw.get("threads_per_worker"),
+            logs_dir=raw.get("logs_dir"),
+            engine=engine,
+            address=raw.get("address"),
+            cpus_per_run=int(raw.get("cpus_per_run") or 1),
+            gpus_per_run=float(gpus),
+            runtime_env=dict(runtime_env),
             source=source,
         )
         config.runs()  # fail now, not in a worker, on a grid path that cannot be set
@@ -356,6 +410,12 @@ class SweepConfig:
             "output_dir": self.output_dir,
             "workers": self.workers,
             "threads_per_worker": self.threads_per_worker,
+            "logs_dir": self.logs_dir,
+            "engine": self.engine,
+            "address": self.address,
+            "cpus_per_run": self.cpus_per_run,
+            "gpus_per_run": self.gpus_per_run,
+            "runtime_env": self.runtime_env,
         }
 
 

@@ -10,6 +10,8 @@ With more than one worker, runs execute in ``spawn`` ed processes, at most ``wor
 each limited to ``threads_per_worker`` torch threads. A worker that dies (e.g. killed for
 memory) breaks the pool: the runs in flight are recorded as failed with that reason and the
 pool is restarted for the remaining runs. With one worker, runs execute in this process.
+With ``engine="ray"`` every run is a Ray task instead (:mod:`~lightning_flatness.sweep.ray_engine`);
+the records, the resume and the report are the same.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Any
 
 import yaml
 
-from lightning_flatness.sweep.config import SweepConfig
+from lightning_flatness.sweep.config import ENGINES, SweepConfig
+from lightning_flatness.sweep.ray_engine import RayResources, ray_runs
 from lightning_flatness.sweep.records import (
     INVOCATIONS_FILE,
     RESULTS_FILE,
@@ -138,6 +141,29 @@ def _in_pool(
             pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _records(
+    config: SweepConfig,
+    engine: str,
+    address: str | None,
+    runs: Sequence[Mapping[str, Any]],
+    workers: int,
+    threads: int,
+) -> Iterator[dict[str, Any]]:
+    """The records of ``runs`` as they finish, from the engine asked for."""
+    if engine == "ray":
+        resources = RayResources(
+            address=address or config.address,
+            cpus_per_run=config.cpus_per_run,
+            gpus_per_run=config.gpus_per_run,
+            runtime_env=config.runtime_env,
+            max_in_flight=workers or None,
+        )
+        return ray_runs(runs, threads, resources)
+    if workers == 1:
+        return _in_process(runs, threads)
+    return _in_pool(runs, workers, threads)
+
+
 def _progress(total: int, skipped: int, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
@@ -159,6 +185,8 @@ def run_sweep(
     retry_failed: bool = True,
     progress: bool = True,
     report: bool = True,
+    engine: str | None = None,
+    address: str | None = None,
 ) -> SweepSummary:
     """Run every run of ``config`` not yet recorded in ``output_dir``, then write the report.
 
@@ -167,12 +195,17 @@ def run_sweep(
         output_dir: The sweep's folder (default: ``config.output_dir``, else ``runs/sweep``).
         workers: Parallel runs (default: ``config.workers``, else one per core). With 1, runs
             execute in this process (which then has its global seed and thread count changed).
+            With the Ray engine: the cap on tasks in flight (default: none, Ray's scheduler
+            runs as many as the cluster's resources allow; ``config.workers`` is not read).
         threads_per_worker: Torch threads per run (default: ``config.threads_per_worker``, else
             ``cores // workers``, at least 1).
         retry_failed: Run again the runs recorded as failed.
         progress: Show a progress bar with ETA (tqdm) on stderr.
         report: Write the report (:func:`~lightning_flatness.sweep.report.write_report`) at the
             end.
+        engine: ``"process"`` or ``"ray"`` (default: ``config.engine``).
+        address: The Ray cluster's address (default: ``config.address``; ``None``: a local
+            Ray instance unless Ray is initialized in this process already).
 
     Returns:
         A :class:`SweepSummary`.
@@ -181,10 +214,17 @@ def run_sweep(
     out = Path(output_dir or config.output_dir or "runs/sweep")
     out.mkdir(parents=True, exist_ok=True)
     runs = config.runs(config.structures)
+    engine = engine or config.engine
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}.")
     cores = _default_workers()
-    workers = int(workers or config.workers or cores)
-    threads = int(threads_per_worker or config.threads_per_worker or max(1, cores // workers))
-    if workers < 1 or threads < 1:
+    if engine == "ray":
+        workers = int(workers or 0)  # the config's `workers` sizes the local pool only
+        threads = int(threads_per_worker or config.threads_per_worker or config.cpus_per_run)
+    else:
+        workers = int(workers or config.workers or cores)
+        threads = int(threads_per_worker or config.threads_per_worker or max(1, cores // workers))
+    if (engine == "process" and workers < 1) or workers < 0 or threads < 1:
         raise ValueError(
             f"workers and threads_per_worker must be ≥ 1, got workers={workers}, "
             f"threads_per_worker={threads}."
@@ -196,17 +236,17 @@ def run_sweep(
         for record in read_records(results)
         if record.get("status") == "ok" or (not retry_failed and "key" in record)
     }
-    todo = [dict(run, root_dir=str(out / "lightning")) for run in runs if run["key"] not in done]
+    logs = Path(config.logs_dir or out / "lightning").resolve()  # workers may run elsewhere
+    # one folder per run: runs in flight at once never share a logger's version counter
+    todo = [dict(run, root_dir=str(logs / run["key"])) for run in runs if run["key"] not in done]
     summary = SweepSummary(out, total=len(runs), skipped=len(runs) - len(todo))
     with (out / CONFIG_FILE).open("w", encoding="utf-8") as handle:
         yaml.safe_dump(config.to_dict(), handle, sort_keys=False, allow_unicode=True)
 
     bar = _progress(len(todo), summary.skipped, progress)
-    execute = _in_process if workers == 1 else _in_pool
-    arguments = (todo, threads) if workers == 1 else (todo, workers, threads)
     try:
         with results.open("a", encoding="utf-8") as handle:
-            for record in execute(*arguments):
+            for record in _records(config, engine, address, todo, workers, threads):
                 handle.write(json_line(record) + "\n")
                 handle.flush()
                 if record["status"] == "ok":
@@ -226,6 +266,7 @@ def run_sweep(
             "skipped": summary.skipped,
             "finished": summary.finished,
             "failed": summary.failed,
+            "engine": engine,
             "workers": workers,
             "threads_per_worker": threads,
             "structures": list(config.structures),
