@@ -15,14 +15,22 @@ objective ``L(θ) = mean training NLL + ½λ‖θ‖²``:
 - ``decrement_lower``: one CG step, ``½‖g‖⁴ / (gᵀFg + λ‖g‖²)`` (a lower bound, one extra
   Fisher-vector product);
 - ``decrement_upper``: ``½‖g‖²/λ`` (an upper bound, no curvature at all);
-- ``nll_drop``: the relative drop of the training NLL over the last epoch.
+- ``nll_drop``: the relative drop of the training NLL over the last epoch;
+- ``tic_train``, ``tic_train_centered``, ``tic_val``: the regularized TIC
+  ``(1/n)·Tr(C (F+λI)⁻¹)`` as a predicted gap, exact in float64 (the Fisher formed from
+  per-sample Jacobians), with C the second moment of the per-sample training gradients, their
+  covariance, or the second moment of the held-out ones (``--no-tic`` leaves them out).
 
 The grids (``GRIDS``) differ in data, architecture, n and training length; two of them
-(``role == "choose"``) are used to choose a rule, the others check it. ``--analyse`` reads the
+(``role == "choose"``) are used to choose a rule, the others check it; the ``repeats`` grids
+train three settings on six draws of their data each, so the mean observed gap over the draws
+can be set against the prediction (``repeat_table``). ``--analyse`` reads the
 records and prints, per grid, how often each candidate rule's trusted predictions are within
 2× of the observed gap (a run with an observed gap ≤ 0 counts as outside), and where some
 observed gaps are within two standard errors of 0 (``observed_gap_stderr``: the held-out mean
-NLL's), the same share over the resolved ones alone.
+NLL's), the same share over the resolved ones alone; in brackets, where the records have
+``train_nll_stderr``, the share whose observed gap is *consistent* with a gap within 2× of the
+prediction given its noise about the expected gap (:func:`consistent`).
 
 Usage::
 
@@ -45,7 +53,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jvp, vjp
+from torch.func import functional_call, jacrev, jvp, vjp, vmap
 
 from lightning_flatness import measure
 from lightning_flatness.core.models import build_model
@@ -69,11 +77,16 @@ class Grid:
     lrs: tuple[float, ...]
     epochs: tuple[int, ...]
     seed: int
+    #: runs of every setting, each with its own seed (training set, held-out set, initialization)
+    repeats: int = 1
 
     def runs(self) -> Iterator[dict]:
         """One dict of settings per run of the grid."""
-        combos = itertools.product(self.architectures, self.sizes, self.cs, self.lrs, self.epochs)
-        for (arch, hidden), n, c, lr, epochs in combos:
+        seeds = [self.seed + 100 * k for k in range(self.repeats)]
+        combos = itertools.product(
+            self.architectures, self.sizes, self.cs, self.lrs, self.epochs, seeds
+        )
+        for (arch, hidden), n, c, lr, epochs, seed in combos:
             yield dict(
                 grid=self.name,
                 role=self.role,
@@ -85,7 +98,7 @@ class Grid:
                 lam=c / n,
                 lr=lr,
                 epochs=epochs,
-                seed=self.seed,
+                seed=seed,
             )
 
 
@@ -113,6 +126,12 @@ GRIDS = {
              (40,), 8),
         Grid("widemlp7", "held out", 7, (("mlp", 120),), (1500, 3000), (0.01, 1, 100),
              (1e-3, 3e-3), (120,), 9),
+        # the settings of the trusted misses, each trained on six draws of its data: is the
+        # miss the predictor's or the one observed gap's (its noise about the expected gap)?
+        Grid("repeat7", "repeats", 7, (("mlp", 120), ("bigmlp", 40)), (1500,), (100,), (1e-3,),
+             (120,), 10, repeats=6),
+        Grid("repeatcnn7", "repeats", 7, (("cnn", 0),), (2000,), (100,), (1e-3,), (60,), 11,
+             repeats=6),
     )
 }  # fmt: skip
 
@@ -140,8 +159,8 @@ def sample_nll(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
 
 
 def gap_stderr(model: nn.Module, x_val: Tensor, y_val: Tensor) -> float:
-    """The observed gap's standard error: the held-out mean NLL's, an average over the held-out
-    samples (the training NLL is the whole training set's, not a sample of it)."""
+    """The standard error of the mean NLL over ``x_val``: of the held-out mean, or of the
+    training mean as a sample of the population (:func:`gap_noise`)."""
     losses = sample_nll(model, x_val, y_val)
     return float(losses.std() / math.sqrt(losses.numel()))
 
@@ -179,6 +198,10 @@ class Objective:
         sizes = [math.prod(shape) for shape in self.shapes]
         parts = torch.split(flat, sizes)
         return {n: p.view(s) for n, p, s in zip(self.names, parts, self.shapes, strict=True)}
+
+    def logits_of(self, x: Tensor) -> Tensor:
+        """The model's logits on ``x`` (float64) at its own parameters."""
+        return functional_call(self.model, self._params(self.theta), (x,))
 
     def logits(self, flat: Tensor) -> Tensor:
         """The model's logits on the whole training set at parameters ``flat``."""
@@ -251,6 +274,60 @@ def decrements(model: nn.Module, x: Tensor, y: Tensor, lam: float) -> dict[str, 
     }
 
 
+def _jacobians(objective: Objective, x: Tensor, chunk: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """Per chunk of ``x``: each sample's logit Jacobian ``(b, C, P)`` and probabilities."""
+
+    def one(flat: Tensor, sample: Tensor) -> Tensor:
+        return functional_call(objective.model, objective._params(flat), (sample[None],))[0]
+
+    jacobian = vmap(jacrev(one), in_dims=(None, 0))
+    for start in range(0, x.shape[0], chunk):
+        part = x[start : start + chunk].double()
+        with torch.no_grad():
+            probabilities = torch.softmax(objective.logits_of(part), dim=-1)
+        yield jacobian(objective.theta, part).detach(), probabilities
+
+
+def _gradient_rows(jacobians: Tensor, probabilities: Tensor, labels: Tensor) -> Tensor:
+    """Each sample's NLL gradient ``Jᵢᵀ(pᵢ − yᵢ)``, ``(b, P)``."""
+    residual = probabilities - nn.functional.one_hot(labels, probabilities.shape[-1]).double()
+    return torch.einsum("bcp,bc->bp", jacobians, residual)
+
+
+def regularized_tics(
+    model: nn.Module, x: Tensor, y: Tensor, x_val: Tensor, y_val: Tensor, lam: float
+) -> dict[str, float]:
+    """The regularized TIC ``(1/n)·Tr(C (F+λI)⁻¹)`` with the exact float64 Fisher of the
+    training set and C the training gradients' second moment, their covariance, or the held-out
+    gradients' second moment (the package's ``Tr(C)`` is the second moment's trace)."""
+    start = time.perf_counter()
+    objective = Objective(model, x, y, lam)
+    size, n = objective.theta.numel(), x.shape[0]
+    fisher = torch.zeros(size, size, dtype=torch.float64)
+    rows = []
+    for (jac, p), labels in zip(_jacobians(objective, x, 128), y.split(128), strict=True):
+        weighted = p[..., None] * jac - p[..., None] * torch.einsum("bc,bcp->bp", p, jac)[:, None]
+        fisher += jac.reshape(-1, size).T @ weighted.reshape(-1, size)
+        rows.append(_gradient_rows(jac, p, labels))
+    train_rows = torch.cat(rows)
+    val_parts = zip(_jacobians(objective, x_val, 128), y_val.split(128), strict=True)
+    val_rows = torch.cat([_gradient_rows(jac, p, labels) for (jac, p), labels in val_parts])
+    fisher = fisher / n
+    fisher.diagonal().add_(lam)
+    factor = torch.linalg.cholesky(fisher)
+
+    def trace(rows: Tensor) -> float:
+        whitened = torch.linalg.solve_triangular(factor, rows.T, upper=False)
+        return float(whitened.square().sum()) / rows.shape[0]
+
+    return {
+        "tic_train": trace(train_rows) / n,
+        "tic_train_centered": trace(train_rows - train_rows.mean(0)) / n,
+        "tic_val": trace(val_rows) / n,
+        "tic_seconds": time.perf_counter() - start,
+    }
+
+
 def untrained(run: dict) -> tuple[nn.Module, Tensor, Tensor, Tensor, Tensor]:
     """``run``'s model, seeded and not yet trained, and its data ``(x, y, x_val, y_val)``."""
     x, y, x_val, y_val = load_data(run["image_size"], run["n"], run["seed"])
@@ -259,7 +336,7 @@ def untrained(run: dict) -> tuple[nn.Module, Tensor, Tensor, Tensor, Tensor]:
     return model, x, y, x_val, y_val
 
 
-def one_run(run: dict) -> dict:
+def one_run(run: dict, tic: bool = True) -> dict:
     """Train one model of ``run``, measure it and return its record."""
     model, x, y, x_val, y_val = untrained(run)
     start = time.perf_counter()
@@ -283,11 +360,14 @@ def one_run(run: dict) -> dict:
     record.update(
         parameters=sum(p.numel() for p in model.parameters()),
         observed_gap_stderr=gap_stderr(model, x_val, y_val),
+        train_nll_stderr=gap_stderr(model, x, y),
         soft_rank_per_n=values["soft_rank"] / run["n"],
         nll_drop=(history[-2] - history[-1]) / max(history[-2], 1e-12),
         train_seconds=train_seconds,
         decrement_seconds=time.perf_counter() - start,
     )
+    if tic:
+        record.update(regularized_tics(model, x, y, x_val, y_val, run["lam"]))
     return record
 
 
@@ -301,6 +381,10 @@ def add_predictions(record: dict) -> None:
     rank_per_n = record["soft_rank"] / record["n"]
     record["predicted_gap_train"] = record["trace_ratio_train"] * rank_per_n
     record["predicted_gap_val"] = record["trace_ratio_val"] * rank_per_n
+
+
+#: the regularized TICs, recorded unless ``--no-tic``
+TICS = ("tic_train", "tic_train_centered", "tic_val")
 
 
 def ratio(record: dict, predictor: str) -> float:
@@ -319,6 +403,21 @@ def resolved(record: dict) -> bool:
     """The observed gap is more than two standard errors from 0 (records without the standard
     error count as resolved)."""
     return record["observed_gap"] > 2 * record.get("observed_gap_stderr", 0.0)
+
+
+def gap_noise(record: dict) -> float:
+    """The observed gap's standard deviation about the *expected* gap Eq. 13 predicts: the
+    held-out mean NLL's standard error and the training mean's, ``σ_train/√n`` (one training
+    set is a sample too: at given parameters its mean loss fluctuates by that much around the
+    population's, on these n as much as the gap itself)."""
+    return math.hypot(record.get("observed_gap_stderr", 0.0), record.get("train_nll_stderr", 0.0))
+
+
+def consistent(record: dict, predictor: str, factor: float = 2.0) -> bool:
+    """Some gap within two noise deviations of the observed one is within ``factor`` of the
+    prediction: ``[obs − 2s, obs + 2s]`` meets ``[pred/factor, pred·factor]``."""
+    observed, spread, predicted = record["observed_gap"], 2 * gap_noise(record), record[predictor]
+    return observed + spread >= predicted / factor and observed - spread <= predicted * factor
 
 
 def decrement_share(record: dict, predictor: str = "predicted_gap_train") -> float:
@@ -366,10 +465,13 @@ def cell(records: list[dict], predictor: str) -> str:
     share = sum(within(r, predictor) for r in records) / len(records)
     middle = statistics.median(ratio(r, predictor) for r in records)
     clear = [r for r in records if resolved(r)]
-    if len(clear) == len(records):
-        return f"{len(records)}, {share:.0%}, {middle:.2f}"
-    clear_share = sum(within(r, predictor) for r in clear) / len(clear) if clear else math.nan
-    return f"{len(records)}, {share:.0%}, {middle:.2f} ({len(clear)} resolved: {clear_share:.0%})"
+    text = f"{len(records)}, {share:.0%}, {middle:.2f}"
+    if len(clear) != len(records):
+        clear_share = sum(within(r, predictor) for r in clear) / len(clear) if clear else math.nan
+        text += f" ({len(clear)} resolved: {clear_share:.0%})"
+    if all("train_nll_stderr" in r for r in records):
+        text += f" [{sum(consistent(r, predictor) for r in records) / len(records):.0%}]"
+    return text
 
 
 def rule_table(records: list[dict], predictor: str) -> str:
@@ -416,6 +518,31 @@ def run_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def repeat_table(records: list[dict]) -> str:
+    """Per setting trained on several draws of its data: the mean observed gap with its
+    standard error over the draws, the mean of each prediction and their ratio."""
+    header = ["setting", "draws", "observed gap (mean ± se)", "Eq. 13", "÷ observed", "TIC"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    settings: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r.get("role") == "repeats":
+            key = (r["grid"], r["architecture"], r["n"], r["c"], r["lr"], r["epochs"])
+            settings.setdefault(key, []).append(r)
+    for (grid, arch, n, c, lr, epochs), runs in settings.items():
+        gaps = [r["observed_gap"] for r in runs]
+        mean_gap = statistics.mean(gaps)
+        se = statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else math.nan
+        predicted = statistics.mean(r["predicted_gap_train"] for r in runs)
+        tic = statistics.mean(r.get("tic_train", math.nan) for r in runs)
+        row = [
+            f"{grid} {arch} n={n} c={c} lr={lr} {epochs} epochs", len(runs),
+            f"{mean_gap:.4f} ± {se:.4f}", f"{predicted:.4f}", f"{predicted / mean_gap:.2f}",
+            f"{tic:.4f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
 def analyse(path: Path) -> None:
     """Print the per-run signals and the rule tables of both predictors."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -423,13 +550,19 @@ def analyse(path: Path) -> None:
         add_predictions(record)
     print(f"{len(records)} runs from {path}\n")
     print(run_table(records), "\n")
-    for predictor in ("predicted_gap_train", "predicted_gap_val"):
+    if any(r.get("role") == "repeats" for r in records):
+        print(repeat_table(records), "\n")
+    predictors = ("predicted_gap_train", "predicted_gap_val", *TICS)
+    for predictor in [p for p in predictors if all(p in r for r in records)]:
         print(f"### {predictor}: trusted runs, within 2×, median ratio / untrusted within 2×\n")
         print(rule_table(records, predictor), "\n")
 
 
-def collect(grids: Sequence[str], output: Path) -> None:
-    """Run every grid's runs not yet in ``output`` and append their records."""
+def collect(
+    grids: Sequence[str], output: Path, cs: Sequence[float] | None = None, tic: bool = True
+) -> None:
+    """Run every grid's runs not yet in ``output`` (those at ``cs`` only, when given) and
+    append their records."""
     output.parent.mkdir(parents=True, exist_ok=True)
     done = set()
     if output.exists():
@@ -438,10 +571,10 @@ def collect(grids: Sequence[str], output: Path) -> None:
             done.add(run_key(record))
     for name in grids:
         for run in GRIDS[name].runs():
-            if run_key(run) in done:
+            if run_key(run) in done or (cs is not None and run["c"] not in cs):
                 continue
             start = time.perf_counter()
-            record = one_run(run)
+            record = one_run(run, tic=tic)
             record["total_seconds"] = time.perf_counter() - start
             with output.open("a") as handle:
                 handle.write(json.dumps(record) + "\n")
@@ -467,13 +600,16 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("runs/study_trust/records.jsonl"))
     parser.add_argument("--analyse", type=Path, help="print the tables of a records file")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--cs", help="comma-separated values of c to run (default: the grid's)")
+    parser.add_argument("--no-tic", action="store_true", help="leave out the regularized TICs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.analyse:
         analyse(args.analyse)
         return
     names = list(GRIDS) if args.grids == "all" else args.grids.split(",")
-    collect(names, args.output)
+    cs = [float(c) for c in args.cs.split(",")] if args.cs else None
+    collect(names, args.output, cs=cs, tic=not args.no_tic)
     analyse(args.output)
 
 

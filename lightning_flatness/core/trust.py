@@ -22,9 +22,10 @@ A model far from a minimum (one to three epochs into training) is not over-confi
 distance from the minimum is the Newton decrement ``½ gᵀ(F+λI)⁻¹g`` of the regularized objective
 (``newton_decrement``; g its gradient over the measured training samples, docs/math.md, "The
 Newton decrement"): the estimate is trusted only while it is at most :data:`DECREMENT_LIMIT`.
-:func:`~lightning_flatness.measure` computes it for ``probe_kernel``, ``dense`` and ``gram``;
-where a structure does not (NaN: ``cg`` among the exact-quality ones, and the approximations,
-which are never trusted anyway) the rule is the three conditions above.
+:func:`~lightning_flatness.measure` computes it for every exact-quality structure
+(``probe_kernel``, ``cg``, ``dense``, ``gram``); where it is NaN (a failed solve, the sketched
+probe rows of large models, or an approximation, which is never trusted anyway) the rule is the
+three conditions above.
 
 α_train ≥ 0.3 does not see every over-confident model: at c ≈ 1 a trained MLP can keep it at
 0.33–0.55 while its held-out trace ratio is 3–6 times the training one, and Eq. 13 falls to
@@ -65,8 +66,14 @@ TRUST_THRESHOLD = 0.3
 #: of ``benchmarks/study_trust.py`` under this rule (docs/RESULTS.md, "Predictor and trust
 #: rule", the re-run with every image not trained on held out): mlp7 4 of 4, cnn7 2 of 4,
 #: mlp14 3 of 3, bigmlp7 3 of 4, and on the grids held out from the choice, resmlp14 4 of 4,
-#: widemlp7 2 of 4, cnn14 1 of 2
-TRUSTED_WITHIN_2X = "19 of 25 trusted trained runs (docs/RESULTS.md, Predictor and trust rule)"
+#: widemlp7 2 of 4, cnn14 1 of 2. One run's observed gap differs from the expected gap Eq. 13
+#: predicts by 0.015–0.027 nat on those runs (the training and held-out means' sampling
+#: errors); within that noise all 25 are consistent with 2×, and the mean over six training
+#: sets of the three settings repeated is within 2× (the re-run with six draws).
+TRUSTED_WITHIN_2X = (
+    "19 of 25 trusted trained runs; all 25 within the observed gap's own noise across training "
+    "sets (docs/RESULTS.md, Predictor and trust rule)"
+)
 
 #: the largest relative drop of the training NLL over the last epoch at which the model counts
 #: as settled (near a minimum, where Eq. 13 applies). From ``benchmarks/study_trust.py``
