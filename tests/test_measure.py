@@ -244,6 +244,31 @@ def test_validation_fields_and_predicted_gap(cases):
     assert report.predicted_gap == pytest.approx(expected_train, rel=1e-7)
 
 
+@pytest.mark.parametrize("structure", ["probe_kernel", "kfac", "gram", "cg"])
+def test_observed_gap_stderr_is_the_two_means_sampling_error(cases, structure):
+    """√(s²_train/m + s²_val/m_val) of the per-sample NLLs, whatever the batch size."""
+    model, inputs, targets, _ = cases["mlp"]
+    val_inputs, val_targets = random_data(40, seed=7)
+    with torch.no_grad():
+        train_nll = torch.nn.functional.cross_entropy(model(inputs), targets, reduction="none")
+        val_nll = torch.nn.functional.cross_entropy(
+            model(val_inputs), val_targets, reduction="none"
+        )
+    expected = math.sqrt(train_nll.var() / train_nll.numel() + val_nll.var() / val_nll.numel())
+    for train_batch, val_batch in ((10, 9), (NUM_SAMPLES, 40), (1, 3)):
+        report = measure(
+            model,
+            batches(inputs, targets, train_batch),
+            lam=LAM,
+            num_train_samples=N_TRAIN,
+            structure=structure,
+            val_batches=batches(val_inputs, val_targets, val_batch),
+        )
+        assert report.observed_gap_stderr == pytest.approx(expected, rel=1e-9)
+    without_val = measure(model, [(inputs, targets)], lam=LAM, num_train_samples=N_TRAIN)
+    assert math.isnan(without_val.observed_gap_stderr)
+
+
 def test_relative_flatness_matches_hessian_definition(cases):
     """κ = Σ_{s,s'} ⟨w_s, w_s'⟩ Tr(H_{s,s'}) with H the last layer's exact Fisher block."""
     model, inputs, targets, ref = cases["mlp"]
@@ -354,6 +379,7 @@ def test_as_dict_has_every_documented_field(cases):
         *("soft_rank", "soft_rank2", "logdet", "trace_fisher", "max_eig", "trace_cov"),
         *("trace_ratio_train", "trace_ratio_val", "predicted_gap", "predicted_gap_val"),
         *("thomas_gap", "tic", "train_nll", "val_nll", "observed_gap", "relative_flatness"),
+        "observed_gap_stderr",
         *("error_uncertainty_train", "error_uncertainty_val", "num_samples", "lam", "structure"),
         *("rank_bound", "soft_rank_stderr", "trusted"),
     }

@@ -24,6 +24,11 @@ class FlatnessReport:
     Every float is NaN where it is undefined for the inputs given (e.g. no validation data, or
     the accuracy of a regressor). ``train_nll`` / ``val_nll`` are the plain negative
     log-likelihoods of the model's own likelihood, not the user's training loss.
+    ``observed_gap_stderr`` is the observed gap's standard deviation about the *expected* gap
+    over training sets, which the predicted gaps estimate: ``√(s²_train/m + s²_val/m_val)``
+    from the per-sample NLLs of the measured training and held-out samples (one training set's
+    mean loss differs from the population's by its own sampling error, as the held-out mean
+    does; docs/math.md, "Generalization gap").
     ``eigenvalues`` (the structure's spectrum, float64) and ``blocks`` (per-parameter summaries
     of block-structured approximations, e.g. ``kfac``) are not part of :meth:`as_dict`.
     ``predicted_gap`` is Eq. 13 with the training trace ratio and ``predicted_gap_val`` with the
@@ -60,6 +65,7 @@ class FlatnessReport:
     train_nll: float
     val_nll: float
     observed_gap: float
+    observed_gap_stderr: float
     train_accuracy: float
     val_accuracy: float
     error_uncertainty_train: float
@@ -195,6 +201,7 @@ def build_report(
         tic=curvature.tic_trace / n,
         train_nll=train_nll,
         observed_gap=val_nll - train_nll,
+        observed_gap_stderr=math.sqrt(train.squared_error_of_mean() + val.squared_error_of_mean()),
         train_accuracy=train.mean("correct"),
         error_uncertainty_train=alpha_train,
         trust_score=alpha_train,

@@ -15,6 +15,8 @@ shared by all; BackPACK's structures add theirs in
   (docs/math.md, "Generalization gap"), and the correct predictions; NaN for regression;
 - the relative flatness of the last linear layer (docs/math.md, "Relative flatness"):
   ``κ = (1/m) Σ_i ‖φ_i‖² · Tr(W Wᵀ Λ_i)``, φ_i its input and ``Λ_i`` the output Fisher;
+- the sum of squared per-sample NLLs, for the standard error of the mean NLL (the observed
+  gap's noise: :meth:`StatisticSums.squared_error_of_mean`);
 - the number of samples.
 
 Only sums are kept, so the numbers do not depend on the batch size, and under data parallelism
@@ -46,6 +48,7 @@ class StatisticSums:
     uncertainty: float = 0.0
     correct: float = 0.0
     relative_flatness: float = 0.0
+    loss_squares: float = 0.0
 
     def as_tensor(self) -> Tensor:
         return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
@@ -60,6 +63,14 @@ class StatisticSums:
     def mean(self, name: str) -> float:
         """Per-sample mean of the sum ``name``; NaN when there are no samples."""
         return getattr(self, name) / self.count if self.count else math.nan
+
+    def squared_error_of_mean(self) -> float:
+        """The squared standard error of the mean NLL, ``s²/m`` with ``s²`` the samples'
+        unbiased variance; NaN below two samples."""
+        if self.count < 2:
+            return math.nan
+        variance = (self.loss_squares - self.loss**2 / self.count) / (self.count - 1)
+        return max(variance, 0.0) / self.count
 
 
 def output_sums(
@@ -84,9 +95,11 @@ def output_sums(
     logits = logits.detach().to(torch.float64)
     targets = targets.to(torch.float64) if targets.is_floating_point() else targets
     scores = likelihood.scores(logits, targets)
+    nll = likelihood.nll(logits, targets)
     return StatisticSums(
         count=float(logits.shape[0]),
-        loss=float(likelihood.nll(logits, targets).sum()),
+        loss=float(nll.sum()),
+        loss_squares=float(nll.square().sum()),
         error=scores.error,
         uncertainty=scores.uncertainty,
         correct=scores.correct,
