@@ -7,6 +7,7 @@ solve; per-group decay; a sum of the states of two processes equals one process.
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 
@@ -200,11 +201,14 @@ def test_two_processes_summing_their_states_equal_one_process(one_thread):
     options = {"probes": 4, "groups": 2}
     single = _measure(model, inputs, targets, 5, kernel_options=options, all_reduce=lambda t: t)
     group, reports = _TwoProcesses(), [None, None]
+    # a replica per rank, as each process has its own: two threads hooking one module would
+    # record each other's forward passes
+    replicas = [copy.deepcopy(model) for _ in range(2)]
 
     def run(rank: int) -> None:
         local = (inputs[rank::2], targets[rank::2])
         reports[rank] = _measure(
-            model,
+            replicas[rank],
             *local,
             5,
             kernel_options=options,
