@@ -22,19 +22,8 @@ import time
 from pathlib import Path
 
 from lightning_flatness.sweep.config import load_config
-from lightning_flatness.sweep.records import read_records
+from lightning_flatness.sweep.records import read_records, without_timings
 from lightning_flatness.sweep.runner import run_sweep
-
-TIMINGS = {"seconds", "train_seconds"}
-
-
-def without_timings(record: dict) -> dict:
-    """A record without its wall-clock fields (they differ between any two runs)."""
-    measures = {
-        structure: {k: v for k, v in values.items() if k not in TIMINGS}
-        for structure, values in record.get("measures", {}).items()
-    }
-    return {**{k: v for k, v in record.items() if k not in TIMINGS}, "measures": measures}
 
 
 def sweep_once(config_path: Path, output: Path, engine: str, address: str | None) -> float:

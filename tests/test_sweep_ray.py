@@ -18,6 +18,7 @@ import torch
 
 from lightning_flatness.sweep.config import SweepConfig
 from lightning_flatness.sweep.ray_engine import relative_paths
+from lightning_flatness.sweep.records import without_timings
 from lightning_flatness.sweep.runner import read_records, run_sweep
 
 pytestmark = [
@@ -79,15 +80,6 @@ def four_points(**overrides) -> dict:
     }
     raw.update(overrides)
     return raw
-
-
-def without_timings(record: dict) -> dict:
-    drop = {"seconds", "train_seconds"}
-    measures = {
-        structure: {k: v for k, v in values.items() if k not in drop}
-        for structure, values in record["measures"].items()
-    }
-    return {**{k: v for k, v in record.items() if k not in drop}, "measures": measures}
 
 
 def test_ray_records_equal_the_process_pools(tmp_path, local_ray):

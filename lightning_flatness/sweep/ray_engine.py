@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
+from lightning_flatness.sweep.records import failed_record
 from lightning_flatness.sweep.run import execute_run
 
 __all__ = ["RayResources", "ray_runs", "relative_paths"]
@@ -92,25 +93,13 @@ def _import_ray() -> Any:
     return ray
 
 
-def _remote_run(run: Mapping[str, Any], threads: int) -> dict[str, Any]:
-    """The body of one Ray task (module level, so workers import it by name)."""
-    return execute_run(run, threads)
-
-
-def _failed(run: Mapping[str, Any], error: BaseException) -> dict[str, Any]:
+def _died(error: BaseException) -> str:
+    """The failed record's message for a task that raised ``error`` instead of returning."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return {
-        "key": run["key"],
-        "label": run.get("label", ""),
-        "params": dict(run.get("params") or {}),
-        "seed": run.get("seed"),
-        "status": "failed",
-        "error": (
-            f"{type(error).__name__}: the Ray task of this run died ({reason}); rerun the sweep "
-            "to try it again."
-        ),
-        "seconds": float("nan"),
-    }
+    return (
+        f"{type(error).__name__}: the Ray task of this run died ({reason}); rerun the sweep "
+        "to try it again."
+    )
 
 
 def _connect(ray: Any, resources: RayResources) -> bool:
@@ -145,7 +134,7 @@ def ray_runs(
     if resources.address is not None:
         _warn_relative(runs)
     started = _connect(ray, resources)
-    task = ray.remote(_remote_run).options(
+    task = ray.remote(execute_run).options(
         num_cpus=resources.cpus_per_run, num_gpus=resources.gpus_per_run, max_retries=0
     )
     limit = resources.max_in_flight or len(runs) or 1
@@ -163,7 +152,7 @@ def ray_runs(
                 try:
                     yield ray.get(ref)
                 except ray.exceptions.RayError as error:
-                    yield _failed(run, error)
+                    yield failed_record(run, _died(error))
     finally:
         for ref in in_flight:  # Ctrl-C or the caller stopped: do not leave tasks running
             ray.cancel(ref, force=True)

@@ -10,10 +10,43 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["INVOCATIONS_FILE", "RESULTS_FILE", "json_line", "json_safe", "read_records"]
+__all__ = [
+    "INVOCATIONS_FILE",
+    "RESULTS_FILE",
+    "TIMINGS",
+    "failed_record",
+    "json_line",
+    "json_safe",
+    "read_records",
+    "without_timings",
+]
 
 RESULTS_FILE = "runs.jsonl"
 INVOCATIONS_FILE = "invocations.jsonl"
+#: the wall-clock fields of a record and of its measures (they differ between any two runs)
+TIMINGS = frozenset({"seconds", "train_seconds"})
+
+
+def failed_record(run: Mapping[str, Any], error: str) -> dict[str, Any]:
+    """The record of a run that did not return one of its own (its worker or task died)."""
+    return {
+        "key": run["key"],
+        "label": run.get("label", ""),
+        "params": dict(run.get("params") or {}),
+        "seed": run.get("seed"),
+        "status": "failed",
+        "error": error,
+        "seconds": float("nan"),
+    }
+
+
+def without_timings(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` without its wall-clock fields: what two runs of the same key agree on."""
+    measures = {
+        structure: {k: v for k, v in values.items() if k not in TIMINGS}
+        for structure, values in (record.get("measures") or {}).items()
+    }
+    return {**{k: v for k, v in record.items() if k not in TIMINGS}, "measures": measures}
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:

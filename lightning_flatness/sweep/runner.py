@@ -33,6 +33,7 @@ from lightning_flatness.sweep.ray_engine import RayResources, ray_runs
 from lightning_flatness.sweep.records import (
     INVOCATIONS_FILE,
     RESULTS_FILE,
+    failed_record,
     json_line,
     json_safe,
     read_records,
@@ -80,18 +81,6 @@ def _default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _failed(run: Mapping[str, Any], error: str) -> dict[str, Any]:
-    return {
-        "key": run["key"],
-        "label": run.get("label", ""),
-        "params": dict(run.get("params") or {}),
-        "seed": run.get("seed"),
-        "status": "failed",
-        "error": error,
-        "seconds": float("nan"),
-    }
-
-
 def _init_worker(threads: int) -> None:
     set_threads(threads)
 
@@ -127,14 +116,14 @@ def _in_pool(
                         yield future.result()
                     except BrokenProcessPool:
                         broken = True
-                        yield _failed(
+                        yield failed_record(
                             run,
                             "BrokenProcessPool: a worker process died while this run was in "
                             "flight (this run or another one in flight crashed it, e.g. out of "
                             "memory); rerun the sweep to try it again.",
                         )
                     except Exception as error:  # e.g. a run that cannot be pickled
-                        yield _failed(run, f"{type(error).__name__}: {error}")
+                        yield failed_record(run, f"{type(error).__name__}: {error}")
                 if broken and not in_flight:
                     break
         finally:
