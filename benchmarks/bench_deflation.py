@@ -25,8 +25,8 @@ import argparse
 import time
 
 import torch
-from _common import environment_note, markdown_table, set_threads, train_epoch
-from _ladder import LadderResNet, colour16
+from _common import environment_note, markdown_table, set_threads
+from _ladder import trained_ladder
 
 import lightning_flatness as lf
 from lightning_flatness.core.curvature import probe_kernel, stored_rows
@@ -49,15 +49,7 @@ MAX_STEPS = 100
 def _rows(rung: str, c: float, epochs: int) -> tuple[torch.Tensor, int, float, float]:
     """The default's stored probe rows (R, P) of the trained rung, m, λ and its epoch time."""
     widths, n = tuple(int(w) for w in rung.split(":")[0].split(",")), int(rung.split(":")[1])
-    x, y = colour16(n, 1000 if n < 10_000 else 0)[:2]
-    torch.manual_seed(0)
-    model = LadderResNet(widths)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=c / n)
-    generator = torch.Generator().manual_seed(0)
-    started = time.perf_counter()
-    for _ in range(epochs):
-        train_epoch(model, optimizer, x, y, 64, generator)
-    epoch = (time.perf_counter() - started) / epochs
+    model, epoch, (x, y) = trained_ladder(widths, n, c, epochs)
     kept = {}
     estimate = stored_rows.stored_rows_estimate
 

@@ -23,6 +23,8 @@ each measurement.
         --epochs 5 --tolerances 0.05 0.1
     python benchmarks/bench_stored_rows.py --rungs 16,32,64:10000 --c 5 --certified --skip-cg \
         --skip-formed --epochs 5 --unsketched --sketch-factors 8 16
+    python benchmarks/bench_stored_rows.py --rungs 8,16,24:5000 --c 2.5 --exact --skip-cg \
+        --skip-formed --parameter-space
 """
 
 from __future__ import annotations
@@ -77,6 +79,11 @@ def _measure(model, data, lam: float, structure: str, **options) -> tuple:
     return report, seconds, grown
 
 
+def _one_process(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum across a world of one process."""
+    return tensor
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -128,6 +135,12 @@ def main() -> None:
         help="reference: rows sketched this many times shorter, 16 × ≤ 150 steps, ±0.2% "
         "(past the memory of whole rows)",
     )
+    parser.add_argument(
+        "--parameter-space",
+        action="store_true",
+        help="also the estimate in the parameters' space (the one rows across processes take), "
+        "on one process",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     set_threads(args.threads)
@@ -177,6 +190,11 @@ def main() -> None:
                     {"kernel_options": {"side": "samples", "max_kernel_size": 10**6}},
                 )
             runs["stored rows (the default)"] = ("auto", {})
+            if args.parameter_space:  # a world of one: what each of several processes runs
+                runs["stored rows, parameters' space (across processes)"] = (
+                    "auto",
+                    {"all_reduce": _one_process},
+                )
             if args.unsketched:
                 runs["stored rows kept whole"] = ("auto", {"kernel_options": {"sketch_factor": 1}})
             for groups in args.sketch_groups:

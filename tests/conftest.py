@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -141,3 +142,38 @@ def curvature_and_sums(
         model, train_batches, options, lam=lam, loss=loss, seed=seed, all_reduce=all_reduce
     )
     return curvature, train
+
+
+class TwoProcesses:
+    """``all_reduce`` of two threads standing for two processes: each hands its tensor, both
+    get the sum, in place (:meth:`for_rank`); :meth:`run` runs ``work(rank)`` on both."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(2)
+        self.slots: list[torch.Tensor | None] = [None, None]
+
+    def for_rank(self, rank: int):
+        def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = tensor.clone()
+            self.barrier.wait()
+            total = self.slots[0] + self.slots[1]
+            self.barrier.wait()
+            tensor.copy_(total)
+            return tensor
+
+        return all_reduce
+
+    @staticmethod
+    def run(work) -> None:
+        """``work(0)`` and ``work(1)`` in two threads, joined. Two threads in a measurement's
+        context at once leave torch's process-wide attention flag as the later one found it
+        (processes do not share it): it is restored."""
+        threads = [threading.Thread(target=work, args=(rank,)) for rank in range(2)]
+        fast_path = torch.backends.mha.get_fastpath_enabled()
+        try:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fast_path)

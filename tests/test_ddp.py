@@ -21,6 +21,8 @@ from lightning_flatness.lightning.monitor_measurement import MEASUREMENT_BATCH_S
 from lightning_flatness.lightning.trainer_facts import fixed_subset_batches
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_fit.py"
+#: the probe kernel's options of the script's ``spread`` mode
+SPREAD = {"max_parameters": 1000, "sketch_from_parameters": 2000}
 
 
 def run_ddp(tmp_path: Path, *args: str, timeout: float = 600) -> list[dict]:
@@ -95,9 +97,10 @@ NOT_MEASURED = ("epoch", "seconds", "fill_in", "calibration", "nll_drop", "trust
 STANDARD_ERRORS = ("soft_rank_stderr", "logdet_stderr")
 
 
-def union_measurement(weights: dict, structure: str) -> dict:
-    """What one process measures, with the monitor's arguments for ``structure``, on the union
-    of the two ranks' samples (the whole training set, the held-out set) at ``weights``."""
+def union_measurement(weights: dict, structure, all_reduce=None) -> dict:
+    """What one process measures, with the monitor's arguments for ``structure`` (a name or an
+    options object), on the union of the two ranks' samples (the whole training set, the
+    held-out set) at ``weights``."""
     model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3)
     model.load_state_dict(weights)
     data = MNIST7DataModule(train_size=256, val_size=128, batch_size=32)
@@ -109,7 +112,10 @@ def union_measurement(weights: dict, structure: str) -> dict:
         lam=1e-3,
         num_train_samples=256,
         val_batches=fixed_subset_batches(data.val_dataloader(), DEFAULT_MAX_VAL_SAMPLES, size, 0),
-        **FlatnessMonitor().measure_arguments(structure),
+        all_reduce=all_reduce,
+        **FlatnessMonitor(structure=structure).measure_arguments(
+            structure if isinstance(structure, str) else structure.structure
+        ),
     ).as_dict()
 
 
@@ -135,6 +141,26 @@ def test_the_default_monitor_over_two_processes_equals_one_process(tmp_path):
     # take trust away from what one process's measurement says
     settled = rank0["nll_drop"] <= SETTLED_DROP
     assert rank0["trusted"] == (single["trusted"] if settled else 0.0)
+
+
+@pytest.mark.ddp
+def test_rows_kept_by_each_process_equal_one_process(tmp_path):
+    """The probe kernel above its P × P guard: each process keeps its probe rows (sketched) and
+    the quadrature runs in the parameters' space on summed products; every number of the last
+    record equals one process's with the same estimate on the union."""
+    rank0, rank1 = run_ddp(tmp_path, "probe_kernel", "spread")
+    assert_records_equal(rank0, rank1)
+    weights = torch.load(tmp_path / "weights0.pt", weights_only=True)
+    options = structure_options("probe_kernel", kernel_options=SPREAD)
+    single = union_measurement(weights, options, all_reduce=lambda tensor: tensor)
+    assert rank0["num_samples"] == 256 and rank0["num_val_samples"] == 128
+    assert math.isnan(single["newton_decrement"])  # sketched rows: no decrement
+    for key in (key for key in rank0 if key not in NOT_MEASURED):
+        if math.isnan(single[key]):
+            assert math.isnan(rank0[key]), key
+            continue
+        tolerance = 1e-3 if key in STANDARD_ERRORS else 1e-5  # float32 rows summed in two orders
+        assert rank0[key] == pytest.approx(single[key], rel=tolerance, abs=1e-12), key
 
 
 @pytest.mark.ddp

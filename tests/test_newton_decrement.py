@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import copy
 import math
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import batches, random_data, tiny_model
+from conftest import TwoProcesses, batches, random_data, tiny_model
 from zoo import build, zoo_data
 
 from lightning_flatness.core import reference
@@ -171,26 +170,6 @@ def test_per_group_decay_gives_the_reference_decrement(one_thread):
     assert dense.newton_decrement == pytest.approx(expected, rel=1e-8)
 
 
-class _TwoProcesses:
-    """``all_reduce`` of two threads standing for two processes: each hands its tensor, both
-    get the sum, in place."""
-
-    def __init__(self) -> None:
-        self.barrier = threading.Barrier(2)
-        self.slots: list[torch.Tensor | None] = [None, None]
-
-    def for_rank(self, rank: int):
-        def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-            self.slots[rank] = tensor.clone()
-            self.barrier.wait()
-            total = self.slots[0] + self.slots[1]
-            self.barrier.wait()
-            tensor.copy_(total)
-            return tensor
-
-        return all_reduce
-
-
 def test_two_processes_summing_their_states_equal_one_process(one_thread):
     """Each of two processes measures every other sample (``shard``); their summed states give
     the decrement of one process on the union (its P × P side, the summable one). ``cg``'s,
@@ -200,7 +179,7 @@ def test_two_processes_summing_their_states_equal_one_process(one_thread):
     inputs, targets = random_data(N)
     options = {"probes": 4, "groups": 2}
     single = _measure(model, inputs, targets, 5, kernel_options=options, all_reduce=lambda t: t)
-    group, reports = _TwoProcesses(), [None, None]
+    group, reports = TwoProcesses(), [None, None]
     # a replica per rank, as each process has its own: two threads hooking one module would
     # record each other's forward passes
     replicas = [copy.deepcopy(model) for _ in range(2)]
@@ -216,17 +195,7 @@ def test_two_processes_summing_their_states_equal_one_process(one_thread):
             shard=(rank, 2),
         )
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    fast_path = torch.backends.mha.get_fastpath_enabled()
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        # two threads in the measurement's context at once leave torch's process-wide
-        # attention flag as the later one found it (processes do not share it)
-        torch.backends.mha.set_fastpath_enabled(fast_path)
+    group.run(run)
     for report in reports:
         assert report.num_samples == N
         assert report.newton_decrement == pytest.approx(single.newton_decrement, rel=1e-9)

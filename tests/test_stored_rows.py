@@ -9,7 +9,7 @@ import torch
 from conftest import many_classes, probe_kernel_report, random_data, tiny_model
 
 from lightning_flatness import FlatnessMonitor
-from lightning_flatness.core import memory, reference, spectral
+from lightning_flatness.core import defaults, memory, reference, spectral
 from lightning_flatness.core.curvature import stored_rows
 from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.stored_rows import quadrature_seconds
@@ -128,8 +128,8 @@ def test_the_rows_memory_is_the_guard(monkeypatch):
 def test_the_default_keeps_rows_past_the_formed_kernels_guard(monkeypatch):
     """78,000 parameters and 10,000 samples of 2 probes: 1.6·10⁹ numbers of rows (6 GiB of
     float32), sketched 4 times shorter at the default (1.5 GiB); stored when they fit in memory,
-    sketched shorter still where that makes them fit, the matrix-free cg when nothing does or
-    across processes."""
+    sketched shorter still where that makes them fit, the matrix-free cg when nothing does;
+    across processes each keeps its share, in the memory the processes of one machine share."""
     options, unsketched = KernelOptions(probes=2), KernelOptions(probes=2, sketch_factor=1)
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: 20 * 2**30)
     for chosen in (options, unsketched):
@@ -137,7 +137,9 @@ def test_the_default_keeps_rows_past_the_formed_kernels_guard(monkeypatch):
         assert choice.structure == "probe_kernel" and "Lanczos quadrature" in choice.reason
         assert ("sketched to 19,584" in choice.reason) == (chosen is options)
         assert choice.sketch_factor is None  # the option's own factor fits
-        assert choose_structure(78_000, 10_000, chosen, summable=True).structure == "cg"
+        spread = choose_structure(78_000, 5_000, chosen, summable=True, sharing=2)
+        assert spread.structure == "probe_kernel" and "parameters' space" in spread.reason
+        assert ("sketched to 19,584" in spread.reason) == (chosen is options)
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: 8 * 2**30)
     assert choose_structure(78_000, 10_000, unsketched).structure == "cg"
     assert choose_structure(78_000, 10_000, options).sketch_factor is None
@@ -145,6 +147,8 @@ def test_the_default_keeps_rows_past_the_formed_kernels_guard(monkeypatch):
     choice = choose_structure(78_000, 10_000, options)
     assert choice.structure == "probe_kernel" and choice.sketch_factor == 16
     assert "sketched to 4,896" in choice.reason
+    # four processes' rows in that memory: each a quarter of it, its rows 32 times shorter
+    assert choose_structure(78_000, 5_000, options, summable=True, sharing=4).sketch_factor == 32
     monkeypatch.setattr(memory, "free_bytes", lambda device=None: 2**24)
     assert choose_structure(78_000, 10_000, options).structure == "cg"
 
@@ -157,7 +161,8 @@ class _Module(torch.nn.Linear):
 
 def test_the_monitor_predicts_the_quadrature_its_fit_start_trial_does_not_run(monkeypatch):
     """The trial measures 32 samples, never the stored-row path; the first exact measurement's
-    predicted cost adds the quadrature where the whole set will take that path."""
+    predicted cost adds the quadrature where the whole set will take that path, and across
+    processes each one's share of the rows (always kept above the P × P guard)."""
     calls = []
 
     def predicted(rows, parameters, **options):
@@ -167,10 +172,13 @@ def test_the_monitor_predicts_the_quadrature_its_fit_start_trial_does_not_run(mo
     monkeypatch.setattr(monitor_checks, "quadrature_seconds", predicted)
     monitor = FlatnessMonitor()
     monitor._active_structure = "probe_kernel"
-    assert monitor._quadrature_seconds(_Module(10, 3), 100_000) == 0.0  # P × P sums
-    assert monitor._quadrature_seconds(_Module(1000, 10), 2000) == 0.0  # a formed kernel
-    assert monitor._quadrature_seconds(_Module(1000, 10), 4000) == 7.0  # stored rows
-    assert calls == [(16_000, 10_010, 2, KernelOptions().slq_probes)]
+    assert monitor._quadrature_seconds(_Module(10, 3), 100_000, 1) == 0.0  # P × P sums
+    assert monitor._quadrature_seconds(_Module(10, 3), 100_000, 2) == 0.0  # summed across
+    assert monitor._quadrature_seconds(_Module(1000, 10), 2000, 1) == 0.0  # a formed kernel
+    assert monitor._quadrature_seconds(_Module(1000, 10), 4000, 1) == 7.0  # stored rows
+    assert monitor._quadrature_seconds(_Module(1000, 10), 2000, 2) == 7.0  # kept by each
+    slq = KernelOptions().slq_probes
+    assert calls == [(16_000, 10_010, 2, slq), (4_000, 10_010, 2, slq)]
     state = torch.get_rng_state()
     assert quadrature_seconds(300, 50, groups=2, probes=2, steps=3) > 0.0
     assert torch.equal(torch.get_rng_state(), state)  # the training's RNG is not drawn from
@@ -216,10 +224,10 @@ def test_the_monitors_choice_counts_the_probes_its_measurements_take(monkeypatch
         return StructureChoice("probe_kernel", "probe_kernel: the rows fit")
 
     class _Trainer:
-        world_size = 1
+        world_size = num_devices = 1
         train_dataloader = None
 
-    monkeypatch.setattr(monitor_checks, "choose_structure", choose)
+    monkeypatch.setattr(defaults, "choose_structure", choose)
     for samples in (10_000, 1_000):
         monitor = FlatnessMonitor()
         monitor.resolved_num_train_samples = samples

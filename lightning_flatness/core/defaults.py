@@ -3,10 +3,12 @@ the lowest cost where it fits (docs/RESULTS.md, "Error against cost").
 
 That is ``probe_kernel``: the whole Fisher's spectrum from a few probe rows per sample, within a
 few percent of the exact soft rank on every model measured. It fits when its P × P state does
-(P ≤ ``max_parameters``: any number of samples, and sums across processes) or, on one process,
-when the kept probe rows of the measured samples fit in memory (m·s·P ≤ ``max_row_elements``,
-by default a share of the free memory): a formed kernel for m·s ≤ ``max_kernel_size``, beyond
-it stochastic Lanczos quadrature on the stored rows. Otherwise the default is ``cg``:
+(P ≤ ``max_parameters``: any number of samples, and sums across processes) or when the kept
+probe rows of the measured samples fit in memory (m·s·P ≤ ``max_row_elements``, by default a
+share of the free memory, shared by the processes of one machine): on one process a formed
+kernel for m·s ≤ ``max_kernel_size``, beyond it stochastic Lanczos quadrature on the stored
+rows; across processes each keeps its own rows and the quadrature runs in the parameters' space
+(:mod:`~lightning_flatness.core.curvature.parameter_rows`). Otherwise the default is ``cg``:
 Hutchinson with preconditioned conjugate gradients on exact Fisher-vector products, matrix-free
 for any size (0.93–0.97 of the exact soft rank on the same models; only the soft rank, no
 log-det or spectrum).
@@ -19,10 +21,19 @@ from dataclasses import dataclass, replace
 import torch
 
 from lightning_flatness.core.curvature.stored_rows import keeps_rows
+from lightning_flatness.core.failures import AllReduce
 from lightning_flatness.core.memory import row_elements
 from lightning_flatness.core.options import KernelOptions
 
-__all__ = ["AUTO", "StructureChoice", "choose_structure", "default_probes", "row_width"]
+__all__ = [
+    "AUTO",
+    "StructureChoice",
+    "agreed_sketch_factor",
+    "choose_across_processes",
+    "choose_structure",
+    "default_probes",
+    "row_width",
+]
 
 #: the structure argument that asks for this choice
 AUTO = "auto"
@@ -61,11 +72,16 @@ def row_width(num_parameters: int, options: KernelOptions, factor: int | None = 
 
 
 def fitting_sketch_factor(
-    num_parameters: int, rows: int, options: KernelOptions, device: torch.device | str | None
+    num_parameters: int,
+    rows: int,
+    options: KernelOptions,
+    device: torch.device | str | None,
+    sharing: int = 1,
 ) -> int | None:
     """The smallest of ``sketch_factor``, twice it, … up to :data:`MAX_SKETCH_FACTOR` at which
-    ``rows`` probe rows fit their memory (:func:`row_width`); None where none does."""
-    limit = row_elements(options, device)
+    ``rows`` probe rows fit their memory (:func:`row_width`), of which ``sharing`` processes
+    each take an equal part; None where none does."""
+    limit = row_elements(options, device) // max(int(sharing), 1)
     factor = options.sketch_factor
     while True:
         width = row_width(num_parameters, options, factor)
@@ -93,15 +109,18 @@ def choose_structure(
     *,
     summable: bool = False,
     device: torch.device | str | None = None,
+    sharing: int = 1,
 ) -> StructureChoice:
     """``probe_kernel`` where it fits, else ``cg`` (module docstring).
 
     Args:
         num_parameters: P, the trainable parameters.
-        num_samples: m, the samples a measurement will see (None: unknown, many).
+        num_samples: m, the samples a measurement will see on this process (None: unknown,
+            many).
         options: the probe kernel's options (sizes and probes).
         summable: the state must add up across processes (data parallelism).
         device: where the rows would be kept (their memory guard).
+        sharing: the processes whose rows share that memory (those of one machine on the CPU).
     """
     if num_parameters <= options.max_parameters:
         return StructureChoice(
@@ -109,9 +128,11 @@ def choose_structure(
             f"probe_kernel: {num_parameters:,} parameters ≤ max_parameters "
             f"{options.max_parameters:,}, so the P × P state fits for any number of samples",
         )
-    if not summable and num_samples is not None:
+    if num_samples is not None:
         rows = num_samples * options.probes
-        factor = fitting_sketch_factor(num_parameters, rows, options, device)
+        factor = fitting_sketch_factor(num_parameters, rows, options, device, sharing)
+        if factor is not None and summable:
+            return _spread_choice(num_parameters, rows, options, factor)
         if factor is not None:
             width = row_width(num_parameters, options, factor)
             stored = keeps_rows(
@@ -135,6 +156,8 @@ def choose_structure(
             )
     across = " across processes" if summable else ""
     samples = "an unknown number of" if num_samples is None else f"{num_samples:,}"
+    if summable and num_samples is not None:
+        samples += " (per process)"
     return StructureChoice(
         "cg",
         f"cg: the probe kernel does not fit{across} ({num_parameters:,} parameters > "
@@ -144,3 +167,62 @@ def choose_structure(
         "(matrix-free; no log-det or spectrum). Measure fewer samples (max_samples=) for the "
         "probe kernel",
     )
+
+
+def _spread_choice(
+    num_parameters: int, rows: int, options: KernelOptions, factor: int
+) -> StructureChoice:
+    """The probe kernel across processes above ``max_parameters``: each process keeps its rows
+    (sketched where the sketch applies: every process alike, from its first rows)."""
+    width = row_width(num_parameters, options, factor)
+    how = f", each sketched to {width:,} numbers" if width < num_parameters else ""
+    return StructureChoice(
+        "probe_kernel",
+        f"probe_kernel: each process keeps its {rows:,} probe rows of {num_parameters:,} "
+        f"parameters{how}; the trace functions come from Lanczos quadrature in the parameters' "
+        "space, its products summed across processes",
+        factor if factor != options.sketch_factor else None,
+    )
+
+
+def agreed_sketch_factor(
+    choice: StructureChoice, options: KernelOptions, all_reduce: AllReduce
+) -> StructureChoice:
+    """One choice for every process: each read its own free memory, so their sketch factors
+    may differ; all take the largest, and ``cg`` if any process chose it. Every process calls
+    this together (``all_reduce`` sums a tensor across them in place)."""
+    factor = choice.sketch_factor or options.sketch_factor
+    doublings = (factor // options.sketch_factor).bit_length()  # factor = sketch_factor · 2^(d−1)
+    votes = torch.zeros(1 + MAX_SKETCH_FACTOR.bit_length(), dtype=torch.float64)
+    votes[0] = float(choice.structure == "cg")  # the processes that chose cg
+    votes[1 : 1 + doublings] = 1.0  # the most doublings through a sum: one count per level
+    reduced = all_reduce(votes)
+    if float(reduced[0]) > 0:
+        return (
+            choice
+            if choice.structure == "cg"
+            else StructureChoice("cg", "cg: the probe rows do not fit on every process")
+        )
+    largest = options.sketch_factor << (int((reduced[1:] > 0).sum()) - 1)
+    return replace(choice, sketch_factor=largest if largest != options.sketch_factor else None)
+
+
+def choose_across_processes(
+    num_parameters: int,
+    num_samples: int | None,
+    options: KernelOptions,
+    *,
+    device: torch.device | str | None,
+    all_reduce: AllReduce | None,
+    world: int = 1,
+    sharing: int = 1,
+) -> StructureChoice:
+    """:func:`choose_structure` for ``num_samples`` over ``world`` processes (each measures its
+    share; with ``all_reduce`` every process calls this together and all take one choice,
+    :func:`agreed_sketch_factor`); ``sharing``: the processes whose rows share one memory."""
+    per_process = None if num_samples is None else -(-num_samples // max(world, 1))
+    summable = all_reduce is not None
+    choice = choose_structure(
+        num_parameters, per_process, options, summable=summable, device=device, sharing=sharing
+    )
+    return agreed_sketch_factor(choice, options, all_reduce) if summable else choice

@@ -53,7 +53,7 @@ from lightning_flatness.core.batches import (
     wrap_for_batches,
 )
 from lightning_flatness.core.decay import ParameterDecay, resolve_decay
-from lightning_flatness.core.defaults import AUTO, choose_structure, default_probes
+from lightning_flatness.core.defaults import AUTO, choose_across_processes, default_probes
 from lightning_flatness.core.failures import MeasurementError, UnsupportedModelError
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import per_sample_modes, rng_devices, uncompiled
@@ -195,9 +195,17 @@ def measure(
             kernel_options = {**(kernel_options or {}), "probes": default_probes(seen)}
         if structure == AUTO:
             kernel = KernelOptions.from_dict(kernel_options, "exact")
-            summable = all_reduce is not None
-            device = next((p.device for p in model.parameters()), None)
-            choice = choose_structure(trainable, seen, kernel, summable=summable, device=device)
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            world = shard[1] if shard is not None else 1
+            choice = choose_across_processes(
+                trainable,
+                seen,
+                kernel,
+                device=device,
+                all_reduce=all_reduce,
+                world=world,
+                sharing=world if device.type == "cpu" else 1,  # as far as can be told
+            )
             structure = choice.structure
             named = "sketch_factor" in (kernel_options or {})
             if choice.sketch_factor is not None and not named:  # they fit sketched shorter

@@ -17,7 +17,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_flatness.core.curvature.stored_rows import keeps_rows, quadrature_seconds
-from lightning_flatness.core.defaults import choose_structure, default_probes, row_width
+from lightning_flatness.core.defaults import choose_across_processes, default_probes, row_width
 from lightning_flatness.core.failures import (
     MeasurementError,
     UnsupportedModelError,
@@ -97,14 +97,15 @@ class FitStartChecks:
             samples = min(samples, cap)
         probes = {"probes": default_probes(samples)}  # what measure() takes for that many
         options = structure_options("probe_kernel", **MONITOR_DEFAULTS, kernel_options=probes)
-        if samples is not None and trainer.world_size > 1:
-            samples = math.ceil(samples / trainer.world_size)
-        choice = choose_structure(
+        on_cpu = pl_module.device.type == "cpu"  # processes of one machine share its memory
+        choice = choose_across_processes(
             trainable,
             samples,
             options,
-            summable=trainer.world_size > 1,
             device=pl_module.device,
+            all_reduce=self._all_reduce(trainer),
+            world=trainer.world_size,
+            sharing=trainer.num_devices if on_cpu else 1,
         )
         self._active_structure = choice.structure
         self._sketch_factor = choice.sketch_factor
@@ -199,7 +200,7 @@ class FitStartChecks:
         trial_samples = max(min(self._trial_samples, TRIAL_SAMPLES), 1)
         times = self._timed_runs(pl_module, batch, arguments, trial_samples, seconds)
         if times is not None:
-            quadrature = self._quadrature_seconds(pl_module, samples)
+            quadrature = self._quadrature_seconds(pl_module, samples, trainer.world_size)
             self.budget.predict_exact(work * predicted_exact_seconds(times, samples) + quadrature)
         if self.budget.share is not None and self._has_fill_in():
             fill_in_samples = min(samples, FILL_IN_SAMPLES)
@@ -212,10 +213,11 @@ class FitStartChecks:
                 self.budget.cheap_seconds = fixed + per_sample * (fill_in_samples + val_samples)
         self.budget.charge(time.perf_counter() - started)
 
-    def _quadrature_seconds(self, pl_module: LightningModule, samples: int) -> float:
+    def _quadrature_seconds(self, pl_module: LightningModule, samples: int, world: int) -> float:
         """The stored-row quadrature's predicted seconds when the probe kernel will take that
-        path on ``samples`` (P above its P × P guard, the rows above a formed kernel's), which
-        the trial on a few samples does not run; else 0."""
+        path on ``samples`` (P above its P × P guard, the rows above a formed kernel's or
+        spread over ``world`` > 1 processes, each running on its share), which the trial on a
+        few samples does not run; else 0."""
         if self._active_structure != "probe_kernel":
             return 0.0
         chosen = self.structure_options
@@ -224,8 +226,9 @@ class FitStartChecks:
         else:  # the name, measured as measure() measures it: the default probes for m
             options = KernelOptions(probes=default_probes(samples))
         parameters = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
-        rows = samples * options.probes
-        if not keeps_rows(
+        rows = math.ceil(samples / world) * options.probes
+        spread = world > 1 and parameters > options.max_parameters
+        if not spread and not keeps_rows(
             parameters,
             rows,
             side=options.side,

@@ -2,10 +2,14 @@
 
 Usage: python ddp_fit.py OUTPUT_DIR STRUCTURE [MODE]
 
-MODE is one of sampled, defaults, regularize, compositional, fail (none: exact rows).
+MODE is one of sampled, defaults, spread, regularize, compositional, fail (none: exact rows).
 ``defaults`` is ``FlatnessMonitor(structure=STRUCTURE)`` (``auto``: the monitor's default) with
 every other default but ``overhead_budget`` (None, so that the one epoch is measured whatever
 it costs): Tr(F) from probe rows, the whole training set and the held-out set.
+
+``spread`` is the probe kernel above its P × P guard (:data:`SPREAD`): each process keeps its
+probe rows, sketched, and the estimate runs in the parameters' space, every other option the
+monitor's default but ``overhead_budget``.
 
 ``fail`` makes every measurement on rank 1 (only) see NaN logits, so that it fails there.
 Each rank writes its last flatness record to OUTPUT_DIR/rank{r}.json and its final weights to
@@ -31,6 +35,10 @@ from lightning_flatness import (
     SoftRankRegularizer,
 )
 from lightning_flatness.core.options import structure_options
+
+#: the probe kernel's options of ``spread``: the MLP's 4,210 parameters above the P × P guard
+#: and above where the sketch starts
+SPREAD = {"max_parameters": 1000, "sketch_from_parameters": 2000}
 
 
 def nan_on_rank_one(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
@@ -59,6 +67,9 @@ def main() -> None:
             "max_val_samples": 100,
             "overhead_budget": None,  # measured at the one epoch, whatever the timing
         }
+    if mode == "spread":
+        spread = structure_options("probe_kernel", kernel_options=SPREAD)
+        monitor_kwargs = {"structure": spread, "overhead_budget": None}
     if mode == "regularize":
         monitor_kwargs.update(regularize=SoftRankRegularizer(strength=1.0))
     if mode == "compositional":

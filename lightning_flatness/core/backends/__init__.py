@@ -56,14 +56,13 @@ def make_backend(
             shard=shard,
         )
     if structure in HOOK_STRUCTURES:
-        summable = all_reduce is not None
         return HookBackend(
             model,
             structure,
             options,
             loss=loss,
             seed=seed,
-            summable=summable,
+            all_reduce=all_reduce,
             shard=shard,
             decay=decay,
         )

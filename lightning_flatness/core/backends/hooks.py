@@ -27,10 +27,11 @@ from lightning_flatness.core.curvature.base import CurvatureAccumulator, Curvatu
 from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.newton_decrement import objective_gradient
+from lightning_flatness.core.curvature.parameter_rows import SpreadProbeKernel
 from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
 from lightning_flatness.core.curvature.stored_rows import QuadratureBudget
 from lightning_flatness.core.decay import ParameterDecay
-from lightning_flatness.core.failures import check_finite_loss
+from lightning_flatness.core.failures import AllReduce, check_finite_loss
 from lightning_flatness.core.hooked_pass import HookedPass
 from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.memory import row_elements
@@ -74,7 +75,8 @@ class HookBackend(Backend):
             :class:`~lightning_flatness.core.options.KernelOptions` (``probes`` probe rows).
         loss: the likelihood's name.
         seed: keys the sampled labels and probes (with each sample's position).
-        summable: the curvature state must add up across processes.
+        all_reduce: sums a tensor across processes in place (data parallelism): the curvature
+            state must then add up across processes.
         shard: ``(rank, world_size)`` when this process measures every world_size-th sample of
             the measured set from ``rank`` on (its probes are then those one process would draw;
             :class:`~lightning_flatness.core.hooked_pass.HookedPass`).
@@ -91,7 +93,7 @@ class HookBackend(Backend):
         *,
         loss: str,
         seed: int,
-        summable: bool = False,
+        all_reduce: AllReduce | None = None,
         shard: tuple[int, int] | None = None,
         decay: ParameterDecay | None = None,
     ) -> None:
@@ -114,7 +116,8 @@ class HookBackend(Backend):
         }
         self.seed = seed
         self.options = options
-        self.summable = summable
+        self.all_reduce = all_reduce
+        self.summable = all_reduce is not None
         self.shard = shard
         #: the structure's accumulator (made when the session knows the parameters, the probe
         #: kernel's on the first training batch, when the number of outputs is known)
@@ -216,20 +219,24 @@ class HookBackend(Backend):
             self.hooked.kfac_mode = "exact"
             rows, groups = num_outputs, 1
         device = model_device_dtype(self.model)[0]
-        return ProbeKernelFisher(
-            self.num_parameters,
-            probes=rows,
-            groups=groups,
-            side=options.side,
-            max_parameters=options.max_parameters,
-            max_kernel_size=options.max_kernel_size,
-            max_row_elements=row_elements(options, device),
-            summable=self.summable,
-            device=device,
-            quadrature=QuadratureBudget(
+        common = {
+            "probes": rows,
+            "groups": groups,
+            "max_parameters": options.max_parameters,
+            "max_kernel_size": options.max_kernel_size,
+            "max_row_elements": row_elements(options, device),
+            "device": device,
+            "quadrature": QuadratureBudget(
                 options.slq_probes, options.slq_steps, options.slq_tolerance
             ),
-            sketching=options.sketching,
+            "sketching": options.sketching,
+        }
+        above = self.num_parameters > options.max_parameters
+        if self.all_reduce is not None and above and options.side != "parameters":
+            # across processes above the P × P guard: each keeps its rows
+            return SpreadProbeKernel(self.num_parameters, all_reduce=self.all_reduce, **common)
+        return ProbeKernelFisher(
+            self.num_parameters, side=options.side, summable=self.summable, **common
         )
 
     def summable_states(self) -> list[Tensor]:

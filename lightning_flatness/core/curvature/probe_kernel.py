@@ -61,7 +61,7 @@ from lightning_flatness.core.spectral import (
     spectral_summary,
 )
 
-__all__ = ["FIRST_HALF", "SIDES", "ProbeKernelFisher", "symmetric_gram"]
+__all__ = ["FIRST_HALF", "SIDES", "ProbeKernelFisher", "row_pieces", "symmetric_gram"]
 
 #: where the spectrum is computed: the cheaper of the two, the P × P matrix, the ms × ms kernel
 SIDES = ("auto", "parameters", "samples")
@@ -208,7 +208,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         """Add one batch's probe rows ``(s, N, P)``, or their pieces ``(s, N, P_l)`` for the
         parameters in order (written once into the kept rows' slabs,
         :class:`~lightning_flatness.core.curvature.row_store.RowStore`)."""
-        pieces = _pieces(rows, self.probes, self.num_parameters)
+        pieces = row_pieces(rows, self.probes, self.num_parameters)
         self.precision = pieces[0].dtype
         if self.grams is not None:
             self._add_to_grams(torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0])
@@ -219,7 +219,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         too_big = self.kept_rows * self.store.width > self.max_row_elements
         beyond_kernel = self.kept_rows > self.max_kernel_size
         sketches = self.sketching is not None and self.sketching.applies(
-            self.num_parameters, self.max_parameters, self.side, self.summable
+            self.num_parameters, self.max_parameters, self.side
         )
         if self.sketch is None and (too_big or beyond_kernel) and sketches:
             self.sketch = self.sketching.build(self.num_parameters, pieces[0])
@@ -373,7 +373,7 @@ def _jackknifed_summary(
     return jackknife(plain, parts)[0] if parts else plain
 
 
-def _pieces(rows: Tensor | list[Tensor], probes: int, num_parameters: int) -> list[Tensor]:
+def row_pieces(rows: Tensor | list[Tensor], probes: int, num_parameters: int) -> list[Tensor]:
     """A batch's probe rows as a list of pieces, checked to make ``(probes, N, P)``."""
     pieces = [rows] if isinstance(rows, Tensor) else list(rows)
     width = sum(piece.shape[-1] for piece in pieces)

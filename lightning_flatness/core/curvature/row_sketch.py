@@ -111,20 +111,17 @@ class SketchPlan:
     groups: int
     from_parameters: int
 
-    def applies(
-        self, num_parameters: int, max_parameters: int, side: str = "auto", summable: bool = False
-    ) -> bool:
+    def applies(self, num_parameters: int, max_parameters: int, side: str = "auto") -> bool:
         """Whether rows of ``num_parameters`` are sketched: asked for (``factor`` > 1, at least
         two groups for the jackknife of the sketch's bias), P at least ``from_parameters``, and
         no P × P side to move to (P above ``max_parameters``, the side not forced to the
-        parameters', one process)."""
+        parameters')."""
         return (
             self.factor > 1
             and self.groups >= 2
             and num_parameters >= self.from_parameters
             and num_parameters > max_parameters
             and side != "parameters"
-            and not summable
         )
 
     def build(self, width: int, like: Tensor) -> RowSketch:

@@ -36,14 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureEstimate
-from lightning_flatness.core.curvature.lanczos_quadrature import (
-    LanczosDecomposition,
-    LanczosRuns,
-    density_sample,
-    gauss_quadrature,
-    radau_quadrature,
-    slq_values,
-)
+from lightning_flatness.core.curvature.lanczos_quadrature import LanczosRuns
 from lightning_flatness.core.curvature.newton_decrement import (
     FormRuns,
     guarded_decrement,
@@ -52,24 +45,20 @@ from lightning_flatness.core.curvature.newton_decrement import (
 from lightning_flatness.core.curvature.row_sketch import RowSketch
 from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.run_sets import RunSets
+from lightning_flatness.core.curvature.run_summary import bracketed, run_summary
 from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS, SLQ_TOLERANCE
-from lightning_flatness.core.spectral import SpectralSummary
-from lightning_flatness.core.trace_functions import TRACE_FUNCTIONS
 
 __all__ = [
     "QuadratureBudget",
     "StoredRows",
+    "decrement_of",
     "keeps_rows",
     "quadrature_seconds",
     "stored_rows_estimate",
 ]
 
-#: entries of the histogram sample of the spectrum
-HISTOGRAM_ENTRIES = 100_000
 #: Lanczos steps between two checks of the bracket
 CHECK_EVERY = 5
-#: the trace functions in :class:`SpectralSummary` order (``max_eig`` apart)
-FIELDS = tuple(TRACE_FUNCTIONS)
 
 
 @dataclass(frozen=True)
@@ -292,10 +281,10 @@ def _form_runs(
     return ParameterSpaceRuns(forms, kept, scales)
 
 
-def _decrement(forms: ParameterSpaceRuns) -> tuple[float, float]:
+def decrement_of(forms: FormRuns) -> tuple[float, float]:
     """The jackknifed ``½ gᵀ(F̂+λI)⁻¹g`` (:func:`probe_decrement`) of finished runs and its
     standard error, with the half-width of its quadrature bracket in quadrature."""
-    midpoints, bounds = forms.forms.brackets()
+    midpoints, bounds = forms.brackets()
     values = (0.5 * midpoints).tolist()
     value, spread = probe_decrement(values[0], values[1:])
     remaining = 0.5 * float(bounds[0])
@@ -326,7 +315,7 @@ def _run_layout(store: StoredRows, probes: int, generator: torch.Generator, sets
     masks = kept.repeat_interleave(store.group_size, dim=1).unsqueeze(1).expand(-1, probes, -1)
     scales = run_scales.unsqueeze(1).expand(-1, probes)
     start = (signs.unsqueeze(0) * masks).reshape(runs * probes, -1)
-    return start, masks.reshape(runs * probes, -1), scales.reshape(-1), runs
+    return start, masks.reshape(runs * probes, -1), scales.reshape(-1)
 
 
 def stored_rows_estimate(
@@ -359,94 +348,23 @@ def stored_rows_estimate(
     store = StoredRows(rows, groups, num_samples)
     generator = torch.Generator().manual_seed(seed)
     sets = RunSets(groups, sketch.groups if sketch is not None else 0)
-    start, masks, scales, runs = _run_layout(store, probes, generator, sets)
+    start, masks, scales = _run_layout(store, probes, generator, sets)
     columns = None
     if sketch is not None:
         columns = sets.column_keep(sketch).repeat_interleave(probes, dim=0)
     steps = max(1, min(budget.steps, store.size))
     traces = store.squared_norms()  # the trace is exact: the rows' squared norms
-
-    def bracketed(decomposition: LanczosDecomposition) -> bool:
-        values, width = _run_values(decomposition, runs, probes, lam)
-        value, half = _jackknifed_bracket(values, width, sets)
-        return half <= tolerance * abs(value)
-
-    soft_rank_runs = LanczosRuns(start, steps, stop=bracketed, check_every=CHECK_EVERY)
+    stop = bracketed(sets, probes, lam, tolerance)
+    soft_rank_runs = LanczosRuns(start, steps, stop=stop, check_every=CHECK_EVERY)
     forms = None
     if sketch is None and gradient is not None and bool(torch.isfinite(gradient).all()):
         forms = _form_runs(store, gradient, lam, DECREMENT_LOOSENESS * tolerance)
     store.lockstep(RowSpaceRuns(soft_rank_runs, masks, scales, columns), forms)
-    decomposition = soft_rank_runs.decomposition()
-    values, width = _run_values(decomposition, runs, probes, lam)
-    values[:, :, FIELDS.index("trace")] = sets.traces(traces)[:, None]
-    largest, all_nodes, all_weights = 0.0, [], []
-    for index in range(probes):  # the whole kernel's runs: its spectrum and top eigenvalue
-        nodes, weights = gauss_quadrature(decomposition, index)
-        largest = max(largest, float(nodes.max()) if nodes.numel() else 0.0)
-        all_nodes.append(nodes)
-        all_weights.append(weights * float(decomposition.norms[index]) ** 2 / probes)
-    means = values.mean(1)
-    plain = SpectralSummary(*means[0].tolist(), max_eig=largest)
-    leave_outs = [SpectralSummary(*means[r].tolist(), max_eig=largest) for r in range(1, runs)]
-    corrected, spread = sets.jackknife(plain, leave_outs)
-    _, half = _jackknifed_bracket(values, width, sets)
-    stderr = _with_probe_noise(values, spread, sets, half)
-    eigenvalues = density_sample(torch.cat(all_nodes), torch.cat(all_weights), HISTOGRAM_ENTRIES)
+    summary = run_summary(soft_rank_runs.decomposition(), sets, probes, lam, traces)
     decrement = (math.nan, math.nan)
     if gradient is not None and sketch is None:
-        decrement = guarded_decrement("probe_kernel", gradient, lambda g: _decrement(forms))
-    return CurvatureEstimate(
-        summary=corrected,
-        eigenvalues=eigenvalues[eigenvalues > 0],
-        blocks={"stderr": stderr, "uncorrected": plain},
-        tic_trace=math.nan,
-        newton_decrement=decrement[0],
-        newton_decrement_stderr=decrement[1],
-    )
-
-
-def _run_values(
-    decomposition: LanczosDecomposition, runs: int, probes: int, lam: float
-) -> tuple[Tensor, Tensor]:
-    """Each run's trace functions, ``(runs, probes, fields)``: the midpoint of its Gauss and
-    Gauss–Radau rules; and each run's soft-rank bracket width (Gauss − Radau), ``(runs,
-    probes)``."""
-    values = torch.zeros(runs, probes, len(FIELDS), dtype=torch.float64)
-    width = torch.zeros(runs, probes, dtype=torch.float64)
-    soft_rank = FIELDS.index("soft_rank")
-    for index in range(runs * probes):
-        scale = float(decomposition.norms[index]) ** 2
-        gauss = slq_values(*gauss_quadrature(decomposition, index), scale, lam, False)
-        radau = slq_values(*radau_quadrature(decomposition, index), scale, lam, False)
-        both = torch.tensor([[gauss[f], radau[f]] for f in FIELDS], dtype=torch.float64)
-        values[index // probes, index % probes] = both.mean(1)
-        width[index // probes, index % probes] = max(
-            0.0, float(both[soft_rank, 0] - both[soft_rank, 1])
-        )
-    return values, width
-
-
-def _jackknifed_bracket(values: Tensor, width: Tensor, sets: RunSets) -> tuple[float, float]:
-    """The jackknifed soft rank of the runs' midpoints and the half-width of its bracket: the
-    jackknife (:meth:`RunSets.combine`) of values each known to within ±width/2."""
-    soft_rank = FIELDS.index("soft_rank")
-    means, widths = values[:, :, soft_rank].mean(1), width.mean(1) / 2
-    return float(sets.combine(means)), sets.half_width(widths)
-
-
-def _with_probe_noise(
-    values: Tensor, spread: SpectralSummary, sets: RunSets, quadrature: float = 0.0
-) -> SpectralSummary:
-    """The jackknife's spread over groups and the Hutchinson probes' standard error of the
-    corrected value (per probe: the jackknife of its runs), added in quadrature; the soft
-    rank's also with the half-width of its quadrature bracket."""
-    probes = values.shape[1]
-    per_probe = sets.combine(values)
-    noise = per_probe.std(0) / math.sqrt(probes) if probes > 1 else torch.zeros(len(FIELDS))
-    group_spread = torch.tensor([getattr(spread, f) for f in FIELDS], dtype=torch.float64)
-    combined = group_spread.nan_to_num(0.0).square() + noise.square()
-    combined[FIELDS.index("soft_rank")] += quadrature**2
-    return SpectralSummary(*combined.sqrt().tolist(), max_eig=math.nan)
+        decrement = guarded_decrement("probe_kernel", gradient, lambda g: decrement_of(forms.forms))
+    return summary.estimate(decrement)
 
 
 #: the most numbers of the random rows :func:`quadrature_seconds` times its products on (128 MiB

@@ -1,0 +1,152 @@
+"""The probe kernel's rows kept by several processes: stochastic Lanczos quadrature in the
+parameters' space, its products summed across processes (float64, tiny models), against the
+dense autograd reference, the formed kernel of the same rows and the rows'-space estimate;
+per-group decay; two processes (threads with a summing ``all_reduce``) against one."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import TwoProcesses, batches, many_classes, random_data, tiny_model
+
+from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.decay import ParameterDecay
+from lightning_flatness.core.measure import measure
+
+LAM = 1e-3
+#: P above the P × P guard and more rows than a formed kernel: one process keeps its rows
+STORED = {"max_kernel_size": 10, "max_parameters": 10}
+#: the same, sketched 2 times shorter in 2 groups (the tiny models are far below the default's
+#: 32,768 parameters)
+SKETCHED = {**STORED, "sketch_from_parameters": 100, "sketch_factor": 2}
+
+
+def one_process(tensor: torch.Tensor) -> torch.Tensor:
+    """The ``all_reduce`` of a world of one: the sum over one process."""
+    return tensor
+
+
+def _measure(model, inputs, targets, batch_size=7, all_reduce=one_process, lam=LAM, **options):
+    return measure(
+        model,
+        batches(inputs, targets, batch_size),
+        lam=lam,
+        num_train_samples=100,
+        structure="probe_kernel",
+        kernel_options=options,
+        all_reduce=all_reduce,
+    )
+
+
+def _exact(model, inputs, damping: torch.Tensor | None = None) -> spectral.SpectralSummary:
+    """The dense reference's trace functions at λ, or of ``Tr(F(F+D)⁻¹)`` for a diagonal D."""
+    fisher = reference.dense_fisher(model, inputs)
+    if damping is None:
+        return spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
+    scale = damping.rsqrt()
+    whitened = scale[:, None] * fisher * scale[None, :]
+    return spectral.spectral_summary(spectral.psd_eigenvalues(whitened), 1.0)
+
+
+@pytest.mark.parametrize("batch_size", [1, 48])
+def test_exact_rows_converge_to_the_dense_fishers_trace_functions(batch_size, one_thread):
+    """The exact output rows (no probe bias): every trace function within its error bars of
+    the dense reference, the trace and the largest eigenvalue exact, the value independent of
+    the batch size."""
+    model, inputs, targets = many_classes()
+    exact = _exact(model, inputs)
+    options = {"probes": 30, "groups": 1, "slq_probes": 32, "slq_steps": 100, **STORED}
+    report = _measure(model, inputs, targets, batch_size, **options)
+    stderr = report.as_dict()
+    for field in ("soft_rank", "logdet"):
+        error = abs(getattr(report, field) - getattr(exact, field))
+        assert error < 4 * stderr[f"{field}_stderr"], field
+        assert error < 0.05 * getattr(exact, field), field
+    assert report.trace_fisher == pytest.approx(exact.trace, rel=1e-9)
+    assert report.max_eig == pytest.approx(exact.max_eig, rel=1e-8)
+    other = _measure(model, inputs, targets, 5, **options)
+    assert other.soft_rank == pytest.approx(report.soft_rank, rel=1e-9)
+
+
+def test_probe_rows_converge_to_the_formed_kernel_of_the_same_rows(one_thread):
+    """4 probes in 2 groups: the jackknife of the probe groups as on the formed kernel, and
+    convergence to it as the Hutchinson probes grow."""
+    model, inputs, targets = many_classes()
+    formed = _measure(model, inputs, targets, all_reduce=None, probes=4, side="samples")
+    errors = {}
+    for slq_probes in (8, 256):
+        spread = _measure(model, inputs, targets, probes=4, slq_probes=slq_probes, **STORED)
+        errors[slq_probes] = abs(spread.soft_rank / formed.soft_rank - 1)
+        stderr = spread.as_dict()["soft_rank_stderr"]
+        assert abs(spread.soft_rank - formed.soft_rank) < 4 * stderr
+        assert spread.trace_fisher == pytest.approx(formed.trace_fisher, rel=1e-9)
+    assert errors[256] < errors[8] and errors[256] < 0.02
+
+
+@pytest.mark.parametrize("architecture", ["mlp", "cnn"])
+def test_sketched_rows_meet_the_rows_space_estimate_of_the_same_sketch(architecture, one_thread):
+    """Rows sketched 2 times shorter: the parameters' space and the rows' space estimate the
+    same jackknifed value (the same projection), each within the other's error bars, and
+    sketched rows give no Newton decrement in either."""
+    model = tiny_model(architecture).eval()
+    inputs, targets = random_data(40)
+    options = {"slq_probes": 64, "slq_tolerance": 0.005, **SKETCHED}
+    spread = _measure(model, inputs, targets, **options)
+    rows = _measure(model, inputs, targets, all_reduce=None, **options)
+    errors = [spread.as_dict()["soft_rank_stderr"], rows.as_dict()["soft_rank_stderr"]]
+    assert abs(spread.soft_rank - rows.soft_rank) < 4 * (errors[0] ** 2 + errors[1] ** 2) ** 0.5
+    assert spread.trace_fisher == pytest.approx(rows.trace_fisher, rel=1e-9)
+    assert spread.newton_decrement != spread.newton_decrement  # NaN
+
+
+def test_per_group_decay_gives_the_generalised_soft_rank(one_thread):
+    """``Tr(F(F+D)⁻¹)`` with no decay on the biases: the exact rows, scaled by ``D^{-1/2}``, in
+    the parameters' space, within their error bars of the dense reference."""
+    model = tiny_model("mlp").eval()
+    inputs, targets = random_data(24)
+    decays = {n: (0.0 if n.endswith("bias") else 1e-2) for n, _ in model.named_parameters()}
+    names, sizes = zip(*((n, p.numel()) for n, p in model.named_parameters()), strict=True)
+    damping = ParameterDecay(decays).diagonal(list(names), list(sizes))
+    exact = _exact(model, inputs, damping)
+    options = {"probes": 10, "groups": 1, "slq_probes": 64, "slq_steps": 100, **STORED}
+    report = _measure(model, inputs, targets, lam=decays, **options)
+    error = abs(report.soft_rank - exact.soft_rank)
+    assert error < 4 * report.as_dict()["soft_rank_stderr"]
+    assert error < 0.05 * exact.soft_rank
+    assert report.max_eig == pytest.approx(exact.max_eig, rel=1e-8)  # of D^{-1/2} F D^{-1/2}
+
+
+@pytest.mark.parametrize("options", [STORED, SKETCHED], ids=["whole rows", "sketched rows"])
+def test_two_processes_keeping_their_rows_equal_one_process(options, one_thread):
+    """Each of two processes keeps the rows of every other sample (``shard``): the summed
+    products give every number one process gives on the union, the decrement included."""
+    model = tiny_model("mlp").eval()
+    inputs, targets = random_data(40)
+    single = _measure(model, inputs, targets, 5, probes=4, **options)
+    group, reports = TwoProcesses(), [None, None]
+    replicas = [copy.deepcopy(model) for _ in range(2)]  # each process has its own
+
+    def run(rank: int) -> None:
+        reports[rank] = measure(
+            replicas[rank],
+            batches(inputs[rank::2], targets[rank::2], 5),
+            lam=LAM,
+            num_train_samples=100,
+            structure="probe_kernel",
+            kernel_options={"probes": 4, **options},
+            all_reduce=group.for_rank(rank),
+            shard=(rank, 2),
+        )
+
+    group.run(run)
+    expected = single.as_dict()
+    for report in reports:
+        measured = report.as_dict()
+        assert report.num_samples == 40
+        for key in ("soft_rank", "soft_rank_stderr", "logdet", "trace_fisher", "max_eig"):
+            assert measured[key] == pytest.approx(expected[key], rel=1e-9), key
+        decrement = measured["newton_decrement"]
+        assert decrement == pytest.approx(expected["newton_decrement"], rel=1e-9, nan_ok=True)
+    assert (expected["newton_decrement"] != expected["newton_decrement"]) == (options is SKETCHED)
