@@ -25,6 +25,8 @@ each measurement.
         --skip-formed --epochs 5 --unsketched --sketch-factors 8 16
     python benchmarks/bench_stored_rows.py --rungs 8,16,24:5000 --c 2.5 --exact --skip-cg \
         --skip-formed --parameter-space
+    python benchmarks/bench_stored_rows.py --rungs 8,16,24:5000 --c 2.5 --exact --skip-formed \
+        --structures kfac diag lanczos hutchinson
 """
 
 from __future__ import annotations
@@ -77,6 +79,15 @@ def _measure(model, data, lam: float, structure: str, **options) -> tuple:
     seconds = time.perf_counter() - started
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     return report, seconds, grown
+
+
+#: the structures ``--structures`` adds, at their defaults, by the name they get in the table
+OTHER_STRUCTURES = {
+    "kfac": "kfac (the monitor's fill-in, unscaled)",
+    "diag": "diag",
+    "lanczos": "lanczos",
+    "hutchinson": "hutchinson (diagonal)",
+}
 
 
 def _one_process(tensor: torch.Tensor) -> torch.Tensor:
@@ -134,6 +145,14 @@ def main() -> None:
         default=None,
         help="reference: rows sketched this many times shorter, 16 × ≤ 150 steps, ±0.2% "
         "(past the memory of whole rows)",
+    )
+    parser.add_argument(
+        "--structures",
+        nargs="*",
+        default=[],
+        choices=sorted(OTHER_STRUCTURES),
+        help="also these structures at their defaults (the fill-in's kfac, diag, the "
+        "matrix-free ones)",
     )
     parser.add_argument(
         "--parameter-space",
@@ -217,6 +236,8 @@ def main() -> None:
                 )
             if not args.skip_cg:
                 runs["cg (the default before)"] = ("cg", {})
+            for structure in args.structures:
+                runs[OTHER_STRUCTURES[structure]] = (structure, {})
             results = {name: _measure(model, data, lam, s, **o) for name, (s, o) in runs.items()}
             reference = next(iter(results.values()))[0].soft_rank
             for name, (report, seconds, grown) in results.items():

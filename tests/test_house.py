@@ -1,5 +1,6 @@
-"""The house rules a newcomer can rely on: no module over 500 lines, no class over 250, and no
-public constructor written with more than 15 parameters (a settings object holds the rest).
+"""The house rules a newcomer can rely on: no module over 500 lines, no class over 250, no
+public constructor written with more than 15 parameters (a settings object holds the rest), and
+every module hook the package installs registered in one place (``core/hook_recorder.py``).
 
 The settings dataclasses (``KernelOptions``, ``MatrixFreeOptions``, ``PenaltyOptions``, ...) are
 the objects that carry options, so their generated constructors are not counted: each field is
@@ -56,6 +57,33 @@ def test_no_public_constructor_over_15_parameters(path):
                     f"{_name(path)}: {node.name}.__init__ takes {count} parameters; gather "
                     "options into a settings object"
                 )
+
+
+#: the registrations of module hooks: only the hook recorder makes them
+HOOK_REGISTRATIONS = (
+    "register_forward_hook",
+    "register_forward_pre_hook",
+    "register_full_backward_hook",
+    "register_full_backward_pre_hook",
+    "register_module_forward_hook",
+)
+HOOK_RECORDER = PACKAGE / "core" / "hook_recorder.py"
+
+
+def _hook_registrations(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return [
+        f"{_name(path)}:{node.lineno} {node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in HOOK_REGISTRATIONS
+    ]
+
+
+def test_module_hooks_are_registered_by_the_hook_recorder_only():
+    others = [path for path in MODULES if path != HOOK_RECORDER]
+    outside = [hit for path in others for hit in _hook_registrations(path)]
+    assert not outside, f"module hooks registered outside the HookRecorder: {outside}"
+    assert _hook_registrations(HOOK_RECORDER)  # the check reads what it claims to
 
 
 def test_the_rules_can_fail(tmp_path):

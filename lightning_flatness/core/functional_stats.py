@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.func import grad, jacrev, jvp, vjp, vmap
 
 from lightning_flatness.core.batches import Leaves, LogitsModule, take_rows, unsqueeze_leaves
+from lightning_flatness.core.hook_recorder import HookRecorder
 from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.likelihoods import LOSSES, OutputCore, get_likelihood
 from lightning_flatness.core.per_sample import map_samples
@@ -161,19 +162,8 @@ class FunctionalModel:
 
         The hook is removed on exit, so the model is left as found.
         """
-        captured: list[Tensor] = []
-        if self.last_layer is None:
-            yield captured
-            return
-
-        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            captured.append(args[0].detach())
-
-        handle = self.last_layer.register_forward_hook(hook)
-        try:
-            yield captured
-        finally:
-            handle.remove()
+        with HookRecorder() as hooks:
+            yield hooks.last_layer_inputs(self.last_layer)
 
 
 def resolve_trace_estimator(

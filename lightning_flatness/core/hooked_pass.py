@@ -56,6 +56,7 @@ from lightning_flatness.core.batch_terms import BatchTerms, add_explicit, add_ru
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
 from lightning_flatness.core.cotangent_rows import fisher_cotangents
 from lightning_flatness.core.coverage_check import check_coverage
+from lightning_flatness.core.hook_recorder import HookRecorder
 from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.layer_rules import KroneckerRule, Rule
 from lightning_flatness.core.likelihoods import Likelihood
@@ -137,7 +138,6 @@ class HookedPass:
                 "The model has no trainable parameters; there is no Fisher to measure."
             )
         self.last_layer = last_layer(model.model)
-        self._features: list[Tensor] = []
         self._recording = False
         #: the samples of the batch being recorded
         self._batch = 0
@@ -146,25 +146,15 @@ class HookedPass:
         if plan is not None:
             self.rules = [rule for rule in self.rules if rule.names]
             self.tapped, self.fallback = list(plan.tapped), list(plan.fallback)
-        by_module: dict[int, tuple[nn.Module, list[Rule]]] = {}
-        for rule in self.rules:
-            for module in rule.modules:
-                by_module.setdefault(id(module), (module, []))[1].append(rule)
-        self._handles = [
-            module.register_forward_hook(self._hook(rules), with_kwargs=True)
-            for module, rules in by_module.values()
-        ]
+        self._hooks = HookRecorder()
+        modules = self._hooks.record_calls(self.rules, self._hook)
         #: per attention module (by ``id``), the recorder of its projections' calls while its
         #: forward runs (:class:`~lightning_flatness.core.attention.ProjectionCalls`)
         self._projections: dict[int, ProjectionCalls] = {}
-        for module, rules in by_module.values():
+        for module, rules in modules:
             if any(isinstance(rule, AttentionRule) for rule in rules):
-                self._handles.append(module.register_forward_pre_hook(self._enter_projections))
-                self._handles.append(
-                    module.register_forward_hook(self._leave_projections, always_call=True)
-                )
-        if self.last_layer is not None:
-            self._handles.append(self.last_layer.register_forward_hook(self._feature_hook))
+                self._hooks.around(module, self._enter_projections, self._leave_projections)
+        self._features = self._hooks.last_layer_inputs(self.last_layer, lambda: self._recording)
 
     def _hook(self, rules: list[Rule]):
         def record(module: nn.Module, args: tuple, kwargs: dict, output):
@@ -188,15 +178,9 @@ class HookedPass:
         if projections is not None:
             projections.__exit__(None, None, None)
 
-    def _feature_hook(self, module: nn.Module, args: tuple, output: Tensor) -> None:
-        if self._recording:
-            self._features.append(args[0].detach())
-
     def close(self) -> None:
         """Remove every hook; the model is as it was before."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._hooks.close()
 
     def coverage(self) -> dict[str, str]:
         """How each parameter is measured (one of :data:`COVERAGE`), in parameter order."""

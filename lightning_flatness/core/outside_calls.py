@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from lightning_flatness.core.hook_recorder import HookRecorder
 from lightning_flatness.core.layer_rules import KroneckerRule, LayerCall, Rule, is_linear
 
 __all__ = [
@@ -106,16 +107,14 @@ def outside_linear_calls(rules: list[Rule], detach: bool = True) -> Iterator[Out
     passes marked while they run (forward pre- and post-hooks, removed on exit)."""
     mode = OutsideLinearCalls(rules, detach=detach)
     layers = {id(layer): layer for rule in mode.owners.values() for layer in rule.modules}
-    handles = []
-    for layer in layers.values():
-        handles.append(layer.register_forward_pre_hook(lambda m, _: mode.running.add(id(m))))
-        handles.append(layer.register_forward_hook(lambda m, _, __: mode.running.discard(id(m))))
-    try:
-        with mode:
-            yield mode
-    finally:
-        for handle in handles:
-            handle.remove()
+    with HookRecorder() as hooks, mode:
+        for layer in layers.values():
+            hooks.around(
+                layer,
+                lambda m, _: mode.running.add(id(m)),
+                lambda m, _, __: mode.running.discard(id(m)),
+            )
+        yield mode
 
 
 def _compiles(model: nn.Module) -> bool:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
+from lightning_flatness.core.hook_recorder import HookRecorder
 from lightning_flatness.core.layer_rules import (
     KroneckerRule,
     LayerCall,
@@ -234,21 +235,12 @@ def recording(
 
         return record
 
-    by_module: dict[int, tuple[nn.Module, list[Rule]]] = {}
     for rule in rules:
         rule.calls.clear()
-        for module in rule.modules:
-            by_module.setdefault(id(module), (module, []))[1].append(rule)
-    handles = [
-        module.register_forward_hook(hook_for(owners), with_kwargs=True)
-        for module, owners in by_module.values()
-    ]
-    try:
+    with HookRecorder() as hooks:
+        hooks.record_calls(rules, hook_for)
         if model is None:
             yield
         else:
             with outside_calls_where_found(rules, model, detach=not keep_graph):
                 yield
-    finally:
-        for handle in handles:
-            handle.remove()

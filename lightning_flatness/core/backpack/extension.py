@@ -13,7 +13,7 @@ import copy
 import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from backpack import backpack, extend
@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_flatness.core.batches import LogitsModule
 from lightning_flatness.core.failures import UnsupportedModelError
+from lightning_flatness.core.hook_recorder import HookRecorder
 from lightning_flatness.core.last_layer import last_layer
 
 __all__ = [
@@ -59,17 +60,18 @@ class ExtendedModel:
     parameters: list[nn.Parameter]
     names: list[str]
     last_layer: nn.Module | None = None
-    last_layer_input: Tensor | None = None
+    _inputs: list[Tensor] = field(default_factory=list)
+
+    @property
+    def last_layer_input(self) -> Tensor | None:
+        """The last layer's input in the latest forward pass (None before one, or without)."""
+        return self._inputs[-1] if self._inputs else None
 
     def record_forward_facts(self) -> None:
-        """Install a forward hook (on the private copy) that keeps what BackPACK frees after
-        backward: the last linear layer's input."""
+        """Install a forward hook (on the private copy, which is discarded with its hooks) that
+        keeps what BackPACK frees after backward: the last linear layer's input."""
         self.last_layer = last_layer(self.module)
-        if self.last_layer is not None:
-            self.last_layer.register_forward_hook(self._record_features)
-
-    def _record_features(self, module: nn.Module, inputs: tuple, output: Tensor) -> None:
-        self.last_layer_input = inputs[0].detach()
+        self._inputs = HookRecorder().last_layer_inputs(self.last_layer, latest=True)
 
     def zero_grad(self) -> None:
         for p in self.parameters:
