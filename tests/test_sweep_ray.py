@@ -28,6 +28,16 @@ pytestmark = [
 ]
 
 
+def _first_to_create(marker: Path) -> bool:
+    """Create ``marker`` unless it exists, atomically: of two tasks training at once, only one
+    finds it missing (a check, then a write, let both die)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
 class DiesOnce(L.LightningModule):
     """A classifier whose process is killed (SIGKILL, as an out-of-memory kill) the first time
     it trains; the marker file remembers that it died."""
@@ -41,9 +51,7 @@ class DiesOnce(L.LightningModule):
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
-        marker = Path(self.hparams.marker)
-        if self.hparams.marker and not marker.exists():
-            marker.write_text("killed once")
+        if self.hparams.marker and _first_to_create(Path(self.hparams.marker)):
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch
         return torch.nn.functional.cross_entropy(self(x), y)

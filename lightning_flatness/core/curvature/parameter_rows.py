@@ -25,8 +25,6 @@ the same sums, up to the order of the float additions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -45,11 +43,10 @@ from lightning_flatness.core.curvature.stored_rows import (
     QuadratureBudget,
     decrement_of,
 )
+from lightning_flatness.core.failures import AllReduce
 from lightning_flatness.core.memory import rows_refusal
 
 __all__ = ["LocalRows", "SpreadProbeKernel", "parameter_space_estimate"]
-
-AllReduce = Callable[[Tensor], Tensor]
 
 
 class LocalRows:
@@ -86,7 +83,12 @@ class LocalRows:
 
 
 def _probe_starts(
-    sets: RunSets, probes: int, width: int, seed: int, columns: Tensor | None, device
+    sets: RunSets,
+    probes: int,
+    width: int,
+    seed: int,
+    columns: Tensor | None,
+    device: torch.device,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Start vectors of the runs (each Rademacher probe on every run set, zeroed off the run
     set's columns), each run's kept groups ``(runs, G)`` and its scale."""
