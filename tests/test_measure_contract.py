@@ -221,6 +221,21 @@ def test_empty_loader_is_refused():
         measure(tiny_model("mlp"), [], lam=LAM, num_train_samples=10)
 
 
+def test_gram_across_processes_is_refused_naming_what_sums():
+    """``gram`` keeps per-sample rows, which do not add up across processes: refused before
+    any batch is read, with the structures that do."""
+    inputs, targets = random_data(8)
+    with pytest.raises(ValueError, match=r"do not sum across processes.*'dense', 'kfac'"):
+        measure(
+            tiny_model("mlp"),
+            batches(inputs, targets, 4),
+            lam=LAM,
+            num_train_samples=10,
+            structure="gram",
+            all_reduce=lambda tensor: tensor,
+        )
+
+
 def test_non_finite_loss_is_refused():
     inputs, targets = random_data(8)
     inputs[3] = math.nan

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch.func import grad, jacrev, jvp, vjp, vmap
 
 from lightning_flatness.core.batches import Leaves, LogitsModule, take_rows, unsqueeze_leaves
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.hook_recorder import HookRecorder
 from lightning_flatness.core.last_layer import last_layer
 from lightning_flatness.core.likelihoods import LOSSES, OutputCore, get_likelihood
@@ -92,6 +93,11 @@ class FunctionalModel:
     def logits(self, params: dict[str, Tensor], inputs: Leaves) -> Tensor:
         """``z(θ, x)`` for a batch of inputs, with ``params`` in place of the trainable ones."""
         return self.module.call({**params, **self.constants}, inputs)
+
+    def decay_diagonal(self, decay: ParameterDecay) -> Tensor:
+        """``D``: the per-group decay ``λ_j`` of every entry of the flat parameters (float64,
+        on the model's device)."""
+        return decay.diagonal(self.names, self.sizes).to(self.device)
 
     def unflatten(self, flat: Tensor) -> dict[str, Tensor]:
         """Views of a ``(..., P)`` block of flat vectors as ``{name: (..., *shape)}``."""

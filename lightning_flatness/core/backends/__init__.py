@@ -69,4 +69,8 @@ def make_backend(
     # BackPACK is imported only when one of its structures is measured.
     from lightning_flatness.core.backpack.backend import BackpackBackend
 
+    if structure == "gram" and all_reduce is not None:
+        from lightning_flatness.core.backpack.gram import NOT_SUMMABLE
+
+        raise ValueError(NOT_SUMMABLE)
     return BackpackBackend(model, structure, options, loss=loss, seed=seed, decay=decay)

@@ -216,7 +216,7 @@ class MatrixFreeBackend(Backend):
                     power_iterations=settings.power_iterations,
                     bounds=settings.bounds,
                     grad_sq_sum=self.grad_sq_sum,
-                    diagonal_scale=None if self.decay is None else self._diagonal().reciprocal(),
+                    decay=self.decay,
                 )
             try:
                 yield
@@ -325,19 +325,9 @@ class MatrixFreeBackend(Backend):
             draw_sample_probes=self.draws.lanczos,
             shared_generator=self.shared,
             all_reduce=self.all_reduce,
-            column_scale=None if self.decay is None else self._column_scale(),
+            decay=self.decay,
         )
         return estimator.estimate(num_samples, lam)
-
-    def _diagonal(self) -> Tensor:
-        """``D`` (P,) of the per-group decays over the model's flat parameters, float64."""
-        functional = self.functional
-        sizes = [functional.params[name].numel() for name in functional.names]
-        return self.decay.diagonal(functional.names, sizes).to(functional.device)
-
-    def _column_scale(self) -> Tensor:
-        """``D^{-1/2}`` (P,), in the model's dtype."""
-        return self._diagonal().rsqrt().to(self.functional.dtype)
 
     def _solver(self, source, num_samples: int, classes: int) -> CGFisher:
         """``cg``'s accumulator over the kept inputs, with this backend's preconditioner sums

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from lightning_flatness.core.backpack.dense import DEFAULT_MAX_PARAMETERS as DENSE_GUARD
 from lightning_flatness.core.backpack.dense import DenseFisher
 from lightning_flatness.core.backpack.estimator import CurvatureEstimator
 from lightning_flatness.core.backpack.extension import (
@@ -26,6 +27,7 @@ from lightning_flatness.core.backpack.extension import (
     measurement_copy,
     support_loss,
 )
+from lightning_flatness.core.backpack.gram import DEFAULT_MAX_KERNEL_SIZE as GRAM_GUARD
 from lightning_flatness.core.backpack.gram import GramFisher
 from lightning_flatness.core.backpack.statistics import SampleStatistics
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
@@ -75,12 +77,7 @@ class BackpackBackend(Backend):
         self.loss_fn = extended_loss(loss)
         self.loss_scale = loss_scale(loss)
         self.seed = seed
-        self.estimator = make_estimator(
-            structure,
-            ggn_scale=loss_scale(loss),
-            dense_max_parameters=getattr(options, "max_parameters", None),
-            gram_max_kernel_size=getattr(options, "max_kernel_size", None),
-        )
+        self.estimator = make_estimator(structure, options, ggn_scale=loss_scale(loss), decay=decay)
         self.statistics = {
             "training": SampleStatistics(trace_estimator, loss, self.estimator.extensions()),
             "validation": SampleStatistics(trace_estimator, loss),
@@ -120,10 +117,6 @@ class BackpackBackend(Backend):
         check_finite_loss(float(loss.detach()), split, index)
         backward_with(model, loss, extensions, self.estimator.name if training else "statistics")
         if training:
-            if self.decay is not None and self.estimator.column_scale is None:
-                self.estimator.column_scale = self.decay.column_scale(
-                    model.names, [p.numel() for p in model.parameters]
-                )
             self.estimator.update(model, num_samples(inputs))
             # the summed loss's gradient: Σ_i ∇ℓ_i, times the loss's scale to the NLL's
             summed = torch.cat([p.grad.reshape(-1) for p in model.parameters])
@@ -157,16 +150,17 @@ class BackpackBackend(Backend):
 
 def make_estimator(
     structure: str,
+    options: DenseOptions | GramOptions,
     *,
     ggn_scale: float = 1.0,
-    dense_max_parameters: int | None = None,
-    gram_max_kernel_size: int | None = None,
+    decay: ParameterDecay | None = None,
 ) -> CurvatureEstimator:
-    """The BackPACK estimator for ``structure`` (one of :data:`BACKPACK_STRUCTURES`)."""
+    """The BackPACK estimator for ``structure`` (one of :data:`BACKPACK_STRUCTURES`) with its
+    ``options`` (their size guard) and the per-group ``decay``."""
     if structure == "dense":
-        kwargs = {} if dense_max_parameters is None else {"max_parameters": dense_max_parameters}
-        return DenseFisher(ggn_scale, **kwargs)
+        guard = options.max_parameters
+        return DenseFisher(ggn_scale, DENSE_GUARD if guard is None else guard, decay)
     if structure == "gram":
-        kwargs = {} if gram_max_kernel_size is None else {"max_kernel_size": gram_max_kernel_size}
-        return GramFisher(ggn_scale, **kwargs)
+        guard = options.max_kernel_size
+        return GramFisher(ggn_scale, GRAM_GUARD if guard is None else guard, decay)
     raise ValueError(f"structure must be one of {BACKPACK_STRUCTURES}, got {structure!r}.")

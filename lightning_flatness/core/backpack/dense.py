@@ -24,6 +24,7 @@ from lightning_flatness.core.backpack.estimator import (
 from lightning_flatness.core.backpack.extension import ExtendedModel
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.curvature.newton_decrement import guarded_decrement, regularized_form
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.spectral import (
     psd_eigenvalues,
@@ -51,8 +52,13 @@ class DenseFisher(CurvatureEstimator):
 
     name = "dense"
 
-    def __init__(self, ggn_scale: float = 1.0, max_parameters: int = DEFAULT_MAX_PARAMETERS):
-        super().__init__(ggn_scale)
+    def __init__(
+        self,
+        ggn_scale: float = 1.0,
+        max_parameters: int = DEFAULT_MAX_PARAMETERS,
+        decay: ParameterDecay | None = None,
+    ):
+        super().__init__(ggn_scale, decay)
         self.max_parameters = max_parameters
         self.fisher_sum: Tensor | None = None
         self.cov_sum: Tensor | None = None
@@ -70,8 +76,8 @@ class DenseFisher(CurvatureEstimator):
         return [SqrtGGNExact(), BatchGrad()]
 
     def update(self, model: ExtendedModel, batch_size: int) -> None:
-        factors = self.scaled(sqrt_factors(model, "sqrt_ggn_exact"))
-        grads = self.scaled(batch_gradients(model))
+        factors = self.scaled(sqrt_factors(model, "sqrt_ggn_exact"), model)
+        grads = self.scaled(batch_gradients(model), model)
         if self.fisher_sum is None:
             self.check_size(factors.shape[1])
             size = factors.shape[1]

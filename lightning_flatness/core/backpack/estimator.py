@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_flatness.core.backpack.extension import ExtendedModel
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.decay import ParameterDecay
 
 __all__ = ["CurvatureEstimator", "batch_gradients", "sqrt_factors"]
 
@@ -25,21 +26,25 @@ class CurvatureEstimator(CurvatureAccumulator):
     :class:`~lightning_flatness.core.curvature.base.CurvatureAccumulator`), fed by BackPACK's
     fields after each backward pass (:meth:`update`); see the module docstring."""
 
-    def __init__(self, ggn_scale: float = 1.0) -> None:
+    def __init__(self, ggn_scale: float = 1.0, decay: ParameterDecay | None = None) -> None:
         # BackPACK's GGN of the summed loss; 0.5 turns ‖y − f‖² (MSELoss) into ½‖y − f‖².
         self.ggn_scale = ggn_scale
         # The loss itself carries the same factor, so its gradient products carry its square.
         self.cov_scale = ggn_scale**2
-        #: per-parameter-entry ``λ_j^{-1/2}`` (P,) under per-group decay (set by the backend):
-        #: rows and gradients are scaled by it and the estimate taken at λ = 1 (docs/math.md,
-        #: "Per-group weight decay")
-        self.column_scale: Tensor | None = None
+        #: the per-group decays: rows and gradients are scaled by ``λ_j^{-1/2}`` and the
+        #: estimate taken at λ = 1 (docs/math.md, "Per-group weight decay")
+        self.decay = decay
+        self._column_scale: Tensor | None = None
 
-    def scaled(self, rows: Tensor) -> Tensor:
-        """``rows`` (…, P) with each parameter's entries scaled by :attr:`column_scale`."""
-        if self.column_scale is None:
+    def scaled(self, rows: Tensor, model: ExtendedModel) -> Tensor:
+        """``rows`` (…, P) of ``model``'s parameters with each parameter's entries scaled by
+        ``λ_j^{-1/2}`` under per-group decay (as they are without)."""
+        if self.decay is None:
             return rows
-        return rows * self.column_scale.to(device=rows.device, dtype=rows.dtype)
+        if self._column_scale is None:
+            sizes = [p.numel() for p in model.parameters]
+            self._column_scale = self.decay.column_scale(model.names, sizes)
+        return rows * self._column_scale.to(device=rows.device, dtype=rows.dtype)
 
     @abstractmethod
     def extensions(self) -> list[object]:

@@ -33,6 +33,7 @@ from lightning_flatness.core.curvature.newton_decrement import (
     regularized_form,
     woodbury_form,
 )
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.spectral import psd_eigenvalues, spectral_summary
 
@@ -41,13 +42,25 @@ __all__ = ["GramFisher"]
 DEFAULT_MAX_KERNEL_SIZE = 8_192
 
 
+#: why ``gram`` is refused across processes, and what to use instead
+NOT_SUMMABLE = (
+    "structure='gram' keeps per-sample rows, which do not sum across processes; under DDP use "
+    "structure='dense', 'kfac', 'diag' or 'diag_mc' (or 'auto': the probe kernel)."
+)
+
+
 class GramFisher(CurvatureEstimator):
     """Exact spectrum through the (mC × mC) kernel; refuses ``mC > max_kernel_size``."""
 
     name = "gram"
 
-    def __init__(self, ggn_scale: float = 1.0, max_kernel_size: int = DEFAULT_MAX_KERNEL_SIZE):
-        super().__init__(ggn_scale)
+    def __init__(
+        self,
+        ggn_scale: float = 1.0,
+        max_kernel_size: int = DEFAULT_MAX_KERNEL_SIZE,
+        decay: ParameterDecay | None = None,
+    ):
+        super().__init__(ggn_scale, decay)
         self.max_kernel_size = max_kernel_size
         self.rows: list[Tensor] = []
         self.grads: list[Tensor] = []
@@ -57,7 +70,7 @@ class GramFisher(CurvatureEstimator):
         return [SqrtGGNExact(), BatchGrad()]
 
     def update(self, model: ExtendedModel, batch_size: int) -> None:
-        factors = self.scaled(sqrt_factors(model, "sqrt_ggn_exact"))
+        factors = self.scaled(sqrt_factors(model, "sqrt_ggn_exact"), model)
         self.num_rows += factors.shape[0]
         if self.num_rows > self.max_kernel_size:
             raise StructureTooLargeError(
@@ -67,13 +80,12 @@ class GramFisher(CurvatureEstimator):
                 "use structure='dense' when P is small, 'kfac' or 'diag', or raise the guard."
             )
         self.rows.append(factors)
-        self.grads.append(self.scaled(batch_gradients(model)))
+        self.grads.append(self.scaled(batch_gradients(model), model))
 
     def summable_states(self) -> list[Tensor]:
-        raise NotImplementedError(
-            "structure='gram' keeps per-sample rows, which do not sum across processes; under "
-            "DDP use structure='dense', 'kfac', 'diag' or 'diag_mc'."
-        )
+        """None: the per-sample rows do not sum across processes (the backend refuses
+        ``gram`` under data parallelism, :data:`NOT_SUMMABLE`)."""
+        return []
 
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
         scaled = torch.cat(self.rows) * (self.ggn_scale / num_samples) ** 0.5

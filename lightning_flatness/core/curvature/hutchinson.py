@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.functional_stats import FunctionalModel
 from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.likelihoods import OutputCore
@@ -89,9 +90,8 @@ class HutchinsonFisher(CurvatureAccumulator):
         bounds: also estimate the upper (Eq. 8) and lower (Eq. 9) bounds.
         grad_sq_sum: the running ``Σ_i g_i∘g_i`` of the true-label gradients (filled by the
             backend's statistics pass) for the diagonal TIC, or None.
-        diagonal_scale: ``1/λ_j`` (P,) under per-group decay: the diagonals of F and C are
-            scaled by it and summarised at λ = 1 (``Σ μ_k/(μ_k + λ_k)`` and
-            ``Σ C_kk/(F_kk + λ_k)``).
+        decay: the per-group decays: the diagonals of F and C are scaled by ``1/λ_j`` and
+            summarised at λ = 1 (``Σ μ_k/(μ_k + λ_k)`` and ``Σ C_kk/(F_kk + λ_k)``).
     """
 
     name = "hutchinson"
@@ -107,10 +107,11 @@ class HutchinsonFisher(CurvatureAccumulator):
         power_iterations: int,
         bounds: bool,
         grad_sq_sum: Tensor | None = None,
-        diagonal_scale: Tensor | None = None,
+        decay: ParameterDecay | None = None,
     ) -> None:
         self.grad_sq_sum = grad_sq_sum
-        self.diagonal_scale = diagonal_scale
+        #: ``1/λ_j`` (P,) under per-group decay
+        self.diagonal_scale = None if decay is None else model.decay_diagonal(decay).reciprocal()
         self.model, self.loss, self.probes = model, loss, probes
         self.distribution, self.draw_sample_probes = distribution, draw_sample_probes
         self.seen = 0  # this process's samples drawn for so far

@@ -72,6 +72,7 @@ from lightning_flatness.core.curvature.lanczos_quadrature import (
     slq_values,
     truncated,
 )
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.functional_stats import FunctionalModel, probe_vectors
 from lightning_flatness.core.options import MatrixFreeOptions
@@ -142,8 +143,8 @@ class LanczosFisher(CurvatureAccumulator):
             model's dtype (by the samples' positions in the whole set where they are known).
         shared_generator: draws ``z`` for ``start="random"`` (must agree between processes).
         all_reduce: sums a tensor across processes in place and returns it, or None.
-        column_scale: ``D^{-1/2}`` (P,) under per-group decay: the spectrum is that of
-            ``D^{-1/2} F D^{-1/2}``, to be summarised at λ = 1.
+        decay: the per-group decays D: the spectrum is that of ``D^{-1/2} F D^{-1/2}``, to be
+            summarised at λ = 1.
     """
 
     name = "lanczos"
@@ -159,9 +160,12 @@ class LanczosFisher(CurvatureAccumulator):
         draw_sample_probes: Callable[[tuple[int, int, int]], Tensor],
         shared_generator: torch.Generator,
         all_reduce: Reduce | None,
-        column_scale: Tensor | None = None,
+        decay: ParameterDecay | None = None,
     ) -> None:
-        self.column_scale = column_scale
+        #: ``D^{-1/2}`` (P,) in the model's dtype under per-group decay
+        self.column_scale = None
+        if decay is not None:
+            self.column_scale = model.decay_diagonal(decay).rsqrt().to(model.dtype)
         self.model, self.source, self.loss, self.classes = model, source, loss, classes
         self.probes, self.steps = settings.probes, settings.lanczos_steps
         self.space, self.start = settings.space, settings.start
