@@ -499,3 +499,24 @@ def test_the_fill_in_batch_is_bounded_by_the_numbers_it_holds(numbers, expected)
     assert monitor._fill_in_batch_size() == expected
     batch = (torch.zeros(8, 3, 4, 4), torch.zeros(8, dtype=torch.long), {"mask": torch.ones(8, 2)})
     assert tensor_numbers(batch) == 8 * (48 + 1 + 2)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_fit_start_prediction_is_of_each_process_share(world, monkeypatch):
+    """Under data parallelism each process measures every world-th sample of the set and of
+    the fill-in's subset: the first exact measurement and the fill-in are predicted for that
+    share, not for the whole set (which put them at twice their cost on two processes)."""
+    monitor = FlatnessMonitor()
+    monitor.resolved_num_train_samples = 4000
+    monitor._active_structure = "probe_kernel"
+    monitor._trial_samples = 32
+    monkeypatch.setattr(monitor, "_trial", lambda *args: None)
+    monkeypatch.setattr(monitor, "_timed_runs", lambda *args: {8: 0.8, 32: 2.0})
+    monkeypatch.setattr(monitor, "_quadrature_seconds", lambda *args: 0.0)
+    monkeypatch.setattr(monitor, "_has_fill_in", lambda: True)
+    trainer = SimpleNamespace(world_size=world)
+    monitor._timed_trial(trainer, None, None)
+    # 0.1 s a sample from the 8-sample run; the fill-in's line: 0.4 s + 0.05 s a sample over
+    # its 1,024 training and 1,024 held-out samples
+    assert monitor.budget.exact_seconds == pytest.approx(0.1 * 4000 / world)
+    assert monitor.budget.cheap_seconds == pytest.approx(0.4 + 0.05 * 2048 / world)

@@ -196,12 +196,14 @@ class FitStartChecks:
             return
         started = time.perf_counter()
         samples = int(min(self.resolved_num_train_samples or 0, self.max_samples or math.inf))
+        world = max(trainer.world_size, 1)  # each process measures (and is timed on) its share
         arguments, work = trial_settings(self.measure_arguments(self._active_structure))
         trial_samples = max(min(self._trial_samples, TRIAL_SAMPLES), 1)
         times = self._timed_runs(pl_module, batch, arguments, trial_samples, seconds)
         if times is not None:
             quadrature = self._quadrature_seconds(pl_module, samples, trainer.world_size)
-            self.budget.predict_exact(work * predicted_exact_seconds(times, samples) + quadrature)
+            share = math.ceil(samples / world)
+            self.budget.predict_exact(work * predicted_exact_seconds(times, share) + quadrature)
         if self.budget.share is not None and self._has_fill_in():
             fill_in_samples = min(samples, FILL_IN_SAMPLES)
             val_samples = min(self.max_val_samples or FILL_IN_SAMPLES, FILL_IN_SAMPLES)
@@ -210,7 +212,8 @@ class FitStartChecks:
             times = self._timed_runs(pl_module, batch, arguments, trial_samples)
             if times is not None:
                 fixed, per_sample = cost_line(times)
-                self.budget.cheap_seconds = fixed + per_sample * (fill_in_samples + val_samples)
+                share = math.ceil((fill_in_samples + val_samples) / world)
+                self.budget.cheap_seconds = fixed + per_sample * share
         self.budget.charge(time.perf_counter() - started)
 
     def _quadrature_seconds(self, pl_module: LightningModule, samples: int, world: int) -> float:
@@ -228,12 +231,9 @@ class FitStartChecks:
         parameters = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         rows = math.ceil(samples / world) * options.probes
         spread = world > 1 and parameters > options.max_parameters
+        guards = {"max_parameters": options.max_parameters, "side": options.side}
         if not spread and not keeps_rows(
-            parameters,
-            rows,
-            side=options.side,
-            max_parameters=options.max_parameters,
-            max_kernel_size=options.max_kernel_size,
+            parameters, rows, max_kernel_size=options.max_kernel_size, **guards
         ):
             return 0.0
         width = row_width(parameters, options, self._sketch_factor)
