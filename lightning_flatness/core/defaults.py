@@ -8,7 +8,7 @@ probe rows of the measured samples fit in memory (m·s·P ≤ ``max_row_elements
 share of the free memory, shared by the processes of one machine): on one process a formed
 kernel for m·s ≤ ``max_kernel_size``, beyond it stochastic Lanczos quadrature on the stored
 rows; across processes each keeps its own rows and the quadrature runs in the parameters' space
-(:mod:`~lightning_flatness.core.curvature.parameter_rows`). Otherwise the default is ``cg``:
+(:mod:`~lightning_flatness.core.curvature.spread_rows`). Otherwise the default is ``cg``:
 Hutchinson with preconditioned conjugate gradients on exact Fisher-vector products, matrix-free
 for any size (0.93–0.97 of the exact soft rank on the same models; only the soft rank, no
 log-det or spectrum).

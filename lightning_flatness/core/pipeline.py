@@ -7,8 +7,9 @@ check, one reduction of every sum across processes, then asks the backend for it
 accumulates what its structure needs as summable states (Kronecker factors, diagonals, Gram
 sums, Hutchinson probes, cached inputs for Lanczos): sums over samples, reduced across
 processes *before* any eigenvalue is taken (averaging per-process soft ranks would be wrong:
-the soft rank is not linear; the probe kernel's sample side keeps its rows instead, on one
-process). Three backends exist: layer hooks (``probe_kernel``, ``kfac``, ``diag``, ``diag_mc``,
+the soft rank is not linear; the probe kernel's sample side keeps its rows instead, each
+process its own, :mod:`~lightning_flatness.core.curvature.spread_rows`). Three backends exist:
+layer hooks (``probe_kernel``, ``kfac``, ``diag``, ``diag_mc``,
 :mod:`lightning_flatness.core.backends.hooks`), BackPACK (``dense``, ``gram``,
 :mod:`lightning_flatness.core.backpack.backend`) and ``torch.func`` (``cg``, ``lanczos``,
 ``hutchinson``, :mod:`lightning_flatness.core.backends.matrix_free`).

@@ -27,8 +27,8 @@ from lightning_flatness.core.curvature.base import CurvatureAccumulator, Curvatu
 from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.newton_decrement import objective_gradient
-from lightning_flatness.core.curvature.parameter_rows import SpreadProbeKernel
 from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
+from lightning_flatness.core.curvature.spread_rows import SpreadProbeKernel
 from lightning_flatness.core.curvature.stored_rows import QuadratureBudget
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import AllReduce, check_finite_loss
@@ -234,7 +234,9 @@ class HookBackend(Backend):
         above = self.num_parameters > options.max_parameters
         if self.all_reduce is not None and above and options.side != "parameters":
             # across processes above the P × P guard: each keeps its rows
-            return SpreadProbeKernel(self.num_parameters, all_reduce=self.all_reduce, **common)
+            return SpreadProbeKernel(
+                self.num_parameters, all_reduce=self.all_reduce, shard=self.shard, **common
+            )
         return ProbeKernelFisher(
             self.num_parameters, side=options.side, summable=self.summable, **common
         )

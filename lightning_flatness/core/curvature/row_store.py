@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_flatness.core.curvature.row_sketch import RowSketch
 
-__all__ = ["FIRST_SLAB_SAMPLES", "SLAB_NUMBERS", "RowStore"]
+__all__ = ["FIRST_SLAB_SAMPLES", "SLAB_NUMBERS", "RowStore", "slab_capacity", "slab_starts"]
 
 #: the most numbers of one slab (4 GiB of float32). Products over many small slabs are slow
 #: (16,384 rows of 78,042 parameters: 1.25 s a Lanczos step in 40 slabs, 0.90 s in 12), and
@@ -26,6 +26,23 @@ __all__ = ["FIRST_SLAB_SAMPLES", "SLAB_NUMBERS", "RowStore"]
 SLAB_NUMBERS = 2**30
 #: the samples of the first slab (fewer where that is more than :data:`SLAB_NUMBERS` numbers)
 FIRST_SLAB_SAMPLES = 256
+
+
+def slab_capacity(probes: int, width: int, kept: int) -> int:
+    """The samples of the next slab of a store of ``probes`` rows of ``width`` per sample that
+    keeps ``kept`` samples in full slabs: :data:`FIRST_SLAB_SAMPLES`, then as many as are kept
+    so far (doubling), at most :data:`SLAB_NUMBERS` numbers."""
+    most = max(1, SLAB_NUMBERS // max(probes * width, 1))
+    return min(most, max(FIRST_SLAB_SAMPLES, kept))
+
+
+def slab_starts(probes: int, width: int, samples: int) -> list[int]:
+    """The first sample of each slab of a store of ``samples`` samples, then ``samples``: the
+    slabs depend on the number of samples only (:class:`RowStore`)."""
+    starts = [0]
+    while starts[-1] < samples:
+        starts.append(min(samples, starts[-1] + slab_capacity(probes, width, starts[-1])))
+    return starts
 
 
 class RowStore:
@@ -110,9 +127,8 @@ class RowStore:
         """The last slab and its samples in use, after allocating a new one if it is full."""
         if self._slabs and self._filled[-1] < self._slabs[-1].shape[1]:
             return self._slabs[-1], self._filled[-1]
-        most = max(1, SLAB_NUMBERS // max(self.probes * self.width, 1))
         kept = sum(self._filled)  # every slab so far is full
-        capacity = min(most, max(FIRST_SLAB_SAMPLES, kept))
+        capacity = slab_capacity(self.probes, self.width, kept)
         self._slabs.append(like.new_empty(self.probes, capacity, self.width))
         self._filled.append(0)
         return self._slabs[-1], 0

@@ -42,10 +42,12 @@ from lightning_flatness.core.curvature.newton_decrement import (
     guarded_decrement,
     probe_decrement,
 )
+from lightning_flatness.core.curvature.row_positions import union_entries, union_samples
 from lightning_flatness.core.curvature.row_sketch import RowSketch
 from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.run_sets import RunSets
 from lightning_flatness.core.curvature.run_summary import bracketed, run_summary
+from lightning_flatness.core.failures import AllReduce
 from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS, SLQ_TOLERANCE
 
 __all__ = [
@@ -95,11 +97,23 @@ class StoredRows:
         num_samples: m, the measured samples (the kernel is ``V Vᵀ / m``).
     """
 
-    def __init__(self, store: RowStore, groups: int, num_samples: int) -> None:
+    def __init__(
+        self,
+        store: RowStore,
+        groups: int,
+        num_samples: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         per_group = store.probes // groups
         total = store.samples
         #: (group, its rows in one slab (s/G · n_j, P), their span in the rows' space)
         self.blocks: list[tuple[int, Tensor, slice]] = []
+        #: the first sample of each slab, then the samples
+        self.starts = [0]
+        for chunk in store.chunks():
+            self.starts.append(self.starts[-1] + chunk.shape[1])
         for group in range(groups):
             offset = group * per_group * total
             for chunk in store.chunks():
@@ -107,29 +121,22 @@ class StoredRows:
                 self.blocks.append((group, rows, slice(offset, offset + rows.shape[0])))
                 offset += rows.shape[0]
         self.group_norms = store.squared_norms.reshape(groups, per_group).sum(1)
-        self.groups = groups
+        self.groups, self.probes = groups, store.probes
         self.num_samples = num_samples
         self.group_size = per_group * total
         self.size = groups * self.group_size
         self.width = store.width
-        self.dtype, self.device = self.blocks[0][1].dtype, self.blocks[0][1].device
+        #: the rows' dtype and device (given for a process that kept no rows)
+        first = self.blocks[0][1] if self.blocks else None
+        self.dtype = first.dtype if first is not None else (dtype or torch.float32)
+        self.device = first.device if first is not None else (device or torch.device("cpu"))
 
-    def group_slice(self, group: int) -> slice:
-        """The entries of ``group``'s rows in the rows' space."""
-        return slice(group * self.group_size, (group + 1) * self.group_size)
-
-    def squared_norms(self) -> Tensor:
-        """Each group's ``Σ ‖v‖² / m``: its share of ``Tr K`` (float64)."""
-        return self.group_norms / self.num_samples
-
-    def reach(self, masks: Tensor) -> list[Tensor]:
-        """For each group, the indices of the runs whose mask keeps its rows."""
-        return [
-            torch.nonzero(masks[:, self.group_slice(group)].any(1)).squeeze(1)
-            for group in range(self.groups)
-        ]
-
-    def lockstep(self, sample: RowSpaceRuns, parameter: ParameterSpaceRuns | None) -> None:
+    def lockstep(
+        self,
+        sample: RowSpaceRuns,
+        parameter: ParameterSpaceRuns | None,
+        reduce: AllReduce | None = None,
+    ) -> None:
         """Advance Lanczos runs in the rows' space (products with the kernel restricted by each
         run's mask, ``scale · M K M x``) and runs in the parameters' space (products with the
         estimates ``F̂_k``, ``scale · V_kᵀ V_k x / m``) until both have finished, every pass over
@@ -139,9 +146,14 @@ class StoredRows:
         ResNet the decrement's runs then cost a tenth of a soft rank's step, not half.
 
         A group's rows take part only in the runs that keep them: a leave-one-group-out run
-        never multiplies the left-out group's rows."""
+        never multiplies the left-out group's rows.
+
+        With ``reduce`` (a sum across processes, every process calling this together) the
+        rows are this process's and the rows'-side vectors its entries of them: the products'
+        first halves, sums over rows, are summed across processes, and the second halves give
+        each process its own entries."""
         dtype = self.dtype
-        reach = self.reach(sample.masks)
+        reach = sample.kept_runs()
         kept = parameter.kept_runs() if parameter is not None else None
         in_flight: list[Tensor] | None = None  # the parameter runs' V x, per block
         while True:
@@ -151,6 +163,8 @@ class StoredRows:
             # first half, products with V: rows' side Vᵀ(Mx), parameters' side Vᵀ(Vx)
             masked = (sample.runs.block() * sample.masks).to(dtype) if rows_side else None
             sums = self._through_rows(masked, reach, in_flight)
+            if reduce is not None:
+                sums = self._summed(sums, reach if rows_side else None, kept, in_flight, reduce)
             weights = None
             if rows_side:
                 weights = masked.new_zeros(masked.shape[0], self.width)
@@ -191,6 +205,33 @@ class StoredRows:
             sums[group].addmm_(block, rows)
         return sums
 
+    def _summed(
+        self,
+        sums: dict[int, Tensor],
+        reach: list[Tensor] | None,
+        kept: list[Tensor] | None,
+        in_flight: list[Tensor] | None,
+        reduce: AllReduce,
+    ) -> dict[int, Tensor]:
+        """Every process's :meth:`_through_rows` sums, in one all-reduce (in float64, whatever
+        the rows' dtype); a group this process has no rows of takes part with zeros."""
+        counts = [
+            (len(reach[group]) if reach is not None else 0)
+            + (len(kept[group]) if in_flight is not None else 0)
+            for group in range(self.groups)
+        ]
+        float64 = {"dtype": torch.float64, "device": self.device}
+        flat = torch.cat(
+            [
+                sums[group].to(torch.float64)
+                if group in sums
+                else torch.zeros(counts[group], self.width, **float64)
+                for group in range(self.groups)
+            ]
+        )
+        flat = reduce(flat).to(self.dtype)
+        return dict(enumerate(flat.split(counts)))
+
     def _back_through_rows(
         self,
         weights: Tensor | None,
@@ -222,14 +263,20 @@ class StoredRows:
 @dataclass
 class RowSpaceRuns:
     """Lanczos runs on the kernel restricted by each run's 0/1 row mask ``(k, R)`` and scaled by
-    ``scales`` (k,): the soft rank's runs on the whole kernel and its leave-one-group-out ones;
-    on sketched rows each run's 0/1 ``columns`` ``(k, width)`` keep the sketch groups it keeps
-    (``V Mᶜ Vᵀ``; None: every column)."""
+    ``scales`` (k,): the soft rank's runs on the whole kernel and its leave-one-group-out ones,
+    each keeping the probe groups ``kept`` (k, G) of 0/1; on sketched rows each run's 0/1
+    ``columns`` ``(k, width)`` keep the sketch groups it keeps (``V Mᶜ Vᵀ``; None: every
+    column)."""
 
     runs: LanczosRuns
     masks: Tensor
     scales: Tensor
+    kept: Tensor
     columns: Tensor | None = None
+
+    def kept_runs(self) -> list[Tensor]:
+        """For each group, the indices of the runs that keep its rows."""
+        return [torch.nonzero(self.kept[:, g] > 0).squeeze(1) for g in range(self.kept.shape[1])]
 
     def advance(self, product: Tensor, num_samples: int) -> None:
         """One step from ``V Vᵀ M x`` (the rows' dtype)."""
@@ -303,11 +350,22 @@ def keeps_rows(
     return side == "samples" or num_parameters > max_parameters
 
 
-def _run_layout(store: StoredRows, probes: int, generator: torch.Generator, sets: RunSets) -> tuple:
-    """Start vectors, masks and scales of the runs: each Rademacher probe on every run set's
-    kernel (:class:`~lightning_flatness.core.curvature.run_sets.RunSets`)."""
+def _run_layout(
+    store: StoredRows,
+    probes: int,
+    generator: torch.Generator,
+    sets: RunSets,
+    union: tuple[int, Tensor] | None = None,
+) -> tuple:
+    """Start vectors, masks, scales and kept groups of the runs: each Rademacher probe on every
+    run set's kernel (:class:`~lightning_flatness.core.curvature.run_sets.RunSets`). With
+    ``union`` (the rows' space's size over every process and the index there of each of this
+    process's entries), the probes are the union's, at this process's entries."""
     device = store.device
-    signs = torch.randint(0, 2, (probes, store.size), generator=generator, dtype=torch.float64)
+    size = union[0] if union is not None else store.size
+    signs = torch.randint(0, 2, (probes, size), generator=generator, dtype=torch.float64)
+    if union is not None:
+        signs = signs[:, union[1]]
     signs = (2 * signs - 1).to(device)
     kept, run_scales = sets.kept_groups(device), sets.scales(device)
     runs = kept.shape[0]
@@ -315,7 +373,16 @@ def _run_layout(store: StoredRows, probes: int, generator: torch.Generator, sets
     masks = kept.repeat_interleave(store.group_size, dim=1).unsqueeze(1).expand(-1, probes, -1)
     scales = run_scales.unsqueeze(1).expand(-1, probes)
     start = (signs.unsqueeze(0) * masks).reshape(runs * probes, -1)
-    return start, masks.reshape(runs * probes, -1), scales.reshape(-1)
+    run_kept = kept.repeat_interleave(probes, dim=0)
+    return start, masks.reshape(runs * probes, -1), scales.reshape(-1), run_kept
+
+
+def _union(store: StoredRows, shard: tuple[int, int], all_reduce: AllReduce) -> tuple[int, Tensor]:
+    """The size of the rows' space over every process, and the index there of each entry of
+    this process's (:mod:`~lightning_flatness.core.curvature.row_positions`)."""
+    total = union_samples(store.starts[-1], shard, all_reduce, store.device)
+    entries = union_entries(store.probes, store.groups, store.width, store.starts, shard, total)
+    return store.probes * total, entries.to(store.device)
 
 
 def stored_rows_estimate(
@@ -328,6 +395,10 @@ def stored_rows_estimate(
     seed: int = 0,
     gradient: Tensor | None = None,
     sketch: RowSketch | None = None,
+    all_reduce: AllReduce | None = None,
+    shard: tuple[int, int] = (0, 1),
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> CurvatureEstimate:
     """The jackknifed trace functions of the kernel of ``rows`` by stochastic Lanczos
     quadrature (module docstring), with standard errors that add the probe groups' spread,
@@ -343,23 +414,38 @@ def stored_rows_estimate(
 
     Each run's value is the midpoint of its Gauss and Gauss–Radau rules, which bracket the
     soft rank; the runs stop as soon as the jackknifed soft rank's bracket is within the
-    ``budget``'s tolerance of it (relative half-width), its steps being the cap."""
+    ``budget``'s tolerance of it (relative half-width), its steps being the cap.
+
+    With ``all_reduce`` (a sum across processes in place; every process calls this together)
+    ``rows`` are this process's, the samples at global positions ``rank, rank + world, …``
+    (``shard``), and ``num_samples`` is m over every process: the runs' vectors are split across
+    the processes, each holding its rows' entries, with their inner products and the products'
+    sums over rows summed, so the processes together compute what one process computes on the
+    union (the same probes: :mod:`~lightning_flatness.core.curvature.row_positions`), up to the
+    order of float additions. ``dtype`` and ``device`` are those of the rows where this
+    process kept none."""
     probes, tolerance = budget.probes, budget.tolerance
-    store = StoredRows(rows, groups, num_samples)
+    store = StoredRows(rows, groups, num_samples, dtype=dtype, device=device)
     generator = torch.Generator().manual_seed(seed)
     sets = RunSets(groups, sketch.groups if sketch is not None else 0)
-    start, masks, scales = _run_layout(store, probes, generator, sets)
+    union = _union(store, shard, all_reduce) if all_reduce is not None else None
+    start, masks, scales, kept = _run_layout(store, probes, generator, sets, union)
     columns = None
     if sketch is not None:
-        columns = sets.column_keep(sketch).repeat_interleave(probes, dim=0)
-    steps = max(1, min(budget.steps, store.size))
-    traces = store.squared_norms()  # the trace is exact: the rows' squared norms
+        columns = sets.column_keep(sketch).to(store.device).repeat_interleave(probes, dim=0)
+    steps = max(1, min(budget.steps, union[0] if union is not None else store.size))
+    # the trace is exact: the rows' squared norms
+    norms = store.group_norms.to(store.device).clone()
+    traces = (all_reduce(norms) if all_reduce is not None else norms).cpu() / num_samples
     stop = bracketed(sets, probes, lam, tolerance)
-    soft_rank_runs = LanczosRuns(start, steps, stop=stop, check_every=CHECK_EVERY)
+    soft_rank_runs = LanczosRuns(
+        start, steps, reduce=all_reduce, stop=stop, check_every=CHECK_EVERY
+    )
     forms = None
     if sketch is None and gradient is not None and bool(torch.isfinite(gradient).all()):
         forms = _form_runs(store, gradient, lam, DECREMENT_LOOSENESS * tolerance)
-    store.lockstep(RowSpaceRuns(soft_rank_runs, masks, scales, columns), forms)
+    sample = RowSpaceRuns(soft_rank_runs, masks, scales, kept, columns)
+    store.lockstep(sample, forms, reduce=all_reduce)
     summary = run_summary(soft_rank_runs.decomposition(), sets, probes, lam, traces)
     decrement = (math.nan, math.nan)
     if gradient is not None and sketch is None:

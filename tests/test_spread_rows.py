@@ -1,7 +1,9 @@
 """The probe kernel's rows kept by several processes: stochastic Lanczos quadrature in the
-parameters' space, its products summed across processes (float64, tiny models), against the
-dense autograd reference, the formed kernel of the same rows and the rows'-space estimate;
-per-group decay; two processes (threads with a summing ``all_reduce``) against one."""
+rows' space with its vectors split across processes, the products' sums over rows and the
+runs' inner products summed (float64, tiny models), against the dense autograd reference, the
+formed kernel of the same rows and one process's estimate; per-group decay; where each
+process's rows sit among the union's; two processes (threads with a summing ``all_reduce``)
+against one."""
 
 from __future__ import annotations
 
@@ -12,14 +14,18 @@ import torch
 from conftest import TwoProcesses, batches, many_classes, random_data, tiny_model
 
 from lightning_flatness.core import reference, spectral
+from lightning_flatness.core.curvature.row_positions import union_entries, union_samples
+from lightning_flatness.core.curvature.row_store import slab_starts
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.measure import measure
 
 LAM = 1e-3
 #: P above the P × P guard and more rows than a formed kernel: one process keeps its rows
 STORED = {"max_kernel_size": 10, "max_parameters": 10}
-#: the same, sketched 2 times shorter in 2 groups (the tiny models are far below the default's
-#: 32,768 parameters)
+#: P above the P × P guard, the rows few enough for a formed kernel: the processes gather them
+FORMED = {"max_kernel_size": 10_000, "max_parameters": 10}
+#: P above the guard and many rows, sketched 2 times shorter in 2 groups (the tiny models are
+#: far below the default's 32,768 parameters)
 SKETCHED = {**STORED, "sketch_from_parameters": 100, "sketch_factor": 2}
 
 
@@ -85,25 +91,57 @@ def test_probe_rows_converge_to_the_formed_kernel_of_the_same_rows(one_thread):
     assert errors[256] < errors[8] and errors[256] < 0.02
 
 
+ARRANGEMENTS = pytest.mark.parametrize(
+    "options", [STORED, SKETCHED, FORMED], ids=["whole rows", "sketched rows", "gathered rows"]
+)
+
+
+@ARRANGEMENTS
 @pytest.mark.parametrize("architecture", ["mlp", "cnn"])
-def test_sketched_rows_meet_the_rows_space_estimate_of_the_same_sketch(architecture, one_thread):
-    """Rows sketched 2 times shorter: the parameters' space and the rows' space estimate the
-    same jackknifed value (the same projection), each within the other's error bars, and
-    sketched rows give no Newton decrement in either."""
+def test_a_world_of_one_is_the_one_process_estimate(architecture, options, one_thread):
+    """Through the split runs with a world of one: every number of the one-process stored-row
+    estimate (the same probes, the same products), the decrement included; sketched rows give
+    none. Rows few enough for a formed kernel: the one-process formed kernel's numbers."""
     model = tiny_model(architecture).eval()
     inputs, targets = random_data(40)
-    options = {"slq_probes": 64, "slq_tolerance": 0.005, **SKETCHED}
-    spread = _measure(model, inputs, targets, **options)
-    rows = _measure(model, inputs, targets, all_reduce=None, **options)
-    errors = [spread.as_dict()["soft_rank_stderr"], rows.as_dict()["soft_rank_stderr"]]
-    assert abs(spread.soft_rank - rows.soft_rank) < 4 * (errors[0] ** 2 + errors[1] ** 2) ** 0.5
-    assert spread.trace_fisher == pytest.approx(rows.trace_fisher, rel=1e-9)
-    assert spread.newton_decrement != spread.newton_decrement  # NaN
+    spread = _measure(model, inputs, targets, probes=4, **options).as_dict()
+    rows = _measure(model, inputs, targets, all_reduce=None, probes=4, **options).as_dict()
+    for key in ("soft_rank", "soft_rank_stderr", "logdet", "trace_fisher", "max_eig"):
+        assert spread[key] == pytest.approx(rows[key], rel=1e-9), key
+    decrement = spread["newton_decrement"]
+    assert decrement == pytest.approx(rows["newton_decrement"], rel=1e-9, nan_ok=True)
+    assert (decrement != decrement) == (options is SKETCHED)  # NaN on sketched rows
+
+
+@pytest.mark.parametrize("counts", [(334, 334, 333), (700, 0, 0), (1, 0, 0), (300, 300, 299)])
+def test_each_process_rows_sit_once_among_the_unions(counts):
+    """Every process's entries land on distinct places of the union's rows' space, over
+    several slabs; with the shares a distributed sampler gives they fill it exactly, and a
+    world of one is the one process's own order."""
+    probes, groups, width = 4, 2, 10
+    world = len(counts)
+    sums = torch.tensor(counts, dtype=torch.float64)
+
+    def everyone(tensor: torch.Tensor) -> torch.Tensor:  # every process's one-hot count
+        return sums.clone()
+
+    total = union_samples(counts[0], (0, world), everyone)
+    entries = [
+        union_entries(probes, groups, width, slab_starts(probes, width, n), (r, world), total)
+        for r, n in enumerate(counts)
+    ]
+    union = torch.cat(entries)
+    assert union.unique().numel() == union.numel() == probes * sum(counts)
+    assert int(union.max()) < probes * total
+    if total == sum(counts):
+        assert torch.equal(union.sort().values, torch.arange(probes * total))
+    alone = union_entries(probes, groups, width, slab_starts(probes, width, 700), (0, 1), 700)
+    assert torch.equal(alone, torch.arange(probes * 700))
 
 
 def test_per_group_decay_gives_the_generalised_soft_rank(one_thread):
-    """``Tr(F(F+D)⁻¹)`` with no decay on the biases: the exact rows, scaled by ``D^{-1/2}``, in
-    the parameters' space, within their error bars of the dense reference."""
+    """``Tr(F(F+D)⁻¹)`` with no decay on the biases: the exact rows, scaled by ``D^{-1/2}``, kept
+    as one process's share, within their error bars of the dense reference."""
     model = tiny_model("mlp").eval()
     inputs, targets = random_data(24)
     decays = {n: (0.0 if n.endswith("bias") else 1e-2) for n, _ in model.named_parameters()}
@@ -118,10 +156,11 @@ def test_per_group_decay_gives_the_generalised_soft_rank(one_thread):
     assert report.max_eig == pytest.approx(exact.max_eig, rel=1e-8)  # of D^{-1/2} F D^{-1/2}
 
 
-@pytest.mark.parametrize("options", [STORED, SKETCHED], ids=["whole rows", "sketched rows"])
+@ARRANGEMENTS
 def test_two_processes_keeping_their_rows_equal_one_process(options, one_thread):
-    """Each of two processes keeps the rows of every other sample (``shard``): the summed
-    products give every number one process gives on the union, the decrement included."""
+    """Each of two processes keeps the rows of every other sample (``shard``): the split runs,
+    or the rows gathered where they fit a formed kernel, give every number one process gives on
+    the union, the decrement included."""
     model = tiny_model("mlp").eval()
     inputs, targets = random_data(40)
     single = _measure(model, inputs, targets, 5, probes=4, **options)
