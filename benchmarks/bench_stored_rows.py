@@ -24,7 +24,9 @@ each measurement.
     python benchmarks/bench_stored_rows.py --rungs 16,32,64:10000 --c 5 --certified --skip-cg \
         --skip-formed --epochs 5 --unsketched --sketch-factors 8 16
     python benchmarks/bench_stored_rows.py --rungs 8,16,24:5000 --c 2.5 --exact --skip-cg \
-        --skip-formed --parameter-space
+        --skip-formed --across-processes
+    python benchmarks/bench_stored_rows.py --rungs 8,16,24:5000 --c 1 --epochs 3 --certified \
+        --skip-cg --skip-formed --slq-extensions 1
     python benchmarks/bench_stored_rows.py --rungs 8,16,24:5000 --c 2.5 --exact --skip-formed \
         --structures kfac diag lanczos hutchinson
 """
@@ -113,7 +115,7 @@ def main() -> None:
     parser.add_argument(
         "--certified",
         action="store_true",
-        help="reference: stored rows of 4 probes with a ±0.2% quadrature bracket (past dense)",
+        help="reference: stored rows of 4 probes with a ±0.2%% quadrature bracket (past dense)",
     )
     parser.add_argument(
         "--tolerances",
@@ -143,7 +145,7 @@ def main() -> None:
         "--reference-factor",
         type=int,
         default=None,
-        help="reference: rows sketched this many times shorter, 16 × ≤ 150 steps, ±0.2% "
+        help="reference: rows sketched this many times shorter, 16 × ≤ 150 steps, ±0.2%% "
         "(past the memory of whole rows)",
     )
     parser.add_argument(
@@ -155,10 +157,17 @@ def main() -> None:
         "matrix-free ones)",
     )
     parser.add_argument(
-        "--parameter-space",
+        "--across-processes",
         action="store_true",
-        help="also the estimate in the parameters' space (the one rows across processes take), "
-        "on one process",
+        help="also the estimate rows kept by several processes take, on a world of one",
+    )
+    parser.add_argument(
+        "--slq-extensions",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also the default with these slq_extension (1: stop at slq_steps whatever the "
+        "bracket)",
     )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -209,8 +218,8 @@ def main() -> None:
                     {"kernel_options": {"side": "samples", "max_kernel_size": 10**6}},
                 )
             runs["stored rows (the default)"] = ("auto", {})
-            if args.parameter_space:  # a world of one: what each of several processes runs
-                runs["stored rows, parameters' space (across processes)"] = (
+            if args.across_processes:  # a world of one: what each of several processes runs
+                runs["stored rows, split runs (across processes)"] = (
                     "auto",
                     {"all_reduce": _one_process},
                 )
@@ -228,6 +237,11 @@ def main() -> None:
                 runs[f"stored rows sketched {factor}× shorter"] = (
                     "auto",
                     {"kernel_options": sketched},
+                )
+            for extension in args.slq_extensions:
+                runs[f"stored rows, at most {extension}× slq_steps"] = (
+                    "auto",
+                    {"kernel_options": {"slq_extension": extension}},
                 )
             for tolerance in args.tolerances:
                 runs[f"stored rows, bracket ±{tolerance:.0%}"] = (

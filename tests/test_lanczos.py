@@ -113,6 +113,26 @@ def test_range_start_integrates_h_over_mu_exactly():
             assert estimate[name] == pytest.approx(value, rel=1e-7)
 
 
+def test_a_basis_grown_block_by_block_gives_the_same_runs(monkeypatch):
+    """The basis allocated a few steps at a time (past its first block, twice) gives the
+    coefficients of one allocated whole, and stays orthonormal."""
+    generator = torch.Generator().manual_seed(5)
+    factor = torch.randn(80, 80, generator=generator, dtype=torch.float64)
+    matrix = factor.T @ factor / 80
+    start = torch.randn(3, 80, generator=generator, dtype=torch.float64)
+    whole = lanczos(lambda v: v @ matrix, start, 30)
+    monkeypatch.setattr(lanczos_quadrature, "BASIS_BLOCK", 12)
+    runs = lanczos_quadrature.LanczosRuns(start, 30)
+    while not runs.finished:
+        runs.advance(runs.block() @ matrix)
+    grown = runs.decomposition()
+    assert runs.basis.shape[0] == 30  # 12 + 12 + 6
+    assert torch.allclose(grown.alphas, whole.alphas, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(grown.betas, whole.betas, rtol=1e-12, atol=1e-12)
+    gram = torch.einsum("skn,tkn->kst", runs.basis, runs.basis)
+    assert torch.allclose(gram, torch.eye(30, dtype=torch.float64).expand(3, -1, -1), atol=1e-10)
+
+
 def test_breakdown_zero_start_and_negative_round_off():
     """A zero start vector gives an empty run; tiny negative eigenvalues give Ritz values ≥ 0."""
     basis, _ = torch.linalg.qr(torch.randn(10, 10, dtype=torch.float64))

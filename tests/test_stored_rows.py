@@ -96,6 +96,33 @@ def test_the_runs_stop_once_the_quadrature_bracket_is_within_its_tolerance(one_t
     assert abs(loose - tight) <= loose_stderr
 
 
+def test_a_bracket_wider_than_the_loose_tolerance_at_the_step_cap_goes_on(one_thread, monkeypatch):
+    """At ``slq_steps`` the runs stop only once the bracket is within the loose tolerance (10%):
+    5 steps leave this model's bracket wider, so the runs go on to the first check within it
+    and give the numbers of a run capped there; with no extension they stop at 5, wider."""
+    model, inputs, targets = many_classes()
+    steps = []
+    advance = stored_rows.RowSpaceRuns.advance
+
+    def counted(self, *args):
+        steps.append(1)
+        return advance(self, *args)
+
+    monkeypatch.setattr(stored_rows.RowSpaceRuns, "advance", counted)
+    options = {"probes": 4, "slq_tolerance": 1e-6, **STORED}
+    extended = probe_kernel_report(model, inputs, targets, slq_steps=5, **options)
+    taken = len(steps)
+    assert taken == 5 + stored_rows.CHECK_EVERY  # the first check after 5 (see below)
+    assert taken <= KernelOptions().slq_extension * 5
+    assert extended.blocks["stderr"].soft_rank <= 0.1 * extended.soft_rank
+    capped = probe_kernel_report(model, inputs, targets, slq_steps=taken, **options)
+    assert extended.soft_rank == pytest.approx(capped.soft_rank, rel=1e-12)
+    steps.clear()
+    short = probe_kernel_report(model, inputs, targets, slq_steps=5, slq_extension=1, **options)
+    assert len(steps) == 5
+    assert short.blocks["stderr"].soft_rank > 0.1 * short.soft_rank
+
+
 def test_the_papers_mlp_at_its_default_slq_budget(one_thread):
     """The paper's MLP on 60 samples at the default 16 probes of 80 steps: within 5% of the
     formed kernel of the same rows."""

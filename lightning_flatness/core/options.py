@@ -145,6 +145,13 @@ SLQ_STEPS = 60
 #: the relative half-width of the stored-row soft rank's quadrature bracket (its Gauss and
 #: Gauss–Radau rules) at which the Lanczos runs stop before ``slq_steps``
 SLQ_TOLERANCE = 0.02
+#: past ``slq_steps`` the runs go on while the bracket is wider than this (the accuracy the
+#: default is held to), up to ``slq_extension`` (:data:`SLQ_EXTENSION`) times ``slq_steps`` (1:
+#: never past them): at a small λ early in a
+#: fit (the 14,514-parameter ladder ResNet, n = 5,000, c = 1, three epochs) 60 steps left
+#: ± 33% and 150 steps ± 1.7% (docs/RESULTS.md, "The quadrature's cap at a small λ")
+SLQ_LOOSE_TOLERANCE = 0.10
+SLQ_EXTENSION = 4
 #: how many times shorter the stored rows of a large model are kept (docs/RESULTS.md, "Sketched
 #: rows": on the 78,042-parameter ladder ResNet 0.98 of the whole rows' soft rank at half their
 #: cost; 8 times shorter, 0.95 at a third)
@@ -163,7 +170,9 @@ class KernelOptions:
     groups; the spectrum on the ``side`` of the parameters (P × P, P ≤ ``max_parameters``) or
     of the samples (ms × ms, ms ≤ ``max_kernel_size`` for a formed kernel; more rows, where
     P × P does not fit, by stochastic Lanczos quadrature on them with ``slq_probes`` probes of
-    at most ``slq_steps`` steps, ending once the soft rank is bracketed to ``slq_tolerance``),
+    at most ``slq_steps`` steps, ending once the soft rank is bracketed to ``slq_tolerance``,
+    and going on to ``slq_extension`` times those steps while the bracket is wider than
+    :data:`SLQ_LOOSE_TOLERANCE`),
     at most ``max_row_elements`` numbers of kept rows (None: the rows may
     take :data:`~lightning_flatness.core.memory.ROW_MEMORY_SHARE` of the free memory of the
     model's device); from ``sketch_from_parameters`` parameters on, those rows are kept
@@ -183,6 +192,7 @@ class KernelOptions:
     slq_probes: int = SLQ_PROBES
     slq_steps: int = SLQ_STEPS
     slq_tolerance: float = SLQ_TOLERANCE
+    slq_extension: int = SLQ_EXTENSION
     sketch_factor: int = SKETCH_FACTOR
     sketch_from_parameters: int = SKETCH_FROM_PARAMETERS
     sketch_groups: int = SKETCH_GROUPS
@@ -198,6 +208,7 @@ class KernelOptions:
 
     def __post_init__(self) -> None:
         names = ("probes", "groups", "max_parameters", "max_kernel_size", "slq_probes")
+        names = (*names, "slq_extension")
         for name in (*names, "sketch_factor", "sketch_from_parameters", "sketch_groups"):
             check_count(f"kernel_options[{name!r}]", getattr(self, name))
         check_count("kernel_options['slq_steps']", self.slq_steps)

@@ -227,7 +227,7 @@ class HookBackend(Backend):
             "max_row_elements": row_elements(options, device),
             "device": device,
             "quadrature": QuadratureBudget(
-                options.slq_probes, options.slq_steps, options.slq_tolerance
+                options.slq_probes, options.slq_steps, options.slq_tolerance, options.slq_extension
             ),
             "sketching": options.sketching,
         }

@@ -42,6 +42,9 @@ __all__ = [
 
 Reduce = Callable[[Tensor], Tensor]
 
+#: the Lanczos steps a run's basis grows by at a time
+BASIS_BLOCK = 64
+
 
 def _identity(tensor: Tensor) -> Tensor:
     return tensor
@@ -87,7 +90,8 @@ class LanczosRuns:
         check_every: steps between calls of ``stop``.
 
     Reorthogonalization is classical Gram–Schmidt applied twice against all previous vectors
-    (kept in a (steps, K, n) basis).
+    (kept in a basis of (steps, K, n), allocated as the steps are taken: :data:`BASIS_BLOCK`
+    steps at a time, so a high cap that the stopping rule rarely reaches costs no memory).
     """
 
     def __init__(
@@ -111,7 +115,7 @@ class LanczosRuns:
         self.lengths = torch.zeros(num, dtype=torch.long, device=start.device)
         self.norms = self.reduce(torch.einsum("kn,kn->k", start, start).to(torch.float64)).sqrt()
         self.active = self.norms > 0
-        self.basis = start.new_zeros(steps, num, dim)
+        self.basis = start.new_zeros(min(steps, BASIS_BLOCK), num, dim)
         divisor = torch.where(self.active, self.norms, 1.0).to(start.dtype).unsqueeze(1)
         if steps > 0:
             self.basis[0] = start / divisor
@@ -162,6 +166,9 @@ class LanczosRuns:
                 return
         self.previous_beta = self.betas[:, j]
         divisor = torch.where(self.active, beta, math.inf).to(w.dtype).unsqueeze(1)
+        if j + 1 == basis.shape[0]:  # room for the next block of steps
+            room = min(BASIS_BLOCK, self.steps - basis.shape[0])
+            self.basis = basis = torch.cat([basis, basis.new_zeros(room, *basis.shape[1:])])
         torch.div(w, divisor, out=basis[j + 1])
         self.step = j + 1
 

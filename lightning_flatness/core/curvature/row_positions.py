@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_flatness.core.curvature.row_store import slab_starts
 from lightning_flatness.core.failures import AllReduce
 
-__all__ = ["union_entries", "union_samples"]
+__all__ = ["union_entries", "union_layout", "union_samples"]
 
 
 def union_samples(
@@ -74,3 +74,19 @@ def union_entries(
             entry = group * per_group * total + per_group * begin + probe * size + position - begin
             pieces.append(entry.reshape(-1))
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+def union_layout(
+    probes: int,
+    groups: int,
+    width: int,
+    local_starts: list[int],
+    shard: tuple[int, int],
+    all_reduce: AllReduce,
+    device: torch.device | str | None = None,
+) -> tuple[int, Tensor]:
+    """The size of the rows' space over every process, and the index there of each entry of
+    this process's (:func:`union_entries`; every process calls this together)."""
+    total = union_samples(local_starts[-1], shard, all_reduce, device)
+    entries = union_entries(probes, groups, width, local_starts, shard, total)
+    return probes * total, entries.to(device)

@@ -87,15 +87,23 @@ def run_summary(
 
 
 def bracketed(
-    sets: RunSets, probes: int, lam: float, tolerance: float
+    sets: RunSets,
+    probes: int,
+    lam: float,
+    tolerance: float,
+    *,
+    steps: int | None = None,
+    loose: float = 1.0,
 ) -> Callable[[LanczosDecomposition], bool]:
     """The runs' stopping rule: the jackknifed soft rank's bracket is within ``tolerance`` of
-    it (relative half-width)."""
+    it (relative half-width), or, from ``steps`` steps on, within ``loose`` of it."""
 
     def stop(decomposition: LanczosDecomposition) -> bool:
         values, width = _run_values(decomposition, sets.count, probes, lam)
         value, half = _jackknifed_bracket(values, width, sets)
-        return half <= tolerance * abs(value)
+        taken = int(decomposition.lengths.max()) if decomposition.lengths.numel() else 0
+        reached = tolerance if steps is None or taken < steps else max(tolerance, loose)
+        return half <= reached * abs(value)
 
     return stop
 

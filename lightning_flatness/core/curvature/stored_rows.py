@@ -42,13 +42,19 @@ from lightning_flatness.core.curvature.newton_decrement import (
     guarded_decrement,
     probe_decrement,
 )
-from lightning_flatness.core.curvature.row_positions import union_entries, union_samples
+from lightning_flatness.core.curvature.row_positions import union_layout
 from lightning_flatness.core.curvature.row_sketch import RowSketch
 from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.run_sets import RunSets
 from lightning_flatness.core.curvature.run_summary import bracketed, run_summary
 from lightning_flatness.core.failures import AllReduce
-from lightning_flatness.core.options import SLQ_PROBES, SLQ_STEPS, SLQ_TOLERANCE
+from lightning_flatness.core.options import (
+    SLQ_EXTENSION,
+    SLQ_LOOSE_TOLERANCE,
+    SLQ_PROBES,
+    SLQ_STEPS,
+    SLQ_TOLERANCE,
+)
 
 __all__ = [
     "QuadratureBudget",
@@ -65,12 +71,15 @@ CHECK_EVERY = 5
 
 @dataclass(frozen=True)
 class QuadratureBudget:
-    """The stored-row estimate's Hutchinson probes, its cap on Lanczos steps, and the relative
-    half-width of the soft rank's quadrature bracket at which the runs stop."""
+    """The stored-row estimate's Hutchinson probes, its Lanczos steps, the relative half-width
+    of the soft rank's quadrature bracket at which the runs stop, and how many times the steps
+    the runs may take while the bracket is wider than
+    :data:`~lightning_flatness.core.options.SLQ_LOOSE_TOLERANCE`."""
 
     probes: int = SLQ_PROBES
     steps: int = SLQ_STEPS
     tolerance: float = SLQ_TOLERANCE
+    extension: int = SLQ_EXTENSION
 
 
 #: how much wider, relatively, the Newton decrement's quadrature bracket may be than the soft
@@ -377,14 +386,6 @@ def _run_layout(
     return start, masks.reshape(runs * probes, -1), scales.reshape(-1), run_kept
 
 
-def _union(store: StoredRows, shard: tuple[int, int], all_reduce: AllReduce) -> tuple[int, Tensor]:
-    """The size of the rows' space over every process, and the index there of each entry of
-    this process's (:mod:`~lightning_flatness.core.curvature.row_positions`)."""
-    total = union_samples(store.starts[-1], shard, all_reduce, store.device)
-    entries = union_entries(store.probes, store.groups, store.width, store.starts, shard, total)
-    return store.probes * total, entries.to(store.device)
-
-
 def stored_rows_estimate(
     rows: RowStore,
     groups: int,
@@ -414,7 +415,9 @@ def stored_rows_estimate(
 
     Each run's value is the midpoint of its Gauss and Gauss–Radau rules, which bracket the
     soft rank; the runs stop as soon as the jackknifed soft rank's bracket is within the
-    ``budget``'s tolerance of it (relative half-width), its steps being the cap.
+    ``budget``'s tolerance of it (relative half-width), and at the ``budget``'s steps once it is
+    within :data:`~lightning_flatness.core.options.SLQ_LOOSE_TOLERANCE`; a wider bracket goes on
+    up to the ``budget``'s extension times those steps.
 
     With ``all_reduce`` (a sum across processes in place; every process calls this together)
     ``rows`` are this process's, the samples at global positions ``rank, rank + world, …``
@@ -428,19 +431,20 @@ def stored_rows_estimate(
     store = StoredRows(rows, groups, num_samples, dtype=dtype, device=device)
     generator = torch.Generator().manual_seed(seed)
     sets = RunSets(groups, sketch.groups if sketch is not None else 0)
-    union = _union(store, shard, all_reduce) if all_reduce is not None else None
+    layout = (store.probes, store.groups, store.width, store.starts, shard, all_reduce)
+    union = union_layout(*layout, store.device) if all_reduce is not None else None
     start, masks, scales, kept = _run_layout(store, probes, generator, sets, union)
     columns = None
     if sketch is not None:
         columns = sets.column_keep(sketch).to(store.device).repeat_interleave(probes, dim=0)
-    steps = max(1, min(budget.steps, union[0] if union is not None else store.size))
+    size = union[0] if union is not None else store.size
+    steps = max(1, min(budget.steps, size))
+    cap = max(1, min(budget.extension * budget.steps, size))
     # the trace is exact: the rows' squared norms
     norms = store.group_norms.to(store.device).clone()
     traces = (all_reduce(norms) if all_reduce is not None else norms).cpu() / num_samples
-    stop = bracketed(sets, probes, lam, tolerance)
-    soft_rank_runs = LanczosRuns(
-        start, steps, reduce=all_reduce, stop=stop, check_every=CHECK_EVERY
-    )
+    stop = bracketed(sets, probes, lam, tolerance, steps=steps, loose=SLQ_LOOSE_TOLERANCE)
+    soft_rank_runs = LanczosRuns(start, cap, reduce=all_reduce, stop=stop, check_every=CHECK_EVERY)
     forms = None
     if sketch is None and gradient is not None and bool(torch.isfinite(gradient).all()):
         forms = _form_runs(store, gradient, lam, DECREMENT_LOOSENESS * tolerance)
