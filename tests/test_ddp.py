@@ -21,8 +21,8 @@ from lightning_flatness.lightning.monitor_measurement import MEASUREMENT_BATCH_S
 from lightning_flatness.lightning.trainer_facts import fixed_subset_batches
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_fit.py"
-#: the probe kernel's options of the script's ``spread`` mode
-SPREAD = {"max_parameters": 1000, "sketch_from_parameters": 2000}
+#: the probe kernel's options of the script's ``spread`` mode (sketched rows, split runs)
+SPREAD = {"max_parameters": 1000, "sketch_from_parameters": 2000, "max_kernel_size": 512}
 
 
 def run_ddp(tmp_path: Path, *args: str, timeout: float = 600) -> list[dict]:

@@ -24,6 +24,8 @@ LAM = 1e-3
 STORED = {"max_kernel_size": 10, "max_parameters": 10}
 #: P above the P × P guard, the rows few enough for a formed kernel: the processes gather them
 FORMED = {"max_kernel_size": 10_000, "max_parameters": 10}
+#: the same where rows of 100 parameters on are sketched: few rows are not, many are
+SKETCHABLE = {**FORMED, "sketch_from_parameters": 100, "sketch_factor": 2}
 #: P above the guard and many rows, sketched 2 times shorter in 2 groups (the tiny models are
 #: far below the default's 32,768 parameters)
 SKETCHED = {**STORED, "sketch_from_parameters": 100, "sketch_factor": 2}
@@ -92,7 +94,9 @@ def test_probe_rows_converge_to_the_formed_kernel_of_the_same_rows(one_thread):
 
 
 ARRANGEMENTS = pytest.mark.parametrize(
-    "options", [STORED, SKETCHED, FORMED], ids=["whole rows", "sketched rows", "gathered rows"]
+    "options",
+    [STORED, SKETCHED, FORMED, SKETCHABLE],
+    ids=["whole rows", "sketched rows", "gathered rows", "gathered sketchable rows"],
 )
 
 

@@ -37,8 +37,9 @@ from lightning_flatness import (
 from lightning_flatness.core.options import structure_options
 
 #: the probe kernel's options of ``spread``: the MLP's 4,210 parameters above the P × P guard
-#: and above where the sketch starts
-SPREAD = {"max_parameters": 1000, "sketch_from_parameters": 2000}
+#: and above where the sketch starts, its 1,024 probe rows above a formed kernel: sketched rows
+#: measured by the runs split across the processes
+SPREAD = {"max_parameters": 1000, "sketch_from_parameters": 2000, "max_kernel_size": 512}
 
 
 def nan_on_rank_one(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:

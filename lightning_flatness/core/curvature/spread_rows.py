@@ -45,10 +45,11 @@ def _process_shard() -> tuple[int, int]:
 
 class SpreadProbeKernel(ProbeKernelFisher):
     """The probe kernel across processes above its P × P guard: each process keeps the rows of
-    its own samples (within ``max_row_elements``; sketched from its first rows where the sketch
-    applies, every process alike) and the estimate is the stored-row estimate with its vectors
-    split across the processes (module docstring). Nothing of its state is summed before the
-    estimate: its products are.
+    its own samples (within ``max_row_elements``; sketched where one process on the union would
+    sketch them, every process alike) and the estimate is the one-process estimate of the
+    union's rows, gathered, or the stored-row estimate with its vectors split across the
+    processes (module docstring). Nothing of its state is summed before the estimate: its
+    products are.
 
     Args:
         num_parameters: P.
@@ -78,25 +79,40 @@ class SpreadProbeKernel(ProbeKernelFisher):
         )
 
     def add(self, rows: Tensor | list[Tensor]) -> None:
-        """Keep one batch's probe rows ``(s, N, P)`` (or their pieces per parameter)."""
+        """Keep one batch's probe rows ``(s, N, P)`` (or their pieces per parameter), sketched
+        once the rows over every process are, as far as this process can tell, too many for a
+        formed kernel (its own times the processes) or its own pass the rows' memory."""
         pieces = row_pieces(rows, self.probes, self.num_parameters)
         self.precision = pieces[0].dtype
-        if self.sketch is None and self.sketches:
-            self.sketch = self.sketching.build(self.num_parameters, pieces[0])
-            self.store = self.store.sketched(self.sketch)
         self.store.append(pieces, sketch=self.sketch)
         self.kept_rows = self.store.samples * self.probes
-        if self.kept_rows * self.store.width > self.max_row_elements:
+        too_big = self.kept_rows * self.store.width > self.max_row_elements
+        beyond_kernel = self.kept_rows * self.shard[1] > self.max_kernel_size
+        if self.sketch is None and self.sketches and (too_big or beyond_kernel):
+            self._sketch(pieces[0])
+            too_big = self.kept_rows * self.store.width > self.max_row_elements
+        if too_big:
             raise rows_refusal(self.kept_rows, self.store.width, self.max_row_elements, self.sketch)
 
+    def _sketch(self, like: Tensor) -> None:
+        """Sketch the kept rows (and every later batch's) by the one projection every process
+        builds alike."""
+        self.sketch = self.sketching.build(self.num_parameters, like)
+        self.store = self.store.sketched(self.sketch)
+
     def estimate(self, num_samples: int, lam: float) -> CurvatureEstimate:
-        """The estimate over every process's rows (every process calls this together; one that
-        kept no rows takes part with the projection the others built from theirs)."""
-        if self.sketch is None and self.sketches:
-            self.sketch = self.sketching.build(self.num_parameters, torch.empty(0))
-            self.store = self.store.sketched(self.sketch)
+        """The estimate over every process's rows (every process calls this together). The
+        processes first agree on the sketch as one process on the union would have it: the
+        rows are sketched if any process sketched its own or the union's rows are too many
+        for a formed kernel; then they are gathered where they fit a formed kernel (the
+        one-process estimate of it) or measured by the split runs (module docstring)."""
         total = union_samples(self.store.samples, self.shard, self.all_reduce, self.device)
         rows = total * self.probes
+        if self.sketches:
+            flag = torch.tensor([float(self.sketch is not None)], device=self.device)
+            anyone = bool(self.all_reduce(flag)[0] > 0)
+            if self.sketch is None and (anyone or rows > self.max_kernel_size):
+                self._sketch(torch.empty(0, dtype=self.precision, device=self.device))
         formed = rows <= self.max_kernel_size and rows * self.store.width <= self.max_row_elements
         if self.sketch is None and formed:
             return self._gathered(total).estimate(num_samples, lam)
