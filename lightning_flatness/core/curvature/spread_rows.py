@@ -1,5 +1,5 @@
 """The probe kernel across processes above its P × P guard: each process keeps the probe rows
-of its own samples, never gathered (docs/math.md, "The probe kernel", rows across processes).
+of its own samples (docs/math.md, "The probe kernel", rows across processes).
 
 Under data parallelism each process r keeps the probe rows ``V_r`` of its samples, the global
 positions ``r, r + W, …``. The stored-row estimate
@@ -18,6 +18,11 @@ in the union's order by one all-reduce (each writes its rows at its samples' glo
 of a zero block) and every process computes the one-process estimate of the formed kernel:
 the same rows, the same numbers. The quadrature's bracket, which at a small λ can be wide at
 its step cap, is then not needed.
+
+The rows are sketched where one process on the union would sketch them: a process sketches
+its own once they, times the processes, are too many for a formed kernel (or its memory), and
+at the estimate the processes agree (any one sketched, or the union's rows too many: all do,
+by the one projection every process builds alike).
 """
 
 from __future__ import annotations
