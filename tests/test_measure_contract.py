@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import batches, random_data, tiny_model
+from conftest import TwoProcesses, batches, random_data, tiny_model
 from torch import nn
 
 from lightning_flatness.core.failures import (
@@ -219,6 +219,32 @@ def test_the_monitor_measures_with_the_options_object_it_is_given():
 def test_empty_loader_is_refused():
     with pytest.raises(MeasurementError, match="no samples"):
         measure(tiny_model("mlp"), [], lam=LAM, num_train_samples=10)
+
+
+@pytest.mark.parametrize("structure", ["probe_kernel", "kfac", "cg"])
+def test_a_process_without_training_samples_is_refused_on_every_process(structure, one_thread):
+    """Under data parallelism a process given no batches has no curvature states to sum with
+    the others': every process raises the same clear error (none hangs or crashes)."""
+    inputs, targets = random_data(20)
+    group, raised = TwoProcesses(), [None, None]
+
+    def run(rank: int) -> None:
+        try:
+            measure(
+                tiny_model("mlp").eval(),
+                batches(inputs, targets, 5) if rank == 0 else [],
+                lam=LAM,
+                num_train_samples=20,
+                structure=structure,
+                all_reduce=group.for_rank(rank),
+                shard=(rank, 2),
+            )
+        except MeasurementError as error:
+            raised[rank] = str(error)
+
+    group.run(run)
+    assert raised[0] == raised[1]
+    assert "1 of 2 processes measured no training samples" in raised[0]
 
 
 def test_gram_across_processes_is_refused_naming_what_sums():

@@ -135,8 +135,8 @@ def run_pipeline(
     Raises:
         TrainingSplitError: a training batch with a non-finite loss (on any process); it
             carries the held-out split's sums, which are still measured.
-        MeasurementError: no training samples, a non-finite held-out loss, or a failure on
-            another process.
+        MeasurementError: no training samples (on any process, under data parallelism), a
+            non-finite held-out loss, or a failure on another process.
     """
     device, dtype = model_device_dtype(model)
     sums = dict.fromkeys(SPLITS, StatisticSums())
@@ -173,6 +173,7 @@ def run_pipeline(
             )
             raise TrainingSplitError(reason, val)
         if all_reduce is not None:
+            _every_process_measured(train, all_reduce)
             train = StatisticSums.from_tensor(all_reduce(train.as_tensor()))
             for state in backend.summable_states():
                 all_reduce(state)
@@ -181,3 +182,17 @@ def run_pipeline(
                 "train_batches yielded no samples; pass a non-empty iterable of (inputs, targets)."
             )
         return backend.estimate(int(train.count), lam), train, val
+
+
+def _every_process_measured(train: StatisticSums, all_reduce: AllReduce) -> None:
+    """Raise on every process when any measured no training sample: its curvature states were
+    never made, so they cannot be summed with the others' (every process calls this
+    together)."""
+    empty = all_reduce(torch.tensor([float(train.count == 0), 1.0]))
+    if float(empty[0]) > 0:
+        raise MeasurementError(
+            f"{float(empty[0]):.0f} of {float(empty[1]):.0f} processes measured no training "
+            "samples; under data parallelism every process must measure at least one. Give "
+            "each process a share of the batches (e.g. a DistributedSampler, or slices "
+            "[rank::world] with shard=(rank, world))."
+        )
