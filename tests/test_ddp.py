@@ -97,11 +97,11 @@ NOT_MEASURED = ("epoch", "seconds", "fill_in", "calibration", "nll_drop", "trust
 STANDARD_ERRORS = ("soft_rank_stderr", "logdet_stderr")
 
 
-def union_measurement(weights: dict, structure, all_reduce=None) -> dict:
+def union_measurement(weights: dict, structure, all_reduce=None, hidden: int = 70) -> dict:
     """What one process measures, with the monitor's arguments for ``structure`` (a name or an
     options object), on the union of the two ranks' samples (the whole training set, the
-    held-out set) at ``weights``."""
-    model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3)
+    held-out set) at ``weights`` of the MLP of ``hidden`` units."""
+    model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3, hidden=hidden)
     model.load_state_dict(weights)
     data = MNIST7DataModule(train_size=256, val_size=128, batch_size=32)
     data.setup("fit")
@@ -120,12 +120,16 @@ def union_measurement(weights: dict, structure, all_reduce=None) -> dict:
 
 
 @pytest.mark.ddp
-def test_the_default_monitor_over_two_processes_equals_one_process(tmp_path):
+@pytest.mark.parametrize(("mode", "hidden"), [("defaults", 70), ("wide", 200)])
+def test_the_default_monitor_over_two_processes_equals_one_process(tmp_path, mode, hidden):
     """``FlatnessMonitor()`` (auto: the probe kernel, Tr(F) from its probe rows, the held-out
-    set): every number of the last record equals one process's on the union to 1e-5."""
-    rank0, rank1 = run_ddp(tmp_path, "auto", "defaults")
+    set): every number of the last record equals one process's on the union to 1e-5, on the
+    paper's MLP (P × P sums) and on one of 12,010 parameters, above that guard (each process
+    keeps its rows, gathered for the formed kernel)."""
+    rank0, rank1 = run_ddp(tmp_path, "auto", mode)
     assert_records_equal(rank0, rank1)
-    single = union_measurement(torch.load(tmp_path / "weights0.pt", weights_only=True), "auto")
+    weights = torch.load(tmp_path / "weights0.pt", weights_only=True)
+    single = union_measurement(weights, "auto", hidden=hidden)
     assert single["structure"] == "probe_kernel"
     assert (rank0["fill_in"], rank0["calibration"]) == (0.0, 1.0)  # the exact measurement
     assert rank0["num_samples"] == 256 and rank0["num_val_samples"] == 128
@@ -146,8 +150,8 @@ def test_the_default_monitor_over_two_processes_equals_one_process(tmp_path):
 @pytest.mark.ddp
 def test_rows_kept_by_each_process_equal_one_process(tmp_path):
     """The probe kernel above its P × P guard: each process keeps its probe rows (sketched) and
-    the quadrature runs in the parameters' space on summed products; every number of the last
-    record equals one process's with the same estimate on the union."""
+    the quadrature's vectors are split across the processes; every number of the last record
+    equals one process's with the same estimate on the union."""
     rank0, rank1 = run_ddp(tmp_path, "probe_kernel", "spread")
     assert_records_equal(rank0, rank1)
     weights = torch.load(tmp_path / "weights0.pt", weights_only=True)

@@ -44,12 +44,6 @@ def test_the_exact_rows_are_taken_where_the_bias_can_be_and_they_fit(
         assert chosen is None
 
 
-def test_summed_across_processes_only_the_parameter_side_counts():
-    estimate, options = _estimate(300.0, (4, 10)), KernelOptions(max_kernel_size=1000)
-    assert exact_rows_options(options, estimate, 100, 9000, [], summable=True) is None
-    assert exact_rows_options(options, estimate, 100, 8000, [], summable=True) is not None
-
-
 def test_batches_a_second_pass_cannot_read_are_measured_once():
     estimate = _estimate(300.0, (4, 10))
     assert exact_rows_options(KernelOptions(), estimate, 100, 1000, [[], None]) is not None

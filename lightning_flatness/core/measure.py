@@ -245,7 +245,7 @@ def measure(
     curvature, train_sums, val_sums = measured(options)
     batches = (train_batches, val_batches)
     exact_rows = default_rows and exact_rows_options(
-        options, curvature, int(train_sums.count), trainable, batches, all_reduce is not None
+        options, curvature, int(train_sums.count), trainable, batches
     )
     if exact_rows:  # the default probes' bias near m·s: the exact rows instead
         curvature, train_sums, val_sums = measured(exact_rows)

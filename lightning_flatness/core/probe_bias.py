@@ -36,15 +36,14 @@ def exact_rows_options(
     num_samples: int,
     num_parameters: int,
     batches: Iterable[Iterable | None],
-    summable: bool = False,
 ) -> KernelOptions | None:
     """``options`` with the exact output rows (``probes`` = C, one group) where the probe
     kernel's ``curvature`` of ``num_samples`` samples may carry the probes' bias (module
     docstring), else None: another structure, already exact rows, a soft rank below
     :data:`PROBE_BIAS_SHARE` of the probe rows, exact rows past both formed guards
-    (``C·m > max_kernel_size`` and ``P > max_parameters``; only the second with ``summable``
-    sums, which the sample side cannot be formed from), or batches that a second pass cannot
-    read (an iterator)."""
+    (``C·m > max_kernel_size`` and ``P > max_parameters``; across processes ``m`` is every
+    process's, whose rows are gathered for a formed kernel), or batches that a second pass
+    cannot read (an iterator)."""
     if not isinstance(options, KernelOptions) or curvature.probe_rows is None:
         return None
     probes, outputs = curvature.probe_rows
@@ -52,7 +51,7 @@ def exact_rows_options(
         return None
     if not curvature.summary.soft_rank >= PROBE_BIAS_SHARE * num_samples * probes:
         return None
-    on_samples = not summable and outputs * num_samples <= options.max_kernel_size
+    on_samples = outputs * num_samples <= options.max_kernel_size
     formed = on_samples or num_parameters <= options.max_parameters
     if not formed or any(isinstance(batch, Iterator) for batch in batches if batch is not None):
         return None

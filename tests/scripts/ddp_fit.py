@@ -2,14 +2,19 @@
 
 Usage: python ddp_fit.py OUTPUT_DIR STRUCTURE [MODE]
 
-MODE is one of sampled, defaults, spread, regularize, compositional, fail (none: exact rows).
+MODE is one of sampled, defaults, wide, spread, regularize, compositional, fail (none: exact
+rows).
 ``defaults`` is ``FlatnessMonitor(structure=STRUCTURE)`` (``auto``: the monitor's default) with
 every other default but ``overhead_budget`` (None, so that the one epoch is measured whatever
 it costs): Tr(F) from probe rows, the whole training set and the held-out set.
 
+``wide`` is ``defaults`` on an MLP of :data:`WIDE` hidden units, above the probe kernel's P × P
+guard: each process keeps its probe rows, and the processes gather them (few enough for a formed
+kernel).
+
 ``spread`` is the probe kernel above its P × P guard (:data:`SPREAD`): each process keeps its
-probe rows, sketched, and the estimate runs in the parameters' space, every other option the
-monitor's default but ``overhead_budget``.
+probe rows, sketched, and the quadrature's vectors are split across the processes, every other
+option the monitor's default but ``overhead_budget``.
 
 ``fail`` makes every measurement on rank 1 (only) see NaN logits, so that it fails there.
 Each rank writes its last flatness record to OUTPUT_DIR/rank{r}.json and its final weights to
@@ -36,6 +41,8 @@ from lightning_flatness import (
 )
 from lightning_flatness.core.options import structure_options
 
+#: the hidden width of ``wide``'s MLP: 12,010 parameters, above the P × P guard at the defaults
+WIDE = 200
 #: the probe kernel's options of ``spread``: the MLP's 4,210 parameters above the P × P guard
 #: and above where the sketch starts, its 1,024 probe rows above a formed kernel: sketched rows
 #: measured by the runs split across the processes
@@ -53,13 +60,14 @@ def nan_on_rank_one(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tens
 def main() -> None:
     output, structure = Path(sys.argv[1]), sys.argv[2]
     mode = sys.argv[3] if len(sys.argv) > 3 else ""
+    wide = mode == "wide"
     seed_everything(0)
     # deterministic, to compare with one process exactly
     rows = {"trace_estimator": "exact", "kfac_mode": "exact"}
     if mode == "sampled":  # labels drawn from the model: keyed by position as well
         rows = {"trace_estimator": "sampled", "kfac_mode": "sampled"}
     small = {"probes": 2, "lanczos_steps": 4} if mode == "fail" else None
-    if mode == "defaults":  # all the monitor's defaults but the budget (measure the one epoch)
+    if mode in ("defaults", "wide"):  # the monitor's defaults but the budget (the one epoch)
         monitor_kwargs = {"structure": structure, "overhead_budget": None}
     else:
         monitor_kwargs = {
@@ -91,7 +99,7 @@ def main() -> None:
         enable_model_summary=False,
         default_root_dir=output,
     )
-    model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3)
+    model = FlatnessClassifier(architecture="mlp", weight_decay=1e-3, hidden=WIDE if wide else 70)
     trainer.fit(model, MNIST7DataModule(train_size=256, val_size=128, batch_size=32))
     rank = trainer.global_rank
     (output / f"rank{rank}.json").write_text(json.dumps(monitor.history[-1]))
