@@ -15,7 +15,6 @@ from conftest import TwoProcesses, batches, many_classes, random_data, tiny_mode
 
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.curvature.row_positions import union_entries, union_samples
-from lightning_flatness.core.curvature.row_store import slab_starts
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.measure import measure
 
@@ -131,15 +130,14 @@ def test_each_process_rows_sit_once_among_the_unions(counts):
 
     total = union_samples(counts[0], (0, world), everyone)
     entries = [
-        union_entries(probes, groups, width, slab_starts(probes, width, n), (r, world), total)
-        for r, n in enumerate(counts)
+        union_entries(probes, groups, width, n, (r, world), total) for r, n in enumerate(counts)
     ]
     union = torch.cat(entries)
     assert union.unique().numel() == union.numel() == probes * sum(counts)
     assert int(union.max()) < probes * total
     if total == sum(counts):
         assert torch.equal(union.sort().values, torch.arange(probes * total))
-    alone = union_entries(probes, groups, width, slab_starts(probes, width, 700), (0, 1), 700)
+    alone = union_entries(probes, groups, width, 700, (0, 1), 700)
     assert torch.equal(alone, torch.arange(probes * 700))
 
 

@@ -69,19 +69,25 @@ def test_probe_rows_converge_to_the_formed_kernel_of_the_same_rows(one_thread):
     assert abs(stored.soft_rank - exact) < abs(plain - exact)
 
 
-def test_the_runs_stop_once_the_quadrature_bracket_is_within_its_tolerance(one_thread, monkeypatch):
+@pytest.fixture
+def steps(monkeypatch) -> list[int]:
+    """One entry per Lanczos step of the stored-row runs (their rows'-space products)."""
+    taken: list[int] = []
+    advance = stored_rows.RowSpaceRuns.advance
+
+    def counted(self, *args):
+        taken.append(1)
+        return advance(self, *args)
+
+    monkeypatch.setattr(stored_rows.RowSpaceRuns, "advance", counted)
+    return taken
+
+
+def test_the_runs_stop_once_the_quadrature_bracket_is_within_its_tolerance(one_thread, steps):
     """The Gauss and Gauss–Radau rules bracket each run's soft rank: with a loose tolerance the
     runs end well before the step cap, with a tight one they go on, and either way the value is
     within the bracket's tolerance (and its standard error) of the same rows' long run."""
     model, inputs, targets = many_classes()
-    steps = []
-    advance = stored_rows.RowSpaceRuns.advance
-
-    def counted(self, *args):
-        steps.append(1)
-        return advance(self, *args)
-
-    monkeypatch.setattr(stored_rows.RowSpaceRuns, "advance", counted)
     found = {}
     for tolerance in (1e-6, 0.05):
         steps.clear()
@@ -96,19 +102,11 @@ def test_the_runs_stop_once_the_quadrature_bracket_is_within_its_tolerance(one_t
     assert abs(loose - tight) <= loose_stderr
 
 
-def test_a_bracket_wider_than_the_loose_tolerance_at_the_step_cap_goes_on(one_thread, monkeypatch):
+def test_a_bracket_wider_than_the_loose_tolerance_at_the_step_cap_goes_on(one_thread, steps):
     """At ``slq_steps`` the runs stop only once the bracket is within the loose tolerance (10%):
     5 steps leave this model's bracket wider, so the runs go on to the first check within it
     and give the numbers of a run capped there; with no extension they stop at 5, wider."""
     model, inputs, targets = many_classes()
-    steps = []
-    advance = stored_rows.RowSpaceRuns.advance
-
-    def counted(self, *args):
-        steps.append(1)
-        return advance(self, *args)
-
-    monkeypatch.setattr(stored_rows.RowSpaceRuns, "advance", counted)
     options = {"probes": 4, "slq_tolerance": 1e-6, **STORED}
     extended = probe_kernel_report(model, inputs, targets, slq_steps=5, **options)
     taken = len(steps)

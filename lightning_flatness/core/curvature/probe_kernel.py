@@ -61,7 +61,14 @@ from lightning_flatness.core.spectral import (
     spectral_summary,
 )
 
-__all__ = ["FIRST_HALF", "SIDES", "ProbeKernelFisher", "row_pieces", "symmetric_gram"]
+__all__ = [
+    "FIRST_HALF",
+    "SIDES",
+    "ProbeKernelFisher",
+    "kept_rows_estimate",
+    "row_pieces",
+    "symmetric_gram",
+]
 
 #: where the spectrum is computed: the cheaper of the two, the P × P matrix, the ms × ms kernel
 SIDES = ("auto", "parameters", "samples")
@@ -287,15 +294,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         the jackknifed Newton decrement when :attr:`gradient` is set (module docstring).
         Factorisations in float32 where that is accurate (:func:`factorisation_dtype`)."""
         if self.grams is None and (self.sketch is not None or self._keeps_rows()):
-            return stored_rows_estimate(
-                self.store,
-                self.groups,
-                num_samples,
-                lam,
-                budget=self.quadrature,
-                gradient=self.gradient,
-                sketch=self.sketch,
-            )
+            return kept_rows_estimate(self, num_samples, lam)
         on_samples = self.grams is None and self.kept_rows <= self.num_parameters
         projected = _projected(self.store.chunks(), self.gradient) if on_samples else None
         matrix, leave_outs, kept_rows = self._matrices(num_samples)
@@ -329,6 +328,25 @@ class ProbeKernelFisher(CurvatureAccumulator):
             )
             estimate.newton_decrement, estimate.newton_decrement_stderr = decrement
         return estimate
+
+
+def kept_rows_estimate(
+    kernel: ProbeKernelFisher, num_samples: int, lam: float, **across
+) -> CurvatureEstimate:
+    """The stored-row estimate of ``kernel``'s kept rows, with its quadrature budget, gradient
+    and sketch (``across``: the ``all_reduce`` and ``union`` of
+    :func:`~lightning_flatness.core.curvature.stored_rows.stored_rows_estimate` where several
+    processes keep rows)."""
+    return stored_rows_estimate(
+        kernel.store,
+        kernel.groups,
+        num_samples,
+        lam,
+        budget=kernel.quadrature,
+        gradient=kernel.gradient,
+        sketch=kernel.sketch,
+        **across,
+    )
 
 
 def _group_leave_outs(

@@ -22,7 +22,7 @@ from torch import Tensor
 from lightning_flatness.core.curvature.row_store import slab_starts
 from lightning_flatness.core.failures import AllReduce
 
-__all__ = ["union_entries", "union_layout", "union_samples"]
+__all__ = ["union_entries", "union_samples"]
 
 
 def union_samples(
@@ -47,7 +47,7 @@ def union_entries(
     probes: int,
     groups: int,
     width: int,
-    local_starts: list[int],
+    samples: int,
     shard: tuple[int, int],
     total: int,
 ) -> Tensor:
@@ -57,13 +57,15 @@ def union_entries(
         probes: s, the probe rows per sample (in ``groups`` groups of s/G).
         groups: G.
         width: the rows' length (the union's slabs depend on it).
-        local_starts: the first sample of each of this process's slabs, then its samples.
+        samples: this process's samples (its slabs, like the union's, follow from their
+            number).
         shard: ``(rank, world)``; this process's sample j is global position ``j·world + rank``.
         total: the union's samples (:func:`union_samples`).
     """
     rank, world = shard
     per_group = probes // groups
     starts = torch.tensor(slab_starts(probes, width, total), dtype=torch.long)
+    local_starts = slab_starts(probes, width, samples)
     pieces = []
     for group in range(groups):
         for first, stop in itertools.pairwise(local_starts):
@@ -74,19 +76,3 @@ def union_entries(
             entry = group * per_group * total + per_group * begin + probe * size + position - begin
             pieces.append(entry.reshape(-1))
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-
-
-def union_layout(
-    probes: int,
-    groups: int,
-    width: int,
-    local_starts: list[int],
-    shard: tuple[int, int],
-    all_reduce: AllReduce,
-    device: torch.device | str | None = None,
-) -> tuple[int, Tensor]:
-    """The size of the rows' space over every process, and the index there of each entry of
-    this process's (:func:`union_entries`; every process calls this together)."""
-    total = union_samples(local_starts[-1], shard, all_reduce, device)
-    entries = union_entries(probes, groups, width, local_starts, shard, total)
-    return probes * total, entries.to(device)

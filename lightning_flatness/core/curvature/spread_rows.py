@@ -31,9 +31,12 @@ import torch
 from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureEstimate
-from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher, row_pieces
-from lightning_flatness.core.curvature.row_positions import union_samples
-from lightning_flatness.core.curvature.stored_rows import stored_rows_estimate
+from lightning_flatness.core.curvature.probe_kernel import (
+    ProbeKernelFisher,
+    kept_rows_estimate,
+    row_pieces,
+)
+from lightning_flatness.core.curvature.row_positions import union_entries, union_samples
 from lightning_flatness.core.failures import AllReduce
 from lightning_flatness.core.memory import rows_refusal
 
@@ -121,19 +124,12 @@ class SpreadProbeKernel(ProbeKernelFisher):
         formed = rows <= self.max_kernel_size and rows * self.store.width <= self.max_row_elements
         if self.sketch is None and formed:
             return self._gathered(total).estimate(num_samples, lam)
-        return stored_rows_estimate(
-            self.store,
-            self.groups,
-            num_samples,
-            lam,
-            budget=self.quadrature,
-            gradient=self.gradient,
-            sketch=self.sketch,
-            all_reduce=self.all_reduce,
-            shard=self.shard,
-            dtype=self.precision,
-            device=self.device,
+        store = self.store
+        entries = union_entries(
+            self.probes, self.groups, store.width, store.samples, self.shard, total
         )
+        union = (self.probes * total, entries.to(self.device))
+        return kept_rows_estimate(self, num_samples, lam, all_reduce=self.all_reduce, union=union)
 
     def _gathered(self, total: int) -> ProbeKernelFisher:
         """One process's probe kernel holding every process's rows in the union's order

@@ -42,7 +42,6 @@ from lightning_flatness.core.curvature.newton_decrement import (
     guarded_decrement,
     probe_decrement,
 )
-from lightning_flatness.core.curvature.row_positions import union_layout
 from lightning_flatness.core.curvature.row_sketch import RowSketch
 from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.run_sets import RunSets
@@ -106,23 +105,11 @@ class StoredRows:
         num_samples: m, the measured samples (the kernel is ``V Vᵀ / m``).
     """
 
-    def __init__(
-        self,
-        store: RowStore,
-        groups: int,
-        num_samples: int,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | None = None,
-    ) -> None:
+    def __init__(self, store: RowStore, groups: int, num_samples: int) -> None:
         per_group = store.probes // groups
         total = store.samples
         #: (group, its rows in one slab (s/G · n_j, P), their span in the rows' space)
         self.blocks: list[tuple[int, Tensor, slice]] = []
-        #: the first sample of each slab, then the samples
-        self.starts = [0]
-        for chunk in store.chunks():
-            self.starts.append(self.starts[-1] + chunk.shape[1])
         for group in range(groups):
             offset = group * per_group * total
             for chunk in store.chunks():
@@ -135,10 +122,7 @@ class StoredRows:
         self.group_size = per_group * total
         self.size = groups * self.group_size
         self.width = store.width
-        #: the rows' dtype and device (given for a process that kept no rows)
-        first = self.blocks[0][1] if self.blocks else None
-        self.dtype = first.dtype if first is not None else (dtype or torch.float32)
-        self.device = first.device if first is not None else (device or torch.device("cpu"))
+        self.dtype, self.device = self.blocks[0][1].dtype, self.blocks[0][1].device
 
     def lockstep(
         self,
@@ -173,7 +157,7 @@ class StoredRows:
             masked = (sample.runs.block() * sample.masks).to(dtype) if rows_side else None
             sums = self._through_rows(masked, reach, in_flight)
             if reduce is not None:
-                sums = self._summed(sums, reach if rows_side else None, kept, in_flight, reduce)
+                sums = self._summed(sums, reduce)
             weights = None
             if rows_side:
                 weights = masked.new_zeros(masked.shape[0], self.width)
@@ -214,32 +198,12 @@ class StoredRows:
             sums[group].addmm_(block, rows)
         return sums
 
-    def _summed(
-        self,
-        sums: dict[int, Tensor],
-        reach: list[Tensor] | None,
-        kept: list[Tensor] | None,
-        in_flight: list[Tensor] | None,
-        reduce: AllReduce,
-    ) -> dict[int, Tensor]:
+    def _summed(self, sums: dict[int, Tensor], reduce: AllReduce) -> dict[int, Tensor]:
         """Every process's :meth:`_through_rows` sums, in one all-reduce (in float64, whatever
-        the rows' dtype); a group this process has no rows of takes part with zeros."""
-        counts = [
-            (len(reach[group]) if reach is not None else 0)
-            + (len(kept[group]) if in_flight is not None else 0)
-            for group in range(self.groups)
-        ]
-        float64 = {"dtype": torch.float64, "device": self.device}
-        flat = torch.cat(
-            [
-                sums[group].to(torch.float64)
-                if group in sums
-                else torch.zeros(counts[group], self.width, **float64)
-                for group in range(self.groups)
-            ]
-        )
-        flat = reduce(flat).to(self.dtype)
-        return dict(enumerate(flat.split(counts)))
+        the rows' dtype)."""
+        counts = [sums[group].shape[0] for group in range(self.groups)]
+        flat = torch.cat([sums[group].to(torch.float64) for group in range(self.groups)])
+        return dict(enumerate(reduce(flat).to(self.dtype).split(counts)))
 
     def _back_through_rows(
         self,
@@ -397,9 +361,7 @@ def stored_rows_estimate(
     gradient: Tensor | None = None,
     sketch: RowSketch | None = None,
     all_reduce: AllReduce | None = None,
-    shard: tuple[int, int] = (0, 1),
-    dtype: torch.dtype | None = None,
-    device: torch.device | None = None,
+    union: tuple[int, Tensor] | None = None,
 ) -> CurvatureEstimate:
     """The jackknifed trace functions of the kernel of ``rows`` by stochastic Lanczos
     quadrature (module docstring), with standard errors that add the probe groups' spread,
@@ -420,19 +382,17 @@ def stored_rows_estimate(
     up to the ``budget``'s extension times those steps.
 
     With ``all_reduce`` (a sum across processes in place; every process calls this together)
-    ``rows`` are this process's, the samples at global positions ``rank, rank + world, …``
-    (``shard``), and ``num_samples`` is m over every process: the runs' vectors are split across
-    the processes, each holding its rows' entries, with their inner products and the products'
-    sums over rows summed, so the processes together compute what one process computes on the
-    union (the same probes: :mod:`~lightning_flatness.core.curvature.row_positions`), up to the
-    order of float additions. ``dtype`` and ``device`` are those of the rows where this
-    process kept none."""
+    ``rows`` are this process's, ``num_samples`` is m over every process and ``union`` the size
+    of the rows' space over every process with the index there of each of this process's
+    entries (:func:`~lightning_flatness.core.curvature.row_positions.union_entries`): the runs'
+    vectors are split across the processes, each holding its rows' entries, with their inner
+    products and the products' sums over rows summed, and the probes are the union's, so the
+    processes together compute what one process computes on the union, up to the order of
+    float additions."""
     probes, tolerance = budget.probes, budget.tolerance
-    store = StoredRows(rows, groups, num_samples, dtype=dtype, device=device)
+    store = StoredRows(rows, groups, num_samples)
     generator = torch.Generator().manual_seed(seed)
     sets = RunSets(groups, sketch.groups if sketch is not None else 0)
-    layout = (store.probes, store.groups, store.width, store.starts, shard, all_reduce)
-    union = union_layout(*layout, store.device) if all_reduce is not None else None
     start, masks, scales, kept = _run_layout(store, probes, generator, sets, union)
     columns = None
     if sketch is not None:
