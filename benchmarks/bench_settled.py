@@ -92,7 +92,7 @@ def _row(name: str, monitor: FlatnessMonitor) -> str:
     if not monitor.history:
         return f"| {name} | " + " | ".join(["no record"] * (len(COLUMNS) - 1)) + " |"
     last = monitor.history[-1]
-    nll = monitor._epoch_nll
+    nll = monitor.nll.by_epoch
     before, after = nll.get(-1, math.nan), nll.get(int(last["epoch"]), math.nan)
     predicted, observed = last["predicted_gap"], last["observed_gap"]
     ratio = predicted / observed if observed > 0 else math.nan

@@ -1,5 +1,7 @@
-"""The house rules a newcomer can rely on: no module over 500 lines, no class over 250, no
-public constructor written with more than 15 parameters (a settings object holds the rest), and
+"""The house rules a newcomer can rely on: no module over 500 lines, no public constructor
+written with more than 15 parameters (a settings object holds the rest), no class built of
+several of the package's own classes (a class owns parts it is given or makes, and calls them by
+name, rather than inheriting their methods and sharing their attributes through ``self``), and
 every module hook the package installs registered in one place (``core/hook_recorder.py``).
 
 The settings dataclasses (``KernelOptions``, ``MatrixFreeOptions``, ``PenaltyOptions``, ...) are
@@ -17,7 +19,6 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_flatness"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 MAX_MODULE_LINES = 500
-MAX_CLASS_LINES = 250
 MAX_CONSTRUCTOR_PARAMETERS = 15
 
 
@@ -36,11 +37,35 @@ def test_no_module_over_500_lines(path):
     assert lines <= MAX_MODULE_LINES, f"{_name(path)} has {lines} lines"
 
 
+#: the package's classes (their names) that one class may still inherit from together, and which:
+#: the monitor's three remaining mixins, each to become a part the monitor owns (its writer,
+#: its settled test and its regularizer link already are). The list may only shrink.
+STILL_MIXED = {
+    "FlatnessMonitor": {"FitStartChecks", "MeasurementSchedule", "MonitorMeasurement"},
+}
+
+
+def _package_class_names() -> set[str]:
+    return {node.name for path in MODULES for node in _classes(path)}
+
+
+def _package_bases(node: ast.ClassDef, package: set[str]) -> set[str]:
+    names = {
+        base.id if isinstance(base, ast.Name) else getattr(base, "attr", "") for base in node.bases
+    }
+    return names & package
+
+
 @pytest.mark.parametrize("path", MODULES, ids=_name)
-def test_no_class_over_250_lines(path):
+def test_no_class_inherits_from_several_package_classes(path):
+    package = _package_class_names()
     for node in _classes(path):
-        lines = node.end_lineno - node.lineno + 1
-        assert lines <= MAX_CLASS_LINES, f"{_name(path)}: class {node.name} has {lines} lines"
+        bases = _package_bases(node, package)
+        if len(bases) > 1:
+            assert bases == STILL_MIXED.get(node.name), (
+                f"{_name(path)}: class {node.name} inherits from {sorted(bases)} of the package; "
+                "make them parts it owns and calls by name"
+            )
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
@@ -87,7 +112,8 @@ def test_module_hooks_are_registered_by_the_hook_recorder_only():
 
 
 def test_the_rules_can_fail(tmp_path):
-    """The checks above read what they claim to: a long module and a wide constructor."""
+    """The checks above read what they claim to: a long module, a wide constructor and a class
+    of two package classes."""
     wide = tmp_path / "wide.py"
     parameters = ", ".join(f"a{i}" for i in range(16))
     wide.write_text(f"class Wide:\n    def __init__(self, {parameters}):\n        pass\n")
@@ -97,3 +123,19 @@ def test_the_rules_can_fail(tmp_path):
     long = tmp_path / "long.py"
     long.write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
     assert len(long.read_text().splitlines()) > MAX_MODULE_LINES
+    mixed = tmp_path / "mixed.py"
+    mixed.write_text("class A:\n    pass\nclass B:\n    pass\nclass C(A, B, object):\n    pass\n")
+    *_, node = _classes(mixed)
+    assert _package_bases(node, {"A", "B", "C"}) == {"A", "B"}
+
+
+def test_the_mixed_classes_listed_are_still_mixed():
+    """An entry of ``STILL_MIXED`` goes once its class is a composition (the list only shrinks)."""
+    package = _package_class_names()
+    found = {
+        node.name: _package_bases(node, package) for path in MODULES for node in _classes(path)
+    }
+    for name, bases in STILL_MIXED.items():
+        assert found.get(name) == bases, (
+            f"{name} now inherits from {found.get(name)}: update the list"
+        )

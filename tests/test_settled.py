@@ -5,6 +5,7 @@ NLL is read without changing anything, and training is the same with and without
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -61,8 +62,8 @@ def test_a_short_fit_is_not_trusted_and_the_summary_says_why(short_fit):
     assert last["trust_score"] >= 0.3  # α_train alone would trust it
     assert last["nll_drop"] > SETTLED_DROP
     assert last["trusted"] == 0.0
-    assert set(monitor._epoch_nll) == {-1, 0, 1}  # before the first epoch, then each one
-    expected = nll_drop(monitor._epoch_nll[0], monitor._epoch_nll[1])
+    assert set(monitor.nll.by_epoch) == {-1, 0, 1}  # before the first epoch, then each one
+    expected = nll_drop(monitor.nll.by_epoch[0], monitor.nll.by_epoch[1])
     assert last["nll_drop"] == pytest.approx(expected)
     summary = summary_table(last, "probe_kernel")
     assert f"the training loss still fell by {last['nll_drop']:.1%}" in summary
@@ -88,7 +89,7 @@ def test_a_stopped_fit_is_settled_but_not_at_a_minimum(tmp_path):
     assert record["soft_rank"] <= record["rank_bound"]
     assert record["newton_decrement"] > DECREMENT_LIMIT
     assert record["trusted"] == 0.0
-    assert monitor._epoch_nll[1] == monitor._epoch_nll[2]
+    assert monitor.nll.by_epoch[1] == monitor.nll.by_epoch[2]
     assert "the Newton decrement is" in summary_table(record, "probe_kernel")
 
 
@@ -136,3 +137,42 @@ def test_settled_verdict_untrusts_a_falling_or_unknown_loss_and_keeps_nan():
     assert settled_verdict(1.0, math.nan) == 0.0
     assert settled_verdict(0.0, 0.0) == 0.0
     assert math.isnan(settled_verdict(math.nan, 0.5))
+
+
+def test_the_settled_part_reads_once_per_epoch_and_fails_to_nan():
+    """``TrainingNll`` on its own: each epoch read once (on the batches it is handed, the time
+    charged), a failed reading NaN with one warning, and ``settle`` untrusting a falling NLL."""
+    from lightning_flatness.core.reading import BatchReading
+    from lightning_flatness.lightning.budget import OverheadBudget
+    from lightning_flatness.lightning.monitor_nll import TrainingNll
+
+    model = torch.nn.Linear(3, 2)
+    inputs, targets = torch.randn(8, 3), torch.tensor([0, 1] * 4)
+    budget = OverheadBudget(0.3)
+    nll = TrainingNll(BatchReading(), budget)
+    reads = []
+
+    def read():
+        reads.append(1)
+        return [(inputs, targets)]
+
+    nll.record(model, 0, read)
+    nll.record(model, 0, read)
+    assert len(reads) == 1 and budget.spent > 0
+    assert nll.by_epoch[0] == pytest.approx(mean_nll(model, [(inputs, targets)]))
+
+    def broken():
+        raise RuntimeError("no batch")
+
+    with pytest.warns(UserWarning, match="could not be read"):
+        nll.record(model, 1, broken)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nll.record(model, 2, broken)  # said once
+    assert math.isnan(nll.by_epoch[1]) and math.isnan(nll.by_epoch[2])
+    nll.by_epoch.update({3: 2.0, 4: 1.0})  # halved over epoch 4: still descending
+    record = {"trusted": 1.0}
+    nll.settle(record, 4)
+    assert record["nll_drop"] == pytest.approx(1.0) and record["trusted"] == 0.0
+    nll.reset()
+    assert nll.by_epoch == {}

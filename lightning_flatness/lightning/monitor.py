@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -45,9 +46,14 @@ from lightning_flatness.core.spectral import check_lam
 from lightning_flatness.lightning.budget import Calibration, OverheadBudget
 from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.monitor_checks import FitStartChecks
-from lightning_flatness.lightning.monitor_logging import MonitorLogging
+from lightning_flatness.lightning.monitor_logging import MonitorLog
 from lightning_flatness.lightning.monitor_measurement import MonitorMeasurement
-from lightning_flatness.lightning.monitor_regularizer import RegularizerOwner, own_regularizer
+from lightning_flatness.lightning.monitor_nll import TrainingNll
+from lightning_flatness.lightning.monitor_regularizer import (
+    add_regularizer,
+    own_regularizer,
+    required_regularizer,
+)
 from lightning_flatness.lightning.monitor_schedule import MeasurementSchedule
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
 from lightning_flatness.lightning.stream_buffer import StreamBuffer
@@ -55,6 +61,7 @@ from lightning_flatness.lightning.trainer_facts import (
     resolve_lam,
     sharding_refusal,
 )
+from lightning_flatness.regularizer import SoftRankPenalty
 
 __all__ = ["FlatnessMonitor"]
 
@@ -70,12 +77,35 @@ def _check_structure(structure: str | StructureOptions) -> StructureOptions | No
     return None
 
 
+def _checked_arguments(
+    lam: float | None,
+    reading: BatchReading | None,
+    log_options: LogOptions | None,
+    **counts: int | None,
+) -> tuple[BatchReading, LogOptions]:
+    """Refuse a λ ≤ 0, a count that is not a positive integer (``every_n_epochs`` required, the
+    others may be None; ``val_dataloader`` may be 0), or a ``reading``/``log_options`` of the
+    wrong kind, naming the argument; the two objects with their defaults filled in."""
+    if lam is not None:
+        check_lam(lam)
+    for name, value in counts.items():
+        smallest = 0 if name == "val_dataloader" else 1
+        check_count(name, value, smallest, allow_none=name != "every_n_epochs")
+    reading = reading if reading is not None else BatchReading()
+    log_options = log_options if log_options is not None else LogOptions()
+    for name, value, kind in (
+        ("reading", reading, BatchReading),
+        ("log_options", log_options, LogOptions),
+    ):
+        if not isinstance(value, kind):
+            raise ValueError(f"`{name}` must be a {kind.__name__} or None, got {value!r}.")
+    return reading, log_options
+
+
 class FlatnessMonitor(
     FitStartChecks,
     MeasurementSchedule,
     MonitorMeasurement,
-    MonitorLogging,
-    RegularizerOwner,
     Callback,
 ):
     """Log the soft rank of the Fisher and the predicted generalization gap during training.
@@ -161,22 +191,17 @@ class FlatnessMonitor(
         strict: bool = True,
         seed: int = 0,
     ) -> None:
-        if lam is not None:
-            check_lam(lam)
-        check_count("every_n_epochs", every_n_epochs)
-        check_count("max_samples", max_samples, allow_none=True)
-        check_count("max_val_samples", max_val_samples, allow_none=True)
-        check_count("num_train_samples", num_train_samples, allow_none=True)
-        check_count("batch_size", batch_size, allow_none=True)
-        check_count("val_dataloader", val_dataloader, 0, allow_none=True)
-        reading = reading if reading is not None else BatchReading()
-        log_options = log_options if log_options is not None else LogOptions()
-        for name, value, kind in (
-            ("reading", reading, BatchReading),
-            ("log_options", log_options, LogOptions),
-        ):
-            if not isinstance(value, kind):
-                raise ValueError(f"`{name}` must be a {kind.__name__} or None, got {value!r}.")
+        reading, log_options = _checked_arguments(
+            lam,
+            reading,
+            log_options,
+            every_n_epochs=every_n_epochs,
+            max_samples=max_samples,
+            max_val_samples=max_val_samples,
+            num_train_samples=num_train_samples,
+            batch_size=batch_size,
+            val_dataloader=val_dataloader,
+        )
         #: the options object the user passed as ``structure``, if any
         self.structure_options = _check_structure(structure)
         self.structure = (
@@ -208,7 +233,8 @@ class FlatnessMonitor(
         self.reading = reading
         self.log_options = log_options
         self.log_prefix = log_options.prefix
-        self._figure_drawn_at = -1
+        #: the writer of the records, the spectrum and the gap figure
+        self.writer = MonitorLog(log_options)
         self.seed = seed
         self.regularize = self.regularizer is not None
         self.strict = bool(strict)
@@ -236,11 +262,10 @@ class FlatnessMonitor(
         self._sample_numbers: float | None = None
         #: the fill-in's subsets by split, read once per fit: (dataset, settings, batches)
         self._kept_subsets: dict[str, tuple[Any, tuple, list]] = {}
-        #: the training NLL on the fill-in's subset after each epoch (-1: before the first)
-        self._epoch_nll: dict[int, float] = {}
+        #: the training NLL on the fill-in's subset after each epoch (the settled test)
+        self.nll = TrainingNll(reading, self.budget)
         #: a stream's samples that NLL is read on (the first epoch's first ones)
         self._nll_stream: list | None = None
-        self._nll_failed = False
 
     @property
     def state_key(self) -> str:
@@ -260,9 +285,30 @@ class FlatnessMonitor(
             # a checkpoint from before the regularizer was a callback of its own
             self.regularizer.load_state_dict(state_dict)
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """With ``regularize=True``, add the regularizer callback for the user (once)."""
+        if self.regularizer is not None and stage == "fit":
+            add_regularizer(trainer, self.regularizer)
+
+    def make_penalty(self) -> SoftRankPenalty:
+        """The regularizer's :class:`SoftRankPenalty` (see
+        :meth:`SoftRankRegularizer.make_penalty`)."""
+        return required_regularizer(self.regularizer).make_penalty()
+
+    def penalty(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+        """The penalty ``h(F_b)/B`` of one batch (without β), for manual optimization::
+
+            loss = loss + beta * monitor.penalty(self, x)
+            self.manual_backward(loss)
+
+        With automatic optimization the regularizer adds ``β · penalty`` itself when
+        ``regularize=True``; do not add it twice.
+        """
+        return required_regularizer(self.regularizer).penalty(model, inputs)
+
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._kept_subsets = {}
-        self._epoch_nll = {}
+        self.nll.reset()
         self._nll_stream = None
         self._skipped = []
         self._calibration = Calibration()  # a ratio of this fit's weights only
@@ -296,7 +342,7 @@ class FlatnessMonitor(
             if self.regularizer is not None and self.disabled_reason is not None:
                 self.regularizer.disabled = True
         # the training NLL before this fit's first epoch (after the last one, when resumed)
-        self._record_nll(trainer, pl_module, trainer.current_epoch - 1)
+        self._read_nll(trainer, pl_module, trainer.current_epoch - 1)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Measured here when validation closes the epoch, so that ModelCheckpoint and
@@ -304,10 +350,17 @@ class FlatnessMonitor(
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
         if trainer.is_last_batch and self._due(trainer):
-            self._record_nll(trainer, pl_module, trainer.current_epoch)
+            self._read_nll(trainer, pl_module, trainer.current_epoch)
             self._scheduled(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._record_nll(trainer, pl_module, trainer.current_epoch)  # every epoch, for its drop
+        self._read_nll(trainer, pl_module, trainer.current_epoch)  # every epoch, for its drop
         if self._due(trainer):
             self._scheduled(trainer, pl_module)
+
+    def _read_nll(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> None:
+        """The training NLL after ``epoch`` (-1: before the first) for the settled test, on the
+        fill-in's samples (:meth:`_nll_batches`), unless the monitor is switched off."""
+        if self.disabled_reason is None:
+            batches = lambda: self._nll_batches(trainer)  # noqa: E731  (read in a forked RNG)
+            self.nll.record(pl_module, epoch, batches, self._all_reduce(trainer))

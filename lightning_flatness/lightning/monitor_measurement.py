@@ -1,14 +1,12 @@
 """How ``FlatnessMonitor`` measures: the fixed samples it reads (a seeded subset of a sized
 dataset, or the batches the loops drew from a stream), the arguments it hands
 :func:`~lightning_flatness.core.measure`, the DDP reduction, and a failed measurement turned
-into a warning and NaN, and the training NLL of every epoch's end that tells whether the model
-has settled (:mod:`lightning_flatness.core.trust`).
+into a warning and NaN, and the samples the training NLL of every epoch's end is read on
+(:mod:`lightning_flatness.lightning.monitor_nll`).
 """
 
 from __future__ import annotations
 
-import math
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -23,10 +21,7 @@ from lightning_flatness.core.failures import (
     TrainingSplitError,
 )
 from lightning_flatness.core.measure import measure
-from lightning_flatness.core.model_state import rng_devices
 from lightning_flatness.core.report import FlatnessReport
-from lightning_flatness.core.training_nll import mean_nll
-from lightning_flatness.core.trust import nll_drop, settled_verdict
 from lightning_flatness.lightning.budget import (
     FILL_IN,
     FILL_IN_SAMPLES,
@@ -273,45 +268,6 @@ class MonitorMeasurement:
         if self._nll_stream is None and self._streams["training"].batches:
             self._nll_stream = first_samples(self._streams["training"].batches, FILL_IN_SAMPLES)
         return self._nll_stream or []
-
-    def _record_nll(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> None:
-        """The training NLL after ``epoch`` (-1: before the first), once per epoch, on the
-        samples of :meth:`_nll_batches`: one forward pass that changes nothing (eval mode, no
-        gradient, the RNG forked; :func:`mean_nll`), the same on every process, its time
-        charged to the budget. NaN (said once) if it fails."""
-        if self.disabled_reason is not None or epoch in self._epoch_nll:
-            return
-        started = time.perf_counter()
-        try:
-            with torch.random.fork_rng(devices=rng_devices(pl_module)):
-                batches = self._nll_batches(trainer)
-            value = mean_nll(
-                pl_module,
-                batches,
-                **self.reading.as_kwargs(),
-                all_reduce=self._all_reduce(trainer),
-            )
-        except Exception as error:  # a metric must never stop training
-            if not self._nll_failed:
-                rank_zero_warn(
-                    f"FlatnessMonitor: the training NLL after epoch {epoch} could not be read "
-                    f"({type(error).__name__}: {error}); the predicted gap is not trusted "
-                    "where it is missing."
-                )
-            self._nll_failed = True
-            value = math.nan
-        self._epoch_nll[epoch] = value
-        self.budget.charge(time.perf_counter() - started)
-
-    def _settle(self, record: dict[str, float], epoch: int) -> None:
-        """Add ``nll_drop`` (the training NLL's relative drop over ``epoch``) to ``record`` and
-        set its ``trusted`` to 0 unless that drop shows the model settled
-        (:func:`~lightning_flatness.core.trust.settled_verdict`)."""
-        drop = nll_drop(
-            self._epoch_nll.get(epoch - 1, math.nan), self._epoch_nll.get(epoch, math.nan)
-        )
-        record["nll_drop"] = drop
-        record["trusted"] = settled_verdict(record.get("trusted", math.nan), drop)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._streams["training"].reset()

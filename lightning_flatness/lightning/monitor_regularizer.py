@@ -1,20 +1,16 @@
 """``FlatnessMonitor(regularize=...)``: the regularizer callback the monitor adds to the
-trainer, given the monitor's λ, n, reading, seed and log prefix where it has none, and the
-penalty for manual optimization.
+trainer, given the monitor's λ, n, reading, seed and log prefix where it has none, added to
+the trainer once.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 
 from lightning_flatness.core.reading import BatchReading
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
-from lightning_flatness.regularizer import SoftRankPenalty
 
-__all__ = ["own_regularizer", "RegularizerOwner"]
+__all__ = ["add_regularizer", "own_regularizer", "required_regularizer"]
 
 
 def own_regularizer(
@@ -45,47 +41,27 @@ def own_regularizer(
     return regularize
 
 
-class RegularizerOwner:
-    """The regularizer part of :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor`."""
+def add_regularizer(trainer: Trainer, regularizer: SoftRankRegularizer) -> None:
+    """Add the ``regularizer`` callback the monitor owns to ``trainer`` (once), refusing a
+    trainer that already has another one (the penalty would be added twice)."""
+    others = [
+        c for c in trainer.callbacks if isinstance(c, SoftRankRegularizer) and c is not regularizer
+    ]
+    if others:
+        raise ValueError(
+            "FlatnessMonitor(regularize=True) adds a SoftRankRegularizer, and the trainer "
+            "already has one: the penalty would be added twice. Pass regularize=False to "
+            "the monitor, or drop the SoftRankRegularizer callback."
+        )
+    if regularizer not in trainer.callbacks:
+        trainer.callbacks.append(regularizer)
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """With ``regularize=True``, add the regularizer callback for the user (once)."""
-        if self.regularizer is None or stage != "fit":
-            return
-        others = [
-            c
-            for c in trainer.callbacks
-            if isinstance(c, SoftRankRegularizer) and c is not self.regularizer
-        ]
-        if others:
-            raise ValueError(
-                "FlatnessMonitor(regularize=True) adds a SoftRankRegularizer, and the trainer "
-                "already has one: the penalty would be added twice. Pass regularize=False to "
-                "the monitor, or drop the SoftRankRegularizer callback."
-            )
-        if self.regularizer not in trainer.callbacks:
-            trainer.callbacks.append(self.regularizer)
 
-    def make_penalty(self) -> SoftRankPenalty:
-        """The regularizer's :class:`SoftRankPenalty` (see
-        :meth:`SoftRankRegularizer.make_penalty`)."""
-        return self._regularizer().make_penalty()
-
-    def penalty(self, model: torch.nn.Module, inputs: Any) -> torch.Tensor:
-        """The penalty ``h(F_b)/B`` of one batch (without β), for manual optimization::
-
-            loss = loss + beta * monitor.penalty(self, x)
-            self.manual_backward(loss)
-
-        With automatic optimization the regularizer adds ``β · penalty`` itself when
-        ``regularize=True``; do not add it twice.
-        """
-        return self._regularizer().penalty(model, inputs)
-
-    def _regularizer(self) -> SoftRankRegularizer:
-        if self.regularizer is None:
-            raise RuntimeError(
-                "FlatnessMonitor(regularize=False) has no penalty; pass regularize=True or use "
-                "a SoftRankRegularizer callback."
-            )
-        return self.regularizer
+def required_regularizer(regularizer: SoftRankRegularizer | None) -> SoftRankRegularizer:
+    """The monitor's regularizer, or an error saying that ``regularize=False`` has none."""
+    if regularizer is None:
+        raise RuntimeError(
+            "FlatnessMonitor(regularize=False) has no penalty; pass regularize=True or use "
+            "a SoftRankRegularizer callback."
+        )
+    return regularizer

@@ -133,8 +133,8 @@ class MeasurementSchedule:
         started = time.perf_counter()
         record = self._budgeted_record(trainer, pl_module, decision, trainer.current_epoch, horizon)
         if record is not None:
-            self._settle(record, trainer.current_epoch)
-            self._log_record(trainer, pl_module, record)
+            self.nll.settle(record, trainer.current_epoch)
+            self._write(trainer, pl_module, record)
         elif decision == SKIP:
             self._skipped.append(trainer.current_epoch)
         if decision == EXACT:
@@ -153,6 +153,26 @@ class MeasurementSchedule:
                     self._active_structure,
                 )
             )
+
+    def _write(
+        self, trainer: Trainer, pl_module: LightningModule, record: dict[str, float]
+    ) -> None:
+        """Add ``record`` to the history as this epoch's and hand it to the monitor's writer
+        (:class:`~lightning_flatness.lightning.monitor_logging.MonitorLog`), with what the
+        monitor has added to the training time so far, this measurement included."""
+        record["epoch"] = float(trainer.current_epoch)
+        self.history.append(record)
+        seconds = record["seconds"] if math.isfinite(record["seconds"]) else 0.0
+        fill_in = bool(record.get("fill_in"))
+        report = None if fill_in else self._last_report
+        self.writer.write(
+            trainer,
+            pl_module,
+            self.history,
+            overhead=self.budget.overhead(pending=seconds),
+            how=self._calibration.describe() if fill_in else self._active_structure,
+            eigenvalues=report.eigenvalues if report is not None else None,
+        )
 
     def _decide(
         self, trainer: Trainer, epochs_done: int, max_epochs: int | None, last: bool
@@ -307,7 +327,7 @@ class MeasurementSchedule:
             self._fit_end_measurement(trainer, pl_module, last_epoch)
         self._kept_subsets = {}  # the fill-in's samples are not held beyond the fit
         self._nll_stream = None
-        self._draw_gap_figure(trainer)
+        self.writer.draw_gap_figure(trainer, self.history, self._active_structure)
         last = self.history[-1] if self.history else None
         if last is None and self.budget.share is not None and self.disabled_reason is None:
             rank_zero_info(
@@ -344,8 +364,8 @@ class MeasurementSchedule:
             if decision == SKIP:
                 self._skipped.append(last_epoch)
             return
-        self._record_nll(trainer, pl_module, last_epoch)  # read at its end unless cut short
-        self._settle(record, last_epoch)
+        self._read_nll(trainer, pl_module, last_epoch)  # read at its end unless cut short
+        self.nll.settle(record, last_epoch)
         record["epoch"] = float(last_epoch)
         self.history.append(record)
         metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
