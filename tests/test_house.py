@@ -139,3 +139,19 @@ def test_the_mixed_classes_listed_are_still_mixed():
         assert found.get(name) == bases, (
             f"{name} now inherits from {found.get(name)}: update the list"
         )
+
+
+def test_every_lightning_hook_of_the_monitor_is_in_its_own_file():
+    """A reader finds each of the monitor's Lightning hooks in ``lightning/monitor.py``; its
+    parts' modules define none (``on_*``, ``setup``, ``teardown``)."""
+    parts = sorted((PACKAGE / "lightning").glob("monitor_*.py"))
+    assert parts  # the check reads what it claims to
+    hooks = [
+        f"{_name(path)}: {node.name}.{item.name}"
+        for path in parts
+        for node in _classes(path)
+        for item in node.body
+        if isinstance(item, ast.FunctionDef)
+        and (item.name.startswith("on_") or item.name in ("setup", "teardown"))
+    ]
+    assert not hooks, f"Lightning hooks outside lightning/monitor.py: {hooks}"

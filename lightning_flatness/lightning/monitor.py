@@ -344,6 +344,27 @@ class FlatnessMonitor(
         # the training NLL before this fit's first epoch (after the last one, when resumed)
         self._read_nll(trainer, pl_module, trainer.current_epoch - 1)
 
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._read_stream_batch(trainer, pl_module, batch)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._streams["training"].reset()
+
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._streams["validation"].reset()
+
+    def on_validation_batch_start(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._keep_validation_batch(trainer, batch, dataloader_idx)
+
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Measured here when validation closes the epoch, so that ModelCheckpoint and
         # EarlyStopping (which act on validation end) already see this epoch's values.
@@ -357,6 +378,9 @@ class FlatnessMonitor(
         self._read_nll(trainer, pl_module, trainer.current_epoch)  # every epoch, for its drop
         if self._due(trainer):
             self._scheduled(trainer, pl_module)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._finish_fit(trainer, pl_module)
 
     def _read_nll(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> None:
         """The training NLL after ``epoch`` (-1: before the first) for the settled test, on the

@@ -165,9 +165,9 @@ class FitStartChecks:
             self.regularizer.disabled = True
         rank_zero_warn(f"{message} The monitor is switched off for this fit (strict=False).")
 
-    def on_train_batch_start(
-        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def _read_stream_batch(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        """A training batch the loop drew from a stream: checked (with the trial) if it is the
+        fit's first, then kept for this epoch's measurement."""
         loader = first_dataloader(trainer.train_dataloader)
         if loader is None or is_sized(loader) or self.disabled_reason is not None:
             return

@@ -269,20 +269,9 @@ class MonitorMeasurement:
             self._nll_stream = first_samples(self._streams["training"].batches, FILL_IN_SAMPLES)
         return self._nll_stream or []
 
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._streams["training"].reset()
-
-    def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._streams["validation"].reset()
-
-    def on_validation_batch_start(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
+    def _keep_validation_batch(self, trainer: Trainer, batch: Any, dataloader_idx: int) -> None:
+        """A validation batch the loop drew from a stream, kept for this epoch's held-out
+        numbers (the measured dataloader's only, never during the sanity check)."""
         if trainer.sanity_checking or dataloader_idx != self.val_dataloader_idx:
             return
         loader = select_dataloader(trainer.val_dataloaders, self.val_dataloader_idx)

@@ -315,7 +315,9 @@ class MeasurementSchedule:
             bound = exact.get("rank_bound", math.inf)
             self._calibration = Calibration(ratio, float(trainer.current_epoch), None, bound)
 
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def _finish_fit(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """At fit end: the last epoch measured if it was not, the gap figure, and what was
+        measured how, said once."""
         last_epoch = trainer.current_epoch - 1 if trainer.current_epoch else 0
         if (
             self.measure_on_fit_end
