@@ -25,6 +25,7 @@ that epoch; training goes on.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -386,5 +387,5 @@ class FlatnessMonitor(
         """The training NLL after ``epoch`` (-1: before the first) for the settled test, on the
         fill-in's samples (:meth:`_nll_batches`), unless the monitor is switched off."""
         if self.disabled_reason is None:
-            batches = lambda: self._nll_batches(trainer)  # noqa: E731  (read in a forked RNG)
+            batches = partial(self._nll_batches, trainer)  # read in the part's forked RNG
             self.nll.record(pl_module, epoch, batches, self._all_reduce(trainer))
