@@ -12,6 +12,7 @@ one option of one structure, set by name.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,10 @@ STILL_MIXED = {
 }
 
 
-def _package_class_names() -> set[str]:
-    return {node.name for path in MODULES for node in _classes(path)}
+@functools.cache
+def _package_class_names() -> frozenset[str]:
+    """Every class name of the package (parsed once for all the parametrized cases)."""
+    return frozenset(node.name for path in MODULES for node in _classes(path))
 
 
 def _package_bases(node: ast.ClassDef, package: set[str]) -> set[str]:

@@ -13,6 +13,7 @@ from conftest import batches, quiet_trainer, random_data
 from lightning.pytorch import Callback, seed_everything
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness.core.reading import BatchReading
 from lightning_flatness.core.training_nll import mean_nll
 from lightning_flatness.core.trust import (
     DECREMENT_LIMIT,
@@ -20,7 +21,9 @@ from lightning_flatness.core.trust import (
     nll_drop,
     settled_verdict,
 )
+from lightning_flatness.lightning.budget import OverheadBudget
 from lightning_flatness.lightning.figures import summary_table
+from lightning_flatness.lightning.monitor_nll import TrainingNll
 
 
 class FrozenFrom(Callback):
@@ -142,10 +145,6 @@ def test_settled_verdict_untrusts_a_falling_or_unknown_loss_and_keeps_nan():
 def test_the_settled_part_reads_once_per_epoch_and_fails_to_nan():
     """``TrainingNll`` on its own: each epoch read once (on the batches it is handed, the time
     charged), a failed reading NaN with one warning, and ``settle`` untrusting a falling NLL."""
-    from lightning_flatness.core.reading import BatchReading
-    from lightning_flatness.lightning.budget import OverheadBudget
-    from lightning_flatness.lightning.monitor_nll import TrainingNll
-
     model = torch.nn.Linear(3, 2)
     inputs, targets = torch.randn(8, 3), torch.tensor([0, 1] * 4)
     budget = OverheadBudget(0.3)

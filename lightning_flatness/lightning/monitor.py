@@ -78,31 +78,6 @@ def _check_structure(structure: str | StructureOptions) -> StructureOptions | No
     return None
 
 
-def _checked_arguments(
-    lam: float | None,
-    reading: BatchReading | None,
-    log_options: LogOptions | None,
-    **counts: int | None,
-) -> tuple[BatchReading, LogOptions]:
-    """Refuse a λ ≤ 0, a count that is not a positive integer (``every_n_epochs`` required, the
-    others may be None; ``val_dataloader`` may be 0), or a ``reading``/``log_options`` of the
-    wrong kind, naming the argument; the two objects with their defaults filled in."""
-    if lam is not None:
-        check_lam(lam)
-    for name, value in counts.items():
-        smallest = 0 if name == "val_dataloader" else 1
-        check_count(name, value, smallest, allow_none=name != "every_n_epochs")
-    reading = reading if reading is not None else BatchReading()
-    log_options = log_options if log_options is not None else LogOptions()
-    for name, value, kind in (
-        ("reading", reading, BatchReading),
-        ("log_options", log_options, LogOptions),
-    ):
-        if not isinstance(value, kind):
-            raise ValueError(f"`{name}` must be a {kind.__name__} or None, got {value!r}.")
-    return reading, log_options
-
-
 class FlatnessMonitor(
     FitStartChecks,
     MeasurementSchedule,
@@ -192,17 +167,22 @@ class FlatnessMonitor(
         strict: bool = True,
         seed: int = 0,
     ) -> None:
-        reading, log_options = _checked_arguments(
-            lam,
-            reading,
-            log_options,
-            every_n_epochs=every_n_epochs,
-            max_samples=max_samples,
-            max_val_samples=max_val_samples,
-            num_train_samples=num_train_samples,
-            batch_size=batch_size,
-            val_dataloader=val_dataloader,
-        )
+        if lam is not None:
+            check_lam(lam)
+        check_count("every_n_epochs", every_n_epochs)
+        check_count("max_samples", max_samples, allow_none=True)
+        check_count("max_val_samples", max_val_samples, allow_none=True)
+        check_count("num_train_samples", num_train_samples, allow_none=True)
+        check_count("batch_size", batch_size, allow_none=True)
+        check_count("val_dataloader", val_dataloader, 0, allow_none=True)
+        reading = reading if reading is not None else BatchReading()
+        log_options = log_options if log_options is not None else LogOptions()
+        for name, value, kind in (
+            ("reading", reading, BatchReading),
+            ("log_options", log_options, LogOptions),
+        ):
+            if not isinstance(value, kind):
+                raise ValueError(f"`{name}` must be a {kind.__name__} or None, got {value!r}.")
         #: the options object the user passed as ``structure``, if any
         self.structure_options = _check_structure(structure)
         self.structure = (

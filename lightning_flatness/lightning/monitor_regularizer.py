@@ -1,6 +1,6 @@
-"""``FlatnessMonitor(regularize=...)``: the regularizer callback the monitor adds to the
-trainer, given the monitor's λ, n, reading, seed and log prefix where it has none, added to
-the trainer once.
+"""``FlatnessMonitor(regularize=...)``: the regularizer callback the monitor owns (given the
+monitor's λ, n, reading, seed and log prefix where it has none), its addition to the trainer
+(once), and the error for a penalty asked of a monitor without one.
 """
 
 from __future__ import annotations
