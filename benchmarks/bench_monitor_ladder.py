@@ -4,12 +4,13 @@ three-stage BatchNorm ResNet of 14,514 parameters on n = 5,000 three-channel 16Ã
 rank against the exact soft rank of the final weights (the dense Fisher: every output's row,
 summed as P Ã— P in float64), and the fit's time with and without the monitor, side by side.
 
-    python benchmarks/bench_monitor_ladder.py --decays 5e-4 5e-3
+    python benchmarks/bench_monitor_ladder.py --decays 5e-4 5e-3 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 from _common import markdown_table
@@ -55,25 +56,35 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=5000)
     parser.add_argument("--widths", default="8,16,24")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="fits without and with the monitor, alternated"
+    )
     args = parser.parse_args()
     quiet_start(args.threads)
     widths = tuple(int(w) for w in args.widths.split(","))
     x, y, _, _ = colour16(args.n, 0)
     rows = []
     for decay in args.decays:
-        plain, _ = _fit((x, y), widths, decay, args.epochs, None)
-        monitor = FlatnessMonitor(log_options=LogOptions(summary=False, spectrum=False))
-        watched, model = _fit((x, y), widths, decay, args.epochs, monitor)
+        plains, watches, ratios = [], [], []
+        for _ in range(args.repeats):  # alternated, so that a slow spell of the machine is shared
+            plain, _ = _fit((x, y), widths, decay, args.epochs, None)
+            monitor = FlatnessMonitor(log_options=LogOptions(summary=False, spectrum=False))
+            watched, model = _fit((x, y), widths, decay, args.epochs, monitor)
+            plains.append(plain)
+            watches.append(watched)
+            ratios.append(f"{watched / plain:.2f}")
+        plain, watched = statistics.median(plains), statistics.median(watches)
         exact = _exact_soft_rank(model, x, y, decay)
         history = monitor.history
-        kinds = "".join("f" if r.get("fill_in") else "e" for r in history)
+        kinds = " ".join(f"{int(r['epoch'])}{'f' if r.get('fill_in') else 'e'}" for r in history)
         last = history[-1] if history else {}
         rows.append(
             [
                 f"{decay:g} (c = {decay * args.n:g})",
                 f"{plain:.1f}",
                 f"{watched:.1f}",
-                f"{watched / plain:.2f}",
+                f"{watched / plain:.2f} ({', '.join(ratios)})",
+                f"{monitor.budget.spent:.1f}",
                 f"{len(history)} of {args.epochs}: {kinds}",
                 f"{last.get('soft_rank', float('nan')):,.1f}",
                 "fill-in" if last.get("fill_in") else "exact",
@@ -90,10 +101,11 @@ def main() -> None:
 
 HEADER = [
     "weight decay",
-    "fit without, s",
-    "fit with, s",
-    "ratio",
-    "epochs logged (e exact, f fill-in)",
+    "fit without, s (median)",
+    "fit with, s (median)",
+    "ratio of medians (each repeat's)",
+    "monitor's own account, s (last fit)",
+    "epochs logged (epoch, e exact or f fill-in)",
     "last logged soft rank",
     "last value",
     "trusted",

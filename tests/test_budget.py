@@ -16,11 +16,18 @@ from lightning.pytorch import Callback, seed_everything
 from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness import (
+    FlatnessClassifier,
+    FlatnessMonitor,
+    KernelOptions,
+    MNIST7DataModule,
+    measure,
+)
 from lightning_flatness.core.curvature.probe_kernel import FIRST_HALF
 from lightning_flatness.core.sample_growth import extrapolated_soft_rank
 from lightning_flatness.lightning.budget import (
     ALLOWANCE_SECONDS,
+    CALIBRATION_PROBES,
     CHEAP,
     EXACT,
     FILL_IN_SAMPLES,
@@ -74,10 +81,11 @@ def test_the_budget_prefers_exact_then_the_fill_in_then_nothing():
     assert budget.decide(3, 10, last=False, cheap=True, required=True) == CHEAP
     assert budget.decide(3, 10, last=False, cheap=False, required=True) == EXACT
     assert budget.overhead() == pytest.approx(35 / 30)
-    # the last epoch: within the fit's own training time, no reserve to keep
-    assert budget.decide(3, 10, last=True, cheap=True) == SKIP  # 35 + 1 > 9
-    assert budget.decide(3, 10, last=True, cheap=True, required=True) == CHEAP
-    clock.now = 165.0  # 130 s of training: 39 allowed, 35 + 10 > 39 ≥ 35 + 1
+    # the last epoch: within the fit's own training time, no reserve to keep; the fill-in
+    # runs even over the budget (35 + 1 > 9): the summary's number is never missing
+    assert budget.decide(3, 10, last=True, cheap=True) == CHEAP
+    assert budget.decide(3, 10, last=True, cheap=False) == SKIP
+    clock.now = 165.0  # 130 s of training: 39 allowed, 35 + 10 > 39
     assert budget.decide(10, 10, last=True, cheap=True) == CHEAP
     assert budget.decide(10, 10, last=True, cheap=False) == SKIP
     clock.now = 235.0  # 200 s of training: 35 + 10 ≤ 60
@@ -100,8 +108,8 @@ def test_the_decisions_leave_the_untimed_share_of_the_budget_unspent():
 def test_an_unmeasured_fill_in_is_taken_to_cost_one_epoch():
     budget, clock = _budget(0.3)
     budget.exact_seconds = 1e9
-    clock.now = 10.0  # 10 s of training, 2 of 4 epochs: 20 s projected, 6 s allowed
-    assert budget.decide(2, 4, last=False, cheap=True) == CHEAP  # 5 s per epoch ≤ 6
+    clock.now = 10.0  # 10 s of training, 2 of 10 epochs: 50 s projected, 15 s allowed
+    assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # 5 s per epoch ≤ 15
     assert budget.decide(1, 2, last=False, cheap=True) == SKIP  # 10 s per epoch, 6 allowed
 
 
@@ -137,9 +145,10 @@ def test_a_fill_in_scales_the_soft_rank_and_the_gaps_by_the_last_exact_ratio():
 
 
 def test_a_short_fit_may_always_spend_the_allowance():
-    """A 3-epoch fit of 0.4 s of training: 30% of it is 0.12 s, but any fit may spend
-    ALLOWANCE_SECONDS. An exact measurement of 2.2 s runs at every epoch; one of 13 s (two do
-    not fit) leaves the first epochs to the fill-in and runs at the last."""
+    """A 3-epoch fit of 0.39 s of training: 30% of it is 0.12 s, but a fit with the monitor may
+    always last ALLOWANCE_SECONDS, so it may spend 20 − 0.39 s. An exact measurement of 2.2 s
+    runs at every epoch; one of 13 s (two do not fit) leaves the first epochs to the fill-in
+    and runs at the last."""
     assert OverheadBudget(0.3).allowance == ALLOWANCE_SECONDS == 20.0
     budget, clock = _budget(0.3, allowance=20.0)
     budget.exact_seconds, budget.cheap_seconds = 2.2, 0.1
@@ -151,20 +160,56 @@ def test_a_short_fit_may_always_spend_the_allowance():
     budget, clock = _budget(0.3, allowance=20.0)
     budget.exact_seconds, budget.cheap_seconds = 13.0, 0.5
     clock.now = 0.13
-    assert budget.decide(1, 3, last=False, cheap=True) == CHEAP  # 13 + 13 > 20; 0.5 + 13 ≤ 20
+    assert budget.decide(1, 3, last=False, cheap=True) == CHEAP  # 13 + 13 > 19.61 ≥ 0.5 + 13
     budget.charge(0.5)
     clock.now = 0.76
     assert budget.decide(2, 3, last=False, cheap=True) == CHEAP
-    budget.charge(6.0)  # a fill-in that took longer: 6.5 + 13 ≤ 20 still
+    budget.charge(6.0)  # a fill-in that took longer: 6.5 + 13 ≤ 19.61 still
     clock.now = 6.89
     assert budget.decide(3, 3, last=True, cheap=True) == EXACT
-    budget.exact_seconds = 14.0  # 6.5 + 14 > 20, but it alone costs under the allowance
+    budget.exact_seconds = 14.0  # 6.5 + 14 > 19.61, but it alone costs under what A leaves
     assert budget.decide(3, 3, last=True, cheap=True) == EXACT
-    budget.exact_seconds = 21.0  # over the allowance alone: the last value is the fill-in's
+    budget.exact_seconds = 19.7  # over what A leaves beside the training: the fill-in's
     assert budget.decide(3, 3, last=True, cheap=True) == CHEAP
     budget.exact_seconds = 14.0
-    budget.charge(14.0)  # 20.5 spent before the last epoch: no second allowance, no room left
-    assert budget.decide(3, 3, last=True, cheap=True) == SKIP
+    budget.charge(14.0)  # 20.5 spent before the last epoch: no second allowance
+    assert budget.decide(3, 3, last=True, cheap=True) == CHEAP
+    assert budget.decide(3, 3, last=True, cheap=False) == SKIP
+
+
+def test_the_allowance_counts_the_fits_own_training_time():
+    """The allowance is what a fit with the monitor may last, training included: a fit of 5 s
+    of training may spend 15 s, one of 21 s its share only (0.3 · 21 = 6.3 s), not 20 more."""
+    budget, _ = _budget(0.3, allowance=20.0)
+    assert budget.allowed(5.0) == pytest.approx(15.0)
+    assert budget.allowed(21.0) == pytest.approx(6.3)
+    assert budget.allowed(100.0) == pytest.approx(30.0)
+    # the crossover: A − T = 0.3 · T at T = 20 / 1.3
+    assert budget.allowed(20.0 / 1.3) == pytest.approx(20.0 - 20.0 / 1.3)
+
+
+def test_fill_ins_are_paced_over_the_fit_and_the_last_one_always_runs():
+    """60 s of training projected over 30 epochs, 18 s allowed, 10 spent, fill-ins of 1 s:
+    what is left pays for 8, so with 28 epochs to go one runs once 4 epochs have passed since
+    the last value (28 / 8 = 3.5), and at every epoch once the money left pays for every
+    remaining one; the last epoch's runs even when none fits."""
+    budget, clock = _budget(0.3, allowance=0.0)
+    budget.exact_seconds, budget.cheap_seconds = 1e9, 1.0
+    budget.charge(10.0)
+    clock.now = 14.0  # 4 s of training after 2 of 30 epochs: 60 s projected, 18 s allowed
+    assert budget.allowed(60.0) == pytest.approx(18.0)
+    assert budget.decide(2, 30, last=False, cheap=True, since_last=None) == CHEAP  # the first
+    assert budget.decide(2, 30, last=False, cheap=True, since_last=3) == SKIP
+    assert budget.decide(2, 30, last=False, cheap=True, since_last=4) == CHEAP
+    budget.cheap_seconds = 0.2  # now 39 affordable: one at every epoch
+    assert budget.decide(2, 30, last=False, cheap=True, since_last=1) == CHEAP
+    # a fit of unknown length is not paced
+    assert budget._paced(1.0, 1.0, 60.0, (2, None), since_last=1)
+    budget.cheap_seconds = 1.0
+    budget.charge(7.5)  # 17.5 spent: 17.5 + 1 > 18
+    clock.now = 21.5
+    assert budget.decide(2, 30, last=False, cheap=True, since_last=20) == SKIP
+    assert budget.decide(30, 30, last=True, cheap=True, since_last=20) == CHEAP
 
 
 def test_the_quickstart_fit_at_the_defaults_logs_every_epoch_and_ends_exact(tmp_path, caplog):
@@ -188,16 +233,16 @@ def test_the_quickstart_fit_at_the_defaults_logs_every_epoch_and_ends_exact(tmp_
 
 def test_the_fill_in_keeps_room_for_the_last_exact_measurement_while_it_can_fit():
     budget, clock = _budget(0.3, allowance=20.0)
-    budget.exact_seconds, budget.cheap_seconds = 15.0, 3.0
+    budget.exact_seconds, budget.cheap_seconds = 14.0, 3.0
     budget.charge(3.0)
-    clock.now = 3.5
-    # 3 + 3 + 15 > 20: a fill-in now would leave no room for the fit's exact number
+    clock.now = 3.5  # 0.5 s of training after 2 of 10 epochs: 2.5 projected, 17.5 allowed
+    # 3 + 3 + 14 > 17.5: a fill-in now would leave no room for the fit's exact number
     assert budget.decide(2, 10, last=False, cheap=True) == SKIP
     assert budget.fits_beside_fill_in(0.0, 2, 10, last=False) is False
     budget.exact_seconds = 30.0  # the exact number cannot fit anyway: the curve goes on
     assert budget.decide(2, 10, last=False, cheap=True) == CHEAP
-    assert budget.fits_beside_fill_in(14.0, 2, 10, last=False)  # 3 + 3 + 14 ≤ 20
-    assert not budget.fits_beside_fill_in(14.5, 2, 10, last=False)
+    assert budget.fits_beside_fill_in(11.5, 2, 10, last=False)  # 3 + 3 + 11.5 ≤ 17.5
+    assert not budget.fits_beside_fill_in(12.0, 2, 10, last=False)
 
 
 def test_where_the_exact_number_cannot_fit_the_fill_in_keeps_room_for_its_calibration():
@@ -206,16 +251,36 @@ def test_where_the_exact_number_cannot_fit_the_fill_in_keeps_room_for_its_calibr
     (with its fill-in: 4 + 1 s), while it can still fit."""
     budget, clock = _budget(0.3, allowance=20.0)
     budget.exact_seconds, budget.cheap_seconds = 30.0, 1.0
-    budget.charge(13.0)
-    clock.now = 13.5
+    budget.charge(10.0)
+    clock.now = 10.5  # 0.5 s of training after 2 of 10 epochs: 17.5 allowed
     assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # no calibration to keep
     budget.subset_seconds = 4.0
-    assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # 13 + 1 + 5 ≤ 20
-    budget.charge(1.5)
-    assert budget.decide(3, 10, last=False, cheap=True) == SKIP  # 14.5 + 1 + 5 > 20
-    assert budget.fits_beside_fill_in(4.0, 10, 10, last=True)  # the last epoch: 14.5 + 5 ≤ 20
-    budget.charge(1.0)  # 15.5 spent: the calibration cannot fit any more, the curve goes on
-    assert budget.decide(3, 10, last=False, cheap=True) == CHEAP
+    assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # 10 + 1 + 5 ≤ 17.5
+    budget.charge(2.0)
+    clock.now = 12.5
+    assert budget.decide(2, 10, last=False, cheap=True) == SKIP  # 12 + 1 + 5 > 17.5
+    assert budget.fits_beside_fill_in(4.0, 10, 10, last=True)  # the last epoch: 12 + 5 ≤ 19.5
+    budget.charge(1.0)  # 13 spent: the calibration cannot fit any more, the curve goes on
+    clock.now = 13.5
+    assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # 13 + 1 ≤ 17.5
+
+
+def test_the_calibration_on_the_subset_measures_two_probe_rows_per_sample():
+    """The probe kernel by name is calibrated with CALIBRATION_PROBES rows per sample (in as
+    many jackknife groups); an options object the user passed is measured as given."""
+    monitor = FlatnessMonitor()
+    monitor._active_structure = "probe_kernel"
+    arguments = monitor.calibration_arguments()
+    assert CALIBRATION_PROBES == 2
+    assert arguments["structure"] == "probe_kernel"
+    assert arguments["kernel_options"]["probes"] == arguments["kernel_options"]["groups"] == 2
+    chosen = KernelOptions(probes=6, groups=3)
+    monitor = FlatnessMonitor(structure=chosen)
+    monitor._active_structure = "probe_kernel"
+    assert monitor.calibration_arguments() == {"structure": chosen}
+    monitor = FlatnessMonitor(structure="cg")
+    monitor._active_structure = "cg"
+    assert monitor.calibration_arguments() == monitor.measure_arguments("cg")
 
 
 def test_a_fill_in_is_never_above_its_rank_bound():
@@ -260,7 +325,7 @@ def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path, monke
     monkeypatch.setitem(MONITOR_DEFAULTS, "kfac_mode", "exact")  # a fill-in without probes
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [EXACT, CHEAP, EXACT]
-    monitor.budget.decide = lambda *args: script.pop(0)
+    monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     weights = WeightsAtEpochEnd()
     trainer, watched, data = _fit(tmp_path / "watched", [monitor, weights])
     assert [r["fill_in"] for r in monitor.history] == [0.0, 1.0, 0.0]
@@ -282,7 +347,7 @@ def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path,
     monkeypatch.setitem(MONITOR_DEFAULTS, "kfac_mode", "exact")
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [EXACT, CHEAP, CHEAP]
-    monitor.budget.decide = lambda *args: script.pop(0)
+    monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     measured = []
     original = monitor._call_measure
 
@@ -311,7 +376,7 @@ def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_sampl
         monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [CHEAP, CHEAP, EXACT]
-    monitor.budget.decide = lambda *args: script.pop(0)
+    monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     reports = []
     original = monitor._call_measure
 
@@ -353,7 +418,7 @@ def test_the_last_fill_in_is_calibrated_again_and_a_report_without_a_half_measur
         monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [CHEAP, CHEAP, CHEAP]
-    monitor.budget.decide = lambda *args: script.pop(0)
+    monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     monitor.budget.fits_beside_fill_in = lambda *args: True  # the calibration always fits
     reports = []
     original = monitor._call_measure
@@ -404,7 +469,7 @@ def _fill_in_fit(tmp_path, monkeypatch, kept: bool) -> tuple[FlatnessMonitor, in
     train, val = CountingDataset(*data.train_set.tensors), CountingDataset(*data.val_set.tensors)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [CHEAP, CHEAP, CHEAP]
-    monitor.budget.decide = lambda *args: script.pop(0)
+    monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     seed_everything(0)
     trainer = quiet_trainer(tmp_path, [monitor], max_epochs=3, deterministic=True)
     loaders = DataLoader(train, batch_size=16, shuffle=True), DataLoader(val, batch_size=32)

@@ -438,7 +438,7 @@ def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
     and the exact one at the second, change nothing of the training."""
     monitor = _quiet_monitor()
     script = [EXACT, CHEAP]
-    monitor.budget.decide = lambda *args: script.pop(0)
+    monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     with_monitor = _zoo_fit(name, monitor)
     without = _zoo_fit(name, None)
     for key, value in without.state_dict().items():  # weights and BatchNorm statistics

@@ -1,17 +1,18 @@
 """The monitor's overhead budget: which scheduled measurement runs, so that the monitor adds at
 most ``overhead_budget`` (a fraction: 0.3 is 30%) to the fit's training time — or, in a short
-fit, at most :data:`ALLOWANCE_SECONDS`.
+fit, so much that the fit with it lasts at most :data:`ALLOWANCE_SECONDS`.
 
 An exact-quality measurement (the probe kernel, ``cg``) costs tens of training epochs of a small
 model: its sums grow like m·P² while an epoch costs m·P. So the monitor does not run it at every
 scheduled epoch. It may spend, over the whole fit,
 
-    allowed = max((1 − u) · budget · projected training seconds of the whole fit, A)
+    allowed = max((1 − u) · budget · T, A − T),   T = projected training seconds of the fit
 
 (the training seconds so far scaled to ``max_epochs``; u = :data:`UNTIMED_SHARE`, the part of
 the budget left for what the monitor's clock does not see; A = :data:`ALLOWANCE_SECONDS`, the
-seconds any fit may spend, so that a fit of a few seconds is not left without a number to save
-two of them). At each scheduled epoch it runs, in this order of preference, whatever keeps
+seconds a fit with the monitor may always last, so that a fit of a few seconds is not left
+without a number to save two of them, while a fit of 20 s of training keeps the share). At each
+scheduled epoch it runs, in this order of preference, whatever keeps
 
     monitor seconds so far + this measurement + the fit-end measurement still to come ≤ allowed:
 
@@ -27,22 +28,29 @@ two of them). At each scheduled epoch it runs, in this order of preference, what
    last epoch (the ratio drifts over a fit); the reserve for the fit-end measurement counts
    against a fill-in only while that measurement can still fit (once it cannot, the reserve is
    that last calibration's, while it can), so that a fit whose one exact measurement alone
-   exceeds what it may spend still gets its curves;
+   exceeds what it may spend still gets its curves. Fill-ins are paced: when what is left
+   (after the reserve) pays for fewer fill-ins than epochs remain, one runs only once as many
+   epochs have passed since the last value as the remaining epochs per affordable fill-in, so
+   the values spread evenly over the fit instead of stopping where the money runs out; the
+   last epoch's fill-in runs even over the budget (one fill-in: the summary's number is never
+   missing);
 3. else nothing — unless another callback reads the values every scheduled epoch
    (``EarlyStopping`` or ``ModelCheckpoint`` monitoring one of them): then the cheapest one runs,
    over the budget if need be.
 
 A fill-in is never logged above its rank bound (:func:`fill_in_record`). The fit's last epoch
 (or the fit end) gets the exact-quality measurement whenever what the fit may spend allows it,
-and in a fit that has spent at most A whenever that measurement alone costs at most A (so a
-measurement earlier in the fit that took longer than predicted does not take the last number's
-place; a fit spends at most 2A beyond its share):
+and whenever that measurement alone costs at most what A leaves beside the training, A − T, in a
+fit that has spent at most that (so a measurement earlier in the fit that took longer than
+predicted does not take the last number's place; a fit spends at most 2(A − T) beyond its
+share):
 it is the number the summary reports, so its cost is reserved from the start (the intermediate
 measurements must leave room for it). When even that one does not fit — one exact measurement of
 a large model can cost a hundred epochs of a short fit — the last value is the fill-in, and the
 monitor says so once, with the cost and the two ways to get the exact number
 (``overhead_budget=None``, or :func:`~lightning_flatness.core.measure` on the trained model);
-when not even the fill-in fits, the last epoch gets nothing, and that is said too. Before the
+only a measured structure without a fill-in can leave the last epoch with nothing, and that is
+said too. Before the
 first exact measurement its cost is predicted from the fit-start trial
 (:func:`trial_settings`: a few samples, and few steps for the matrix-free structures), timed on
 two sample counts); afterwards it is the last one's. This module has no Lightning import.
@@ -64,6 +72,7 @@ from lightning_flatness.core.options import (
 
 __all__ = [
     "ALLOWANCE_SECONDS",
+    "CALIBRATION_PROBES",
     "CHEAP",
     "Calibration",
     "EXACT",
@@ -88,6 +97,13 @@ FILL_IN = "kfac"
 #: (docs/RESULTS.md, "The overhead budget"), the calibration by the exact ratio absorbs the
 #: rest, and its cost stops growing with n
 FILL_IN_SAMPLES = 1024
+#: the probe rows per sample (in as many jackknife groups) of the probe kernel's calibration of
+#: the fill-in on its samples: the calibration's value is the subset's soft rank extrapolated
+#: to the whole set, whose own error (up to 10–20%) is what decides its quality, and two rows
+#: cost 0.4 of four (on the ladder's ResNet, 1,024 samples: 1.8 s against 4.5 s, the
+#: extrapolated value 0.97–1.03 of the dense Fisher's against 1.02–1.07; docs/RESULTS.md, "The
+#: budget counted in the fit's time")
+CALIBRATION_PROBES = 2
 #: the part of the budget the decisions leave unspent. The monitor times its own work, but a fit
 #: with it also pays for what that clock does not see: Lightning calling its hooks at every step,
 #: its set-up before the training clock starts, training epochs a few percent slower for a while
@@ -95,12 +111,13 @@ FILL_IN_SAMPLES = 1024
 #: was up to 10% of the training time beyond the monitor's own account (docs/RESULTS.md, "The
 #: budget's untimed share"); a fifth of a 30% budget covers it
 UNTIMED_SHARE = 0.2
-#: the monitor seconds any fit may spend, whatever its length: about three times what importing
-#: torch and Lightning takes on a two-core machine (6 s), so a short fit pays for its numbers
-#: about what it pays to start; enough for an exact measurement of the zoo's models on 1,000
-#: samples (1–6 s) at each epoch of a 3-epoch fit (docs/RESULTS.md, "The budget's allowance").
-#: At the default share it decides fits of under 20 s ÷ ((1 − u) · 0.3) ≈ 83 s of training;
-#: longer fits keep the share
+#: the seconds a fit with the monitor may always last, training included: about three times
+#: what importing torch and Lightning takes on a two-core machine (6 s), so a short fit pays for
+#: its numbers about what it pays to start; enough for an exact measurement of the zoo's models on
+#: 1,000 samples (1–6 s) at each epoch of a 3-epoch fit (docs/RESULTS.md, "The budget's
+#: allowance"). Counted in the fit's time, not added to it: a fit of 21 s of training is not made
+#: 41 s by it. At the default share it decides fits of under 20 s ÷ (1 + (1 − u) · 0.3) ≈ 16 s of
+#: training; longer fits keep the share
 ALLOWANCE_SECONDS = 20.0
 #: the decisions of :meth:`OverheadBudget.decide`
 EXACT, CHEAP, SKIP = "exact", "cheap", "skip"
@@ -184,8 +201,10 @@ class OverheadBudget:
 
     def allowed(self, projected: float) -> float:
         """The monitor seconds a fit of ``projected`` training seconds may spend: its share
-        (less the untimed part), or the allowance when that is more."""
-        return max((1.0 - self.untimed) * float(self.share) * projected, self.allowance)
+        (less the untimed part), or what brings the whole fit to the allowance when that is
+        more."""
+        share = (1.0 - self.untimed) * float(self.share) * projected
+        return max(share, self.allowance - projected)
 
     def _fits(self, cost: float, reserve: float, projected: float) -> bool:
         return self.spent + cost + reserve <= self.allowed(projected)
@@ -217,12 +236,13 @@ class OverheadBudget:
         return self._fits(cost, self._live_reserve(reserve, projected), projected)
 
     def _last_within_allowance(self) -> bool:
-        """The fit's last exact measurement runs whenever it alone costs at most the allowance
-        and the fit has spent no more than that before it: a short fit's last number is exact
-        even when an earlier measurement took longer than predicted (at most twice the
-        allowance in all)."""
+        """The fit's last exact measurement runs whenever it alone fits in what the allowance
+        leaves beside the training and the fit has spent no more than that before it: a short
+        fit's last number is exact even when an earlier measurement took longer than predicted
+        (at most twice what the allowance leaves, in all)."""
+        left = self.allowance - self.training_seconds()
         exact = self.exact_seconds or 0.0
-        return exact <= self.allowance and self.spent <= self.allowance
+        return exact <= left and self.spent <= left
 
     def _live_reserve(self, reserve: float, projected: float) -> float:
         """The fit-end reserve while the exact measurement can still fit; else, once the fill-in
@@ -243,24 +263,51 @@ class OverheadBudget:
         last: bool,
         cheap: bool,
         required: bool = False,
+        since_last: int | None = None,
     ) -> str:
         """:data:`EXACT`, :data:`CHEAP` or :data:`SKIP` for a scheduled measurement after
         ``epochs_done`` epochs; ``last``: the fit's last epoch or its end (exact when the fit's
         allowance takes it, no reserve left to keep); ``cheap``: a
         fill-in structure exists (the measured structure is not cheap itself); ``required``:
         another callback reads the values every scheduled epoch (EarlyStopping,
-        ModelCheckpoint), so the cheapest measurement runs even over the budget, never none."""
+        ModelCheckpoint), so the cheapest measurement runs even over the budget, never none;
+        ``since_last``: the epochs since the last logged value (None: none yet), which paces
+        the fill-ins (:meth:`_paced`)."""
         if self.share is None:
             return EXACT
         exact = self.exact_seconds or 0.0
         projected, reserve = self._horizon(epochs_done, max_epochs, last)
         if self._fits(exact, reserve, projected) or (last and self._last_within_allowance()):
             return EXACT
+        if cheap and (required or last):  # the summary's number is never missing
+            return CHEAP
         fill_in = self._fill_in_seconds(epochs_done)
         reserve = self._live_reserve(reserve, projected)
-        if cheap and (required or self._fits(fill_in, reserve, projected)):
+        horizon = (epochs_done, max_epochs)
+        fits = self._fits(fill_in, reserve, projected)
+        if cheap and fits and self._paced(fill_in, reserve, projected, horizon, since_last):
             return CHEAP
         return EXACT if required else SKIP
+
+    def _paced(
+        self,
+        fill_in: float,
+        reserve: float,
+        projected: float,
+        horizon: tuple[int, int | None],
+        since_last: int | None,
+    ) -> bool:
+        """Whether a fill-in that fits runs now: always for the fit's first value, in a fit of
+        unknown length (no ``max_epochs``), or while what is left after ``reserve`` pays for
+        one at every epoch still to come before the last (this one included); else once
+        ``since_last`` epochs since the last value reach the spacing that spreads the
+        affordable ones evenly over those epochs."""
+        epochs_done, max_epochs = horizon
+        if since_last is None or max_epochs is None or fill_in <= 0:
+            return True
+        remaining = max(max_epochs - epochs_done, 1)
+        affordable = (self.allowed(projected) - self.spent - reserve) // fill_in
+        return affordable >= remaining or since_last * max(affordable, 1.0) >= remaining
 
 
 def fill_in_record(

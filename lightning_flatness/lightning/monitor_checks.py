@@ -187,7 +187,8 @@ class FitStartChecks:
         """The fit-start trial, charged to the budget. The trial's structure is timed once more
         on a quarter of its samples, to predict the first exact measurement's cost
         (:func:`predicted_exact_seconds`: the budget's decisions, and the line announcing a long
-        one); with a budget the fill-in is timed on both sample counts too."""
+        one); with a budget the fill-in is timed on both sample counts too, and so is its
+        calibration on its samples where the whole set is larger than they are."""
         started = time.perf_counter()
         self._trial(trainer, pl_module, batch)
         seconds = time.perf_counter() - started
@@ -214,6 +215,13 @@ class FitStartChecks:
                 fixed, per_sample = cost_line(times)
                 share = math.ceil((fill_in_samples + val_samples) / world)
                 self.budget.cheap_seconds = fixed + per_sample * share
+            if samples > FILL_IN_SAMPLES:  # the fill-in will be calibrated on its samples
+                arguments = self.calibration_arguments()
+                times = self._timed_runs(pl_module, batch, arguments, trial_samples)
+                if times is not None:
+                    fixed, per_sample = cost_line(times)
+                    share = math.ceil((FILL_IN_SAMPLES + val_samples) / world)
+                    self.budget.subset_seconds = fixed + per_sample * share
         self.budget.charge(time.perf_counter() - started)
 
     def _quadrature_seconds(self, pl_module: LightningModule, samples: int, world: int) -> float:

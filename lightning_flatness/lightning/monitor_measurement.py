@@ -23,6 +23,7 @@ from lightning_flatness.core.failures import (
 from lightning_flatness.core.measure import measure
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.budget import (
+    CALIBRATION_PROBES,
     FILL_IN,
     FILL_IN_SAMPLES,
 )
@@ -157,23 +158,25 @@ class MonitorMeasurement:
         structure: str | None = None,
         limit: int | None = None,
         half: bool = False,
+        calibration: bool = False,
     ) -> FlatnessReport:
         """``structure`` (the active one by default) on the fixed subsets; the fill-in, or any
         structure given a ``limit``, on the fill-in's subset of at most that many samples;
         ``half``: the soft rank of the first half of each process's samples of that subset
         only (no held-out set), which with every process's half is the first half of the
-        subset (its samples are dealt to the processes in turn)."""
+        subset (its samples are dealt to the processes in turn); ``calibration``: with
+        :meth:`calibration_arguments`."""
         if structure == FILL_IN:
             limit = FILL_IN_SAMPLES
         train_batches = self._batches(trainer, trainer.train_dataloader, "training", limit)
         val_batches = None
         if self.use_val and not half and trainer.val_dataloaders is not None:
             val_batches = self._batches(trainer, trainer.val_dataloaders, "validation", limit)
-        arguments = None
+        arguments = self.calibration_arguments() if calibration else None
         if half:
             held = sum(leading_size(batch) for batch in train_batches)
             arguments = {
-                **self.measure_arguments(structure or self._active_structure),
+                **(arguments or self.measure_arguments(structure or self._active_structure)),
                 "max_samples": max(held // 2, 1),
             }
         return self._call_measure(
@@ -222,6 +225,17 @@ class MonitorMeasurement:
         if chosen is not None and chosen.structure == structure:
             return {"structure": chosen}
         return {"structure": structure, **MONITOR_DEFAULTS, **sketched(structure, self)}
+
+    def calibration_arguments(self) -> dict[str, Any]:
+        """:func:`measure`'s arguments for the fill-in's calibration on its own samples: the
+        active structure's, and for the probe kernel measured by name
+        :data:`~lightning_flatness.lightning.budget.CALIBRATION_PROBES` probe rows per sample
+        (module docstring of :mod:`~lightning_flatness.lightning.budget`)."""
+        arguments = self.measure_arguments(self._active_structure)
+        if arguments["structure"] != "probe_kernel":
+            return arguments
+        probes = {"probes": CALIBRATION_PROBES, "groups": CALIBRATION_PROBES}
+        return {**arguments, "kernel_options": {**arguments.get("kernel_options", {}), **probes}}
 
     def _lam_argument(self) -> float | dict[str, float]:
         """λ for :func:`measure`: one value, or each parameter's (per-group decay)."""

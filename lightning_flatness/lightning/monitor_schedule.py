@@ -178,12 +178,16 @@ class MeasurementSchedule:
         self, trainer: Trainer, epochs_done: int, max_epochs: int | None, last: bool
     ) -> str:
         """The budget's decision (:meth:`OverheadBudget.decide`), rank 0's on every process."""
+        since_last = None
+        if self.history:
+            since_last = epochs_done - 1 - int(self.history[-1]["epoch"])
         decision = self.budget.decide(
             epochs_done,
             max_epochs,
             last,
             self._has_fill_in(),
             reads_every_epoch(trainer, self.log_prefix),
+            since_last=since_last,
         )
         return rank_zeros(trainer, decision)
 
@@ -247,7 +251,7 @@ class MeasurementSchedule:
         calibration, and the fill-in's record scaled by it."""
         started = time.perf_counter()
         try:
-            exact = self._run_measure(trainer, pl_module, limit=FILL_IN_SAMPLES)
+            exact = self._run_measure(trainer, pl_module, limit=FILL_IN_SAMPLES, calibration=True)
             whole = self._whole_set_soft_rank(trainer, pl_module, exact)
         except Exception as error:  # said once; the fill-in goes on unscaled
             self._subset_failed = True
@@ -284,7 +288,9 @@ class MeasurementSchedule:
             return subset.soft_rank, subset.rank_bound, subset.num_samples
         first_half = subset.blocks.get(FIRST_HALF)
         if first_half is None:
-            first_half = self._run_measure(trainer, pl_module, limit=FILL_IN_SAMPLES, half=True)
+            first_half = self._run_measure(
+                trainer, pl_module, limit=FILL_IN_SAMPLES, half=True, calibration=True
+            )
         parameters = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         return whole_set_soft_rank(subset, first_half.soft_rank, target, parameters)
 
@@ -334,8 +340,9 @@ class MeasurementSchedule:
         if last is None and self.budget.share is not None and self.disabled_reason is None:
             rank_zero_info(
                 f"FlatnessMonitor: no measurement fitted overhead_budget={self.budget.share:g} "
-                f"of this fit's {self.budget.training_seconds():.1f} s of training, or "
-                f"{self.budget.allowance:g} s (one {self._active_structure} measurement: about "
+                f"of this fit's {self.budget.training_seconds():.1f} s of training, or what "
+                f"{self.budget.allowance:g} s leave beside it (one {self._active_structure} "
+                "measurement: about "
                 f"{self.budget.exact_seconds or math.nan:.1f} s). Pass overhead_budget=None "
                 "(or a larger share), or measure the trained model with "
                 "lightning_flatness.measure()."
