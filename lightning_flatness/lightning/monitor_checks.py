@@ -210,18 +210,16 @@ class FitStartChecks:
             val_samples = min(self.max_val_samples or FILL_IN_SAMPLES, FILL_IN_SAMPLES)
             val_samples = val_samples if self.use_val else 0
             arguments = self.measure_arguments(FILL_IN)
-            times = self._timed_runs(pl_module, batch, arguments, trial_samples)
-            if times is not None:
-                fixed, per_sample = cost_line(times)
-                share = math.ceil((fill_in_samples + val_samples) / world)
-                self.budget.cheap_seconds = fixed + per_sample * share
+            share = math.ceil((fill_in_samples + val_samples) / world)
+            cheap = self._line_seconds(pl_module, batch, arguments, trial_samples, share)
+            if cheap is not None:
+                self.budget.cheap_seconds = cheap
             if samples > FILL_IN_SAMPLES:  # the fill-in will be calibrated on its samples
                 arguments = self.calibration_arguments()
-                times = self._timed_runs(pl_module, batch, arguments, trial_samples)
-                if times is not None:
-                    fixed, per_sample = cost_line(times)
-                    share = math.ceil((FILL_IN_SAMPLES + val_samples) / world)
-                    self.budget.subset_seconds = fixed + per_sample * share
+                share = math.ceil((FILL_IN_SAMPLES + val_samples) / world)
+                subset = self._line_seconds(pl_module, batch, arguments, trial_samples, share)
+                if subset is not None:
+                    self.budget.subset_seconds = subset
         self.budget.charge(time.perf_counter() - started)
 
     def _quadrature_seconds(self, pl_module: LightningModule, samples: int, world: int) -> float:
@@ -254,6 +252,23 @@ class FitStartChecks:
             sketch_groups=options.sketch_groups if width < parameters else 0,
             device=pl_module.device,
         )
+
+    def _line_seconds(
+        self,
+        pl_module: LightningModule,
+        batch: Any,
+        arguments: dict[str, Any],
+        trial_samples: int,
+        samples: int,
+    ) -> float | None:
+        """The predicted seconds of a measurement with ``arguments`` on ``samples``: the
+        straight line (:func:`cost_line`) through its trial runs (:meth:`_timed_runs`); None
+        when it cannot measure this model."""
+        times = self._timed_runs(pl_module, batch, arguments, trial_samples)
+        if times is None:
+            return None
+        fixed, per_sample = cost_line(times)
+        return fixed + per_sample * samples
 
     def _timed_runs(
         self,
