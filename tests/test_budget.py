@@ -30,6 +30,7 @@ from lightning_flatness.lightning.budget import (
     CALIBRATION_PROBES,
     CHEAP,
     EXACT,
+    FILL_IN_MIN_SAMPLES,
     FILL_IN_SAMPLES,
     SKIP,
     UNTIMED_SHARE,
@@ -212,6 +213,31 @@ def test_fill_ins_are_paced_over_the_fit_and_the_last_one_always_runs():
     assert budget.decide(30, 30, last=True, cheap=True, since_last=20) == CHEAP
 
 
+def test_the_fill_in_measures_fewer_samples_where_its_cap_costs_more_than_its_part():
+    """After one epoch of 0.8 s of a 30-epoch fit, 7.2 s allowed: a fill-in at every epoch may
+    cost half of 7.2 / 30 = 0.12 s. On a line of 0.02 s + 0.45 ms a sample that is 222 samples
+    (not 1,024: 0.48 s); at 1 ms a sample 100, raised to the floor of 128; a cheap fill-in
+    keeps its cap, and never more than the samples there are."""
+    budget, clock = _budget(0.3, allowance=0.0)
+    clock.now = 0.8
+    budget.fill_in_line = (0.02, 0.00045)
+    assert budget.choose_fill_in_samples(1, 30, available=5000) == 222
+    assert budget.fill_in_samples == 222
+    assert budget.cheap_seconds == pytest.approx(0.02 + 0.00045 * 222)
+    budget.fill_in_line = (0.02, 0.001)
+    assert budget.choose_fill_in_samples(1, 30, available=5000) == FILL_IN_MIN_SAMPLES
+    assert budget.cheap_seconds == pytest.approx(0.02 + 0.001 * FILL_IN_MIN_SAMPLES)
+    assert budget.choose_fill_in_samples(1, 30, available=100) == 100
+    budget.fill_in_line = (0.01, 1e-5)
+    assert budget.choose_fill_in_samples(1, 30, available=5000) == FILL_IN_SAMPLES
+    # a fit of unknown length, or one without a budget, keeps the cap
+    budget.fill_in_line = (0.02, 0.001)
+    assert budget.choose_fill_in_samples(1, None, available=5000) == FILL_IN_SAMPLES
+    unbudgeted = OverheadBudget(None)
+    unbudgeted.fill_in_line = (0.02, 0.001)
+    assert unbudgeted.choose_fill_in_samples(1, 30, available=5000) == FILL_IN_SAMPLES
+
+
 def test_the_quickstart_fit_at_the_defaults_logs_every_epoch_and_ends_exact(tmp_path, caplog):
     """The README quickstart's kind of fit: 3 epochs of 400 samples, ``FlatnessMonitor()``. Its
     training takes well under a second, yet every epoch gets the curves, the last one exact, and
@@ -342,7 +368,7 @@ def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path, monke
 def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path, monkeypatch):
     """The fill-in's cost stops growing with n: it measures FILL_IN_SAMPLES training samples
     (16 here, of 64), the same ones at every epoch, and its calibration is taken on them."""
-    for module in ("monitor_measurement", "monitor_checks", "monitor_schedule"):
+    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
         monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
     monkeypatch.setitem(MONITOR_DEFAULTS, "kfac_mode", "exact")
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
@@ -365,6 +391,43 @@ def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path,
     assert any(len(x) == 64 for x in measured)
 
 
+def test_a_fill_in_on_fewer_samples_is_calibrated_on_the_calibrations_subset(tmp_path, monkeypatch):
+    """The budget chose 8 fill-in samples (of a cap of 16): every fill-in measures the same 8,
+    the calibration's exact structure the 16 of its subset, and the ratio is the whole set's
+    extrapolated exact value ÷ the fill-in on its 8."""
+    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
+        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
+    script = [CHEAP, CHEAP, CHEAP]
+    monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
+    monitor.budget.choose_fill_in_samples = lambda *args: 8
+    reports, measured = [], []
+    original = monitor._call_measure
+
+    def recording(pl_module, train_batches, *args, **kwargs):
+        batches = list(train_batches)
+        report = original(pl_module, batches, *args, **kwargs)
+        reports.append(report)
+        measured.append((report.structure, torch.cat([x for x, _ in batches])))
+        return report
+
+    monitor._call_measure = recording
+    _fit(tmp_path, [monitor])
+    assert monitor.budget.fill_in_samples == 8
+    fill_ins = [x for structure, x in measured if structure == "kfac" and len(x) == 8]
+    assert len(fill_ins) == 3  # one at each epoch (the first in the calibration)
+    assert all(torch.equal(x, fill_ins[0]) for x in fill_ins)
+    assert not any(structure == "kfac" and len(x) != 8 for structure, x in measured[-6:])
+    at = next(
+        i for i, r in enumerate(reports) if (r.structure, r.num_samples) == ("probe_kernel", 16)
+    )
+    exact, kfac = reports[at], next(r for r in reports[at:] if r.structure == "kfac")
+    assert kfac.num_samples == 8
+    half = exact.blocks[FIRST_HALF]
+    whole = extrapolated_soft_rank(half.soft_rank, exact.soft_rank, 16, 64)
+    assert monitor.history[0]["calibration"] == pytest.approx(whole / kfac.soft_rank, rel=1e-12)
+
+
 def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_samples(
     tmp_path, monkeypatch
 ):
@@ -372,7 +435,7 @@ def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_sampl
     fill-in's 16 samples does: the fill-ins are scaled by exact ÷ kfac on those samples, the
     exact value extrapolated to the whole set's 64 samples from it and its first 8 samples'
     (said so), taken once, not the unscaled kfac."""
-    for module in ("monitor_measurement", "monitor_checks", "monitor_schedule"):
+    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
         monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [CHEAP, CHEAP, EXACT]
@@ -404,7 +467,7 @@ def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_sampl
     assert first["rank_bound"] == bound
     assert first["soft_rank"] == pytest.approx(min(whole, bound), rel=1e-12)
     described = monitor._calibration.describe()
-    assert "on its 16 samples at epoch 0, extrapolated to 64" in described
+    assert "at epoch 0, exact on 16 samples, extrapolated to 64" in described
 
 
 def test_the_last_fill_in_is_calibrated_again_and_a_report_without_a_half_measures_it(
@@ -414,7 +477,7 @@ def test_the_last_fill_in_is_calibrated_again_and_a_report_without_a_half_measur
     whole set fitting) calibrates it again on the subset; where the exact structure's report
     has no first half of its own (the P × P side sums over samples: simulated here), the first
     half of the subset is measured on its own."""
-    for module in ("monitor_measurement", "monitor_checks", "monitor_schedule"):
+    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
         monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [CHEAP, CHEAP, CHEAP]
@@ -458,7 +521,7 @@ class CountingDataset(TensorDataset):
 def _fill_in_fit(tmp_path, monkeypatch, kept: bool) -> tuple[FlatnessMonitor, int]:
     """Three epochs with a fill-in at each (of 16 training and 16 held-out samples); the
     monitor's history and the samples read from both datasets."""
-    for module in ("monitor_measurement", "monitor_checks", "monitor_schedule"):
+    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
         monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
     if not kept:
         monkeypatch.setattr(
@@ -585,3 +648,5 @@ def test_the_fit_start_prediction_is_of_each_process_share(world, monkeypatch):
     # its 1,024 training and 1,024 held-out samples
     assert monitor.budget.exact_seconds == pytest.approx(0.1 * 4000 / world)
     assert monitor.budget.cheap_seconds == pytest.approx(0.4 + 0.05 * 2048 / world)
+    # per sample of the fill-in's subset, its held-out samples and the process's share in it
+    assert monitor.budget.fill_in_line == pytest.approx((0.4, 0.1 / world))

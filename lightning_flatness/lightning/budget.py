@@ -18,8 +18,10 @@ scheduled epoch it runs, in this order of preference, whatever keeps
 
 1. the exact-quality measurement;
 2. else the cheap one, :data:`FILL_IN` (the Kronecker factors of the layer hooks on at most
-   :data:`FILL_IN_SAMPLES` training samples: 1–4 training epochs of those samples, its cost
-   predicted at fit start), its soft rank scaled by the ratio
+   :data:`FILL_IN_SAMPLES` training samples — fewer, down to :data:`FILL_IN_MIN_SAMPLES`, where
+   a fill-in on those at every epoch would take more than half of what the fit may spend per
+   epoch (:meth:`OverheadBudget.choose_fill_in_samples`): 1–4 training epochs of its samples,
+   its cost predicted at fit start), its soft rank scaled by the ratio
    exact ÷ cheap of the last exact measurement (both are measured then) and logged with
    ``fill_in = 1``. Before any exact measurement of the whole set has run, the ratio is taken
    on the fill-in's own samples (the exact structure on that subset and on its first half,
@@ -77,6 +79,7 @@ __all__ = [
     "Calibration",
     "EXACT",
     "FILL_IN",
+    "FILL_IN_MIN_SAMPLES",
     "FILL_IN_SAMPLES",
     "SCALED_FIELDS",
     "SKIP",
@@ -97,6 +100,12 @@ FILL_IN = "kfac"
 #: (docs/RESULTS.md, "The overhead budget"), the calibration by the exact ratio absorbs the
 #: rest, and its cost stops growing with n
 FILL_IN_SAMPLES = 1024
+#: the fewest samples the fill-in measures when :data:`FILL_IN_SAMPLES` would cost more than its
+#: part of the budget (:meth:`OverheadBudget.choose_fill_in_samples`). As a tracker, scaled by
+#: the exact ratio, it is as good on 128 samples as on 1,024: on the ladder's ResNet over a
+#: 30-epoch fit the ratio exact ÷ fill-in moves within the same ±10% band on 128, 256, 512 and
+#: 1,024 samples (docs/RESULTS.md, "The fill-in on fewer samples")
+FILL_IN_MIN_SAMPLES = 128
 #: the probe rows per sample (in as many jackknife groups) of the probe kernel's calibration of
 #: the fill-in on its samples: the calibration's value is the subset's soft rank extrapolated
 #: to the whole set, whose own error (up to 10–20%) is what decides its quality, and two rows
@@ -155,6 +164,11 @@ class OverheadBudget:
     cheap_seconds: float | None = None
     #: the last calibration's on the fill-in's samples (the exact structure on them)
     subset_seconds: float | None = None
+    #: the fill-in's predicted cost on one process: (fixed seconds, seconds per sample of the
+    #: fill-in's subset), from the fit-start trial
+    fill_in_line: tuple[float, float] | None = None
+    #: the samples the fill-in measures in this fit (None: not chosen yet)
+    fill_in_samples: int | None = None
 
     def __post_init__(self) -> None:
         if self.share is not None and not (
@@ -169,6 +183,7 @@ class OverheadBudget:
         """The fit's clock starts (training start)."""
         self.started = self.clock()
         self.spent = 0.0
+        self.fill_in_samples = None
 
     def charge(self, seconds: float) -> None:
         """Count ``seconds`` of monitor work."""
@@ -222,6 +237,29 @@ class OverheadBudget:
         if self.cheap_seconds is not None:
             return self.cheap_seconds
         return self.training_seconds() / max(epochs_done, 1)
+
+    def choose_fill_in_samples(
+        self, epochs_done: int, max_epochs: int | None, available: int
+    ) -> int:
+        """The fill-in's samples for the rest of the fit, chosen once (at the first scheduled
+        epoch, when an epoch's time is known): :data:`FILL_IN_SAMPLES`, or, where a fill-in on
+        them at every epoch would take more than half of what the fit may spend per epoch
+        (``allowed ÷ max_epochs ÷ 2``: the other half pays for the exact measurements and
+        calibrations), as many as cost that on :attr:`fill_in_line`, at least
+        :data:`FILL_IN_MIN_SAMPLES`; never more than the ``available`` samples. Sets
+        :attr:`cheap_seconds` to the chosen count's predicted cost."""
+        cap = max(min(FILL_IN_SAMPLES, available), 1)
+        chosen = cap
+        if self.share is not None and self.fill_in_line is not None and max_epochs:
+            fixed, per_sample = self.fill_in_line
+            projected = self._projected_training(epochs_done, max_epochs)
+            per_epoch = self.allowed(projected) / max_epochs / 2
+            if per_sample > 0 and fixed + per_sample * cap > per_epoch:
+                fitting = int(max(per_epoch - fixed, 0.0) / per_sample)
+                chosen = max(min(fitting, cap), min(FILL_IN_MIN_SAMPLES, cap))
+            self.cheap_seconds = fixed + per_sample * chosen
+        self.fill_in_samples = chosen
+        return chosen
 
     def fits_beside_fill_in(
         self, seconds: float, epochs_done: int, max_epochs: int | None, last: bool
@@ -358,7 +396,7 @@ class Calibration:
             return f"{FILL_IN}, unscaled: an upper estimate"
         where = f"at epoch {int(self.epoch)}"
         if self.samples is not None:
-            where = f"on its {self.samples:,} samples at epoch {int(self.epoch)}"
+            where = f"at epoch {int(self.epoch)}, exact on {self.samples:,} samples"
             if self.target_samples is not None and self.target_samples > self.samples:
                 where += f", extrapolated to {self.target_samples:,}"
         return f"{FILL_IN} × {self.ratio:.3g}, the exact ÷ {FILL_IN} ratio {where}"

@@ -241,8 +241,9 @@ class FlatnessMonitor(
         self._first_batch: Any = None
         #: the numbers one training sample's batch entry holds (read at fit start)
         self._sample_numbers: float | None = None
-        #: the fill-in's subsets by split, read once per fit: (dataset, settings, batches)
-        self._kept_subsets: dict[str, tuple[Any, tuple, list]] = {}
+        #: the fill-in's and its calibration's subsets by split and size, read once per fit:
+        #: (dataset, settings, batches)
+        self._kept_subsets: dict[tuple[str, int], tuple[Any, tuple, list]] = {}
         #: the training NLL on the fill-in's subset after each epoch (the settled test)
         self.nll = TrainingNll(reading, self.budget)
         #: a stream's samples that NLL is read on (the first epoch's first ones)

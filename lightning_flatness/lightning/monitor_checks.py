@@ -210,10 +210,12 @@ class FitStartChecks:
             val_samples = min(self.max_val_samples or FILL_IN_SAMPLES, FILL_IN_SAMPLES)
             val_samples = val_samples if self.use_val else 0
             arguments = self.measure_arguments(FILL_IN)
-            share = math.ceil((fill_in_samples + val_samples) / world)
-            cheap = self._line_seconds(pl_module, batch, arguments, trial_samples, share)
-            if cheap is not None:
-                self.budget.cheap_seconds = cheap
+            line = self._cost_line(pl_module, batch, arguments, trial_samples)
+            if line is not None:  # per sample of the fill-in's subset: with its held-out ones
+                fixed, per_sample = line
+                per_subset_sample = per_sample * (1 + val_samples / fill_in_samples) / world
+                self.budget.fill_in_line = (fixed, per_subset_sample)
+                self.budget.cheap_seconds = fixed + per_subset_sample * fill_in_samples
             if samples > FILL_IN_SAMPLES:  # the fill-in will be calibrated on its samples
                 arguments = self.calibration_arguments()
                 share = math.ceil((FILL_IN_SAMPLES + val_samples) / world)
@@ -264,11 +266,20 @@ class FitStartChecks:
         """The predicted seconds of a measurement with ``arguments`` on ``samples``: the
         straight line (:func:`cost_line`) through its trial runs (:meth:`_timed_runs`); None
         when it cannot measure this model."""
-        times = self._timed_runs(pl_module, batch, arguments, trial_samples)
-        if times is None:
+        line = self._cost_line(pl_module, batch, arguments, trial_samples)
+        if line is None:
             return None
-        fixed, per_sample = cost_line(times)
+        fixed, per_sample = line
         return fixed + per_sample * samples
+
+    def _cost_line(
+        self, pl_module: LightningModule, batch: Any, arguments: dict[str, Any], samples: int
+    ) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per sample) of a measurement with ``arguments``: the
+        straight line (:func:`cost_line`) through its trial runs on ``samples`` and a quarter of
+        them (:meth:`_timed_runs`); None when it cannot measure this model."""
+        times = self._timed_runs(pl_module, batch, arguments, samples)
+        return None if times is None else cost_line(times)
 
     def _timed_runs(
         self,

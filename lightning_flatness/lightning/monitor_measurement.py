@@ -86,11 +86,11 @@ class MonitorMeasurement:
         self, trainer: Trainer, loaders: object, split: str, limit: int | None = None
     ) -> Iterable:
         """A fixed subset of a sized dataset (at most ``limit`` samples, if given), or this
-        epoch's batches of a stream. The fill-in's subset (``limit`` given) is read once per
-        fit and kept while the dataset object, its length, the batch size and the sharding
-        stay the same, if it is small (:data:`KEPT_SUBSET_NUMBERS`); a dataset that draws
-        random augmentations is then measured on one draw of them, the same at every
-        fill-in."""
+        epoch's batches of a stream. A subset with a ``limit`` (the fill-in's, its
+        calibration's) is read once per fit and kept while the dataset object, its length, the
+        batch size and the sharding stay the same, if it is small (:data:`KEPT_SUBSET_NUMBERS`);
+        a dataset that draws random augmentations is then measured on one draw of them, the
+        same at every fill-in."""
         if split == "validation":
             loader = select_dataloader(loaders, self.val_dataloader_idx)
             max_samples = self.max_val_samples
@@ -108,7 +108,7 @@ class MonitorMeasurement:
         )
         shard = (trainer.global_rank, trainer.world_size)
         settings = (len(loader.dataset), max_samples, batch_size, *shard)
-        kept = self._kept_subsets.get(split)
+        kept = self._kept_subsets.get((split, limit))
         if limit is not None and kept is not None:
             dataset, kept_settings, batches = kept
             if dataset is loader.dataset and kept_settings == settings:
@@ -120,7 +120,7 @@ class MonitorMeasurement:
             return batches
         batches = list(batches)
         if tensor_numbers(batches) <= KEPT_SUBSET_NUMBERS:
-            self._kept_subsets[split] = (loader.dataset, settings, batches)
+            self._kept_subsets[(split, limit)] = (loader.dataset, settings, batches)
         return batches
 
     def _fill_in_batch_size(self) -> int:
@@ -160,14 +160,15 @@ class MonitorMeasurement:
         half: bool = False,
         calibration: bool = False,
     ) -> FlatnessReport:
-        """``structure`` (the active one by default) on the fixed subsets; the fill-in, or any
-        structure given a ``limit``, on the fill-in's subset of at most that many samples;
+        """``structure`` (the active one by default) on the fixed subsets; the fill-in on its
+        subset (the budget's ``fill_in_samples``, :data:`FILL_IN_SAMPLES` until chosen), any
+        structure given a ``limit`` on the subset of at most that many samples;
         ``half``: the soft rank of the first half of each process's samples of that subset
         only (no held-out set), which with every process's half is the first half of the
         subset (its samples are dealt to the processes in turn); ``calibration``: with
         :meth:`calibration_arguments`."""
         if structure == FILL_IN:
-            limit = FILL_IN_SAMPLES
+            limit = self.budget.fill_in_samples or FILL_IN_SAMPLES
         train_batches = self._batches(trainer, trainer.train_dataloader, "training", limit)
         val_batches = None
         if self.use_val and not half and trainer.val_dataloaders is not None:
@@ -271,8 +272,9 @@ class MonitorMeasurement:
         return record
 
     def _nll_batches(self, trainer: Trainer) -> Iterable:
-        """The samples the settled test reads: the fill-in's fixed subset of a sized dataset
-        (kept for the fit), or of a stream the first :data:`FILL_IN_SAMPLES` samples the loop
+        """The samples the settled test reads: the fixed subset of at most
+        :data:`FILL_IN_SAMPLES` of a sized dataset that the fill-in is calibrated on (kept for
+        the fit), or of a stream the first :data:`FILL_IN_SAMPLES` samples the loop
         drew in the first epoch, kept for the fit (none before it)."""
         loader = first_dataloader(trainer.train_dataloader)
         if loader is None:

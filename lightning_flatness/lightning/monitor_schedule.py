@@ -181,6 +181,10 @@ class MeasurementSchedule:
         since_last = None
         if self.history:
             since_last = epochs_done - 1 - int(self.history[-1]["epoch"])
+        if self.budget.fill_in_samples is None:  # once, when an epoch's time is known
+            available = int(min(self.resolved_num_train_samples or 0, self.max_samples or math.inf))
+            chosen = self.budget.choose_fill_in_samples(epochs_done, max_epochs, available)
+            self.budget.fill_in_samples = int(rank_zeros(trainer, chosen))
         decision = self.budget.decide(
             epochs_done,
             max_epochs,
