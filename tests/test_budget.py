@@ -213,6 +213,26 @@ def test_fill_ins_are_paced_over_the_fit_and_the_last_one_always_runs():
     assert budget.decide(30, 30, last=True, cheap=True, since_last=20) == CHEAP
 
 
+def test_the_per_epoch_reads_still_to_come_are_kept_from_the_fill_ins():
+    """The settled test's read at every epoch's end is spent whatever is decided, so pacing
+    keeps it for the remaining epochs beside the last calibration's reserve: 18 s allowed, 10
+    spent, the calibration again 3 + 1 s, fill-ins of 1 s, 28 epochs to go. Without reads, 4
+    fill-ins are affordable (one every 7 epochs); with 0.1 s reads (2.8 s to come), 1."""
+    budget, clock = _budget(0.3, allowance=0.0)
+    budget.exact_seconds, budget.cheap_seconds, budget.subset_seconds = 1e9, 1.0, 3.0
+    budget.charge(10.0)
+    clock.now = 14.0  # 4 s of training after 2 of 30 epochs: 60 s projected, 18 s allowed
+    assert budget.decide(2, 30, last=False, cheap=True, since_last=7) == CHEAP
+    assert budget.fits_beside_fill_in(3.0, 2, 30, last=False)
+    budget.per_epoch_seconds = 0.1
+    assert budget.decide(2, 30, last=False, cheap=True, since_last=7) == SKIP
+    assert budget.decide(2, 30, last=False, cheap=True, since_last=28) == CHEAP
+    assert not budget.fits_beside_fill_in(3.0, 2, 30, last=False)  # 10 + 4 + 4 + 2.8 > 18
+    # the last epoch has no reads to come: its calibration may use what they were kept for
+    clock.now = 10.0 + 60.0
+    assert budget.fits_beside_fill_in(3.0, 30, 30, last=True)
+
+
 def test_the_fill_in_measures_fewer_samples_where_its_cap_costs_more_than_its_part():
     """After one epoch of 0.8 s of a 30-epoch fit, 7.2 s allowed: a fill-in at every epoch may
     cost half of 7.2 / 30 = 0.12 s. On a line of 0.02 s + 0.45 ms a sample that is 222 samples

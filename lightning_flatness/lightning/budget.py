@@ -14,7 +14,10 @@ seconds a fit with the monitor may always last, so that a fit of a few seconds i
 without a number to save two of them, while a fit of 20 s of training keeps the share). At each
 scheduled epoch it runs, in this order of preference, whatever keeps
 
-    monitor seconds so far + this measurement + the fit-end measurement still to come ≤ allowed:
+    monitor seconds so far + this measurement + the fit-end measurement still to come
+        + the per-epoch work still to come ≤ allowed
+
+(the per-epoch work: the settled test's read of the training NLL at each epoch's end):
 
 1. the exact-quality measurement;
 2. else the cheap one, :data:`FILL_IN` (the Kronecker factors of the layer hooks on at most
@@ -100,11 +103,9 @@ FILL_IN = "kfac"
 #: (docs/RESULTS.md, "The overhead budget"), the calibration by the exact ratio absorbs the
 #: rest, and its cost stops growing with n
 FILL_IN_SAMPLES = 1024
-#: the fewest samples the fill-in measures when :data:`FILL_IN_SAMPLES` would cost more than its
-#: part of the budget (:meth:`OverheadBudget.choose_fill_in_samples`). As a tracker, scaled by
-#: the exact ratio, it is as good on 128 samples as on 1,024: on the ladder's ResNet over a
-#: 30-epoch fit the ratio exact ÷ fill-in moves within the same ±10% band on 128, 256, 512 and
-#: 1,024 samples (docs/RESULTS.md, "The fill-in on fewer samples")
+#: the fewest samples the fill-in measures (:meth:`OverheadBudget.choose_fill_in_samples`): a
+#: tracker scaled by the exact ratio, it is as good on 128 as on 1,024 (on the ladder's ResNet
+#: the ratio moves alike on both over a fit; docs/RESULTS.md, "The fill-in on fewer samples")
 FILL_IN_MIN_SAMPLES = 128
 #: the probe rows per sample (in as many jackknife groups) of the probe kernel's calibration of
 #: the fill-in on its samples: the calibration's value is the subset's soft rank extrapolated
@@ -169,6 +170,9 @@ class OverheadBudget:
     fill_in_line: tuple[float, float] | None = None
     #: the samples the fill-in measures in this fit (None: not chosen yet)
     fill_in_samples: int | None = None
+    #: what the monitor spends at every epoch's end whatever is decided (the settled test's
+    #: read of the training NLL: its last time), kept for the epochs still to come
+    per_epoch_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.share is not None and not (
@@ -224,13 +228,17 @@ class OverheadBudget:
     def _fits(self, cost: float, reserve: float, projected: float) -> bool:
         return self.spent + cost + reserve <= self.allowed(projected)
 
-    def _horizon(self, epochs_done: int, max_epochs: int | None, last: bool) -> tuple[float, float]:
+    def _horizon(
+        self, epochs_done: int, max_epochs: int | None, last: bool
+    ) -> tuple[float, float, float]:
         """The training seconds a decision weighs against (the whole fit projected from the
-        epochs so far; at the last epoch the fit's own) and the exact measurement still to
-        come at the fit's end (none at the last epoch)."""
+        epochs so far; at the last epoch the fit's own), the exact measurement still to come
+        at the fit's end (none at the last epoch), and the per-epoch work still to come."""
         if last:  # the summary's number: exact if the whole fit's allowance takes it
-            return self.training_seconds(), 0.0
-        return self._projected_training(epochs_done, max_epochs), self.exact_seconds or 0.0
+            return self.training_seconds(), 0.0, 0.0
+        remaining = max(max_epochs - epochs_done, 0) if max_epochs is not None else 0
+        projected = self._projected_training(epochs_done, max_epochs)
+        return projected, self.exact_seconds or 0.0, self.per_epoch_seconds * remaining
 
     def _fill_in_seconds(self, epochs_done: int) -> float:
         """The fill-in's cost; before it has run or been predicted, about one training epoch."""
@@ -269,9 +277,9 @@ class OverheadBudget:
         run (the rule of :meth:`decide` for the fill-in)."""
         if self.share is None:
             return True
-        projected, reserve = self._horizon(epochs_done, max_epochs, last)
+        projected, reserve, upcoming = self._horizon(epochs_done, max_epochs, last)
         cost = self._fill_in_seconds(epochs_done) + seconds
-        return self._fits(cost, self._live_reserve(reserve, projected), projected)
+        return self._fits(cost, self._live_reserve(reserve, upcoming, projected), projected)
 
     def _last_within_allowance(self) -> bool:
         """The fit's last exact measurement runs whenever it alone fits in what the allowance
@@ -282,17 +290,18 @@ class OverheadBudget:
         exact = self.exact_seconds or 0.0
         return exact <= left and self.spent <= left
 
-    def _live_reserve(self, reserve: float, projected: float) -> float:
+    def _live_reserve(self, reserve: float, upcoming: float, projected: float) -> float:
         """The fit-end reserve while the exact measurement can still fit; else, once the fill-in
         has been calibrated on its own samples, that calibration's cost while it can still fit
         (the last value is calibrated again); else none (so that a fit whose one exact
-        measurement exceeds what it may spend still gets fill-ins)."""
-        if self._fits(reserve, 0.0, projected):
-            return reserve
+        measurement exceeds what it may spend still gets fill-ins); each with the
+        ``upcoming`` per-epoch work, which is spent whatever is decided."""
+        if self._fits(reserve, upcoming, projected):
+            return reserve + upcoming
         if not self.subset_seconds:
-            return 0.0
+            return upcoming
         again = self.subset_seconds + (self.cheap_seconds or 0.0)  # it runs the fill-in too
-        return again if self._fits(again, 0.0, projected) else 0.0
+        return again + upcoming if self._fits(again, upcoming, projected) else upcoming
 
     def decide(
         self,
@@ -314,13 +323,14 @@ class OverheadBudget:
         if self.share is None:
             return EXACT
         exact = self.exact_seconds or 0.0
-        projected, reserve = self._horizon(epochs_done, max_epochs, last)
-        if self._fits(exact, reserve, projected) or (last and self._last_within_allowance()):
+        projected, reserve, upcoming = self._horizon(epochs_done, max_epochs, last)
+        fits_exact = self._fits(exact, reserve + upcoming, projected)
+        if fits_exact or (last and self._last_within_allowance()):
             return EXACT
         if cheap and (required or last):  # the summary's number is never missing
             return CHEAP
         fill_in = self._fill_in_seconds(epochs_done)
-        reserve = self._live_reserve(reserve, projected)
+        reserve = self._live_reserve(reserve, upcoming, projected)
         horizon = (epochs_done, max_epochs)
         fits = self._fits(fill_in, reserve, projected)
         if cheap and fits and self._paced(fill_in, reserve, projected, horizon, since_last):

@@ -50,7 +50,7 @@ class TrainingNll:
         """The training NLL after ``epoch``, once per epoch, on ``batches()`` (the fill-in's
         samples): one forward pass that changes nothing (eval mode, no gradient, the RNG
         forked; :func:`mean_nll`), the same on every process (``all_reduce``), its time
-        charged to the budget. NaN (said once) if it fails."""
+        charged to the budget (and kept as its per-epoch cost). NaN (said once) if it fails."""
         if epoch in self.by_epoch:
             return
         started = time.perf_counter()
@@ -68,7 +68,9 @@ class TrainingNll:
             self._failed = True
             value = math.nan
         self.by_epoch[epoch] = value
-        self.budget.charge(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.budget.charge(seconds)
+        self.budget.per_epoch_seconds = seconds  # kept for the epochs still to come
 
     def settle(self, record: dict[str, float], epoch: int) -> None:
         """Add ``nll_drop`` (the training NLL's relative drop over ``epoch``) to ``record`` and
