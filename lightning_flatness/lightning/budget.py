@@ -27,7 +27,7 @@ scheduled epoch it runs, in this order of preference, whatever keeps
    its cost predicted at fit start), its soft rank scaled by the ratio
    exact ÷ cheap of the last exact measurement (both are measured then) and logged with
    ``fill_in = 1``. Before any exact measurement of the whole set has run, the ratio is taken
-   on the fill-in's own samples (the exact structure on that subset and on its first half,
+   on a subset of :data:`FILL_IN_SAMPLES` (the exact structure on it and on its first half,
    extrapolated to the whole set: the soft rank grows with the samples measured,
    :mod:`~lightning_flatness.core.sample_growth`) whenever that fits, and taken again so at the
    last epoch (the ratio drifts over a fit); the reserve for the fit-end measurement counts
