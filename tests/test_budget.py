@@ -248,6 +248,7 @@ def test_the_fill_in_measures_fewer_samples_where_its_cap_costs_more_than_its_pa
     assert budget.choose_fill_in_samples(1, 30, available=5000) == FILL_IN_MIN_SAMPLES
     assert budget.cheap_seconds == pytest.approx(0.02 + 0.001 * FILL_IN_MIN_SAMPLES)
     assert budget.choose_fill_in_samples(1, 30, available=100) == 100
+    assert budget.choose_fill_in_samples(1, 30, available=0) == FILL_IN_MIN_SAMPLES  # unknown n
     budget.fill_in_line = (0.01, 1e-5)
     assert budget.choose_fill_in_samples(1, 30, available=5000) == FILL_IN_SAMPLES
     # a fit of unknown length, or one without a budget, keeps the cap

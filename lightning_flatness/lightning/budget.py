@@ -254,9 +254,9 @@ class OverheadBudget:
         them at every epoch would take more than half of what the fit may spend per epoch
         (``allowed ÷ max_epochs ÷ 2``: the other half pays for the exact measurements and
         calibrations), as many as cost that on :attr:`fill_in_line`, at least
-        :data:`FILL_IN_MIN_SAMPLES`; never more than the ``available`` samples. Sets
-        :attr:`cheap_seconds` to the chosen count's predicted cost."""
-        cap = max(min(FILL_IN_SAMPLES, available), 1)
+        :data:`FILL_IN_MIN_SAMPLES`; never more than the ``available`` samples (0: unknown).
+        Sets :attr:`cheap_seconds` to the chosen count's predicted cost."""
+        cap = min(FILL_IN_SAMPLES, available) if available > 0 else FILL_IN_SAMPLES
         chosen = cap
         if self.share is not None and self.fill_in_line is not None and max_epochs:
             fixed, per_sample = self.fill_in_line

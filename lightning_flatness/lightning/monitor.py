@@ -244,7 +244,7 @@ class FlatnessMonitor(
         #: the fill-in's and its calibration's subsets by split and size, read once per fit:
         #: (dataset, settings, batches)
         self._kept_subsets: dict[tuple[str, int], tuple[Any, tuple, list]] = {}
-        #: the training NLL on the fill-in's subset after each epoch (the settled test)
+        #: the training NLL on the calibration's subset after each epoch (the settled test)
         self.nll = TrainingNll(reading, self.budget)
         #: a stream's samples that NLL is read on (the first epoch's first ones)
         self._nll_stream: list | None = None
