@@ -196,7 +196,7 @@ class FitStartChecks:
         if self.disabled_reason is not None:
             return
         started = time.perf_counter()
-        samples = int(min(self.resolved_num_train_samples or 0, self.max_samples or math.inf))
+        samples = self._measured_samples()
         world = max(trainer.world_size, 1)  # each process measures (and is timed on) its share
         arguments, work = trial_settings(self.measure_arguments(self._active_structure))
         trial_samples = max(min(self._trial_samples, TRIAL_SAMPLES), 1)

@@ -7,6 +7,7 @@ into a warning and NaN, and the samples the training NLL of every epoch's end is
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -237,6 +238,11 @@ class MonitorMeasurement:
             return arguments
         probes = {"probes": CALIBRATION_PROBES, "groups": CALIBRATION_PROBES}
         return {**arguments, "kernel_options": {**arguments.get("kernel_options", {}), **probes}}
+
+    def _measured_samples(self) -> int:
+        """The training samples a measurement of the whole set reads: n, at most
+        ``max_samples`` (0 while n is unknown)."""
+        return int(min(self.resolved_num_train_samples or 0, self.max_samples or math.inf))
 
     def _lam_argument(self) -> float | dict[str, float]:
         """λ for :func:`measure`: one value, or each parameter's (per-group decay)."""

@@ -1,6 +1,7 @@
 """The monitor's settled test: the training NLL after every epoch, read once per epoch on the
-fill-in's fixed samples, and its relative drop over the epoch a record was measured at, which
-untrusts the record while the model is still descending (:mod:`lightning_flatness.core.trust`).
+fixed subset the fill-in is calibrated on, and its relative drop over the epoch a record was
+measured at, which untrusts the record while the model is still descending
+(:mod:`lightning_flatness.core.trust`).
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ class TrainingNll:
         batches: Callable[[], Iterable],
         all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        """The training NLL after ``epoch``, once per epoch, on ``batches()`` (the fill-in's
-        samples): one forward pass that changes nothing (eval mode, no gradient, the RNG
-        forked; :func:`mean_nll`), the same on every process (``all_reduce``), its time
-        charged to the budget (and kept as its per-epoch cost). NaN (said once) if it fails."""
+        """The training NLL after ``epoch``, once per epoch, on ``batches()`` (the fixed
+        subset the fill-in is calibrated on): one forward pass that changes nothing (eval mode,
+        no gradient, the RNG forked; :func:`mean_nll`), the same on every process
+        (``all_reduce``), its time charged to the budget (and kept as its per-epoch cost). NaN
+        (said once) if it fails."""
         if epoch in self.by_epoch:
             return
         started = time.perf_counter()

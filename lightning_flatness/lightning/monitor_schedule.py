@@ -182,7 +182,7 @@ class MeasurementSchedule:
         if self.history:
             since_last = epochs_done - 1 - int(self.history[-1]["epoch"])
         if self.budget.fill_in_samples is None:  # once, when an epoch's time is known
-            available = int(min(self.resolved_num_train_samples or 0, self.max_samples or math.inf))
+            available = self._measured_samples()
             chosen = self.budget.choose_fill_in_samples(epochs_done, max_epochs, available)
             self.budget.fill_in_samples = int(rank_zeros(trainer, chosen))
         decision = self.budget.decide(
@@ -232,7 +232,7 @@ class MeasurementSchedule:
         probe kernel's sums grow faster than the samples)."""
         if self.budget.subset_seconds is not None:
             return self.budget.subset_seconds
-        samples = min(self.resolved_num_train_samples or 0, self.max_samples or math.inf)
+        samples = self._measured_samples()
         share = min(FILL_IN_SAMPLES / samples, 1.0) if samples > 0 else 1.0
         # and, below the whole set, its first half for the extrapolation to it
         share *= HALF_TOO if share < 1.0 else 1.0
@@ -287,7 +287,7 @@ class MeasurementSchedule:
         """:func:`whole_set_soft_rank` from the exact structure's ``subset`` report on the
         fill-in's samples, with their first half's soft rank from a formed kernel's own rows or
         else measured."""
-        target = int(min(self.resolved_num_train_samples or 0, self.max_samples or math.inf))
+        target = self._measured_samples()
         if not math.isfinite(subset.soft_rank) or subset.num_samples >= target:
             return subset.soft_rank, subset.rank_bound, subset.num_samples
         first_half = subset.blocks.get(FIRST_HALF)
