@@ -314,17 +314,20 @@ def test_where_the_exact_number_cannot_fit_the_fill_in_keeps_room_for_its_calibr
 
 def test_the_calibration_on_the_subset_measures_two_probe_rows_per_sample():
     """The probe kernel by name is calibrated with CALIBRATION_PROBES rows per sample (in as
-    many jackknife groups); an options object the user passed is measured as given."""
+    many jackknife groups); an options object the user passed is measured as given; either
+    for its trace functions alone (``summary_only``)."""
     monitor = FlatnessMonitor()
     monitor._active_structure = "probe_kernel"
     arguments = monitor.calibration_arguments()
     assert CALIBRATION_PROBES == 2
     assert arguments["structure"] == "probe_kernel"
     assert arguments["kernel_options"]["probes"] == arguments["kernel_options"]["groups"] == 2
+    assert arguments["kernel_options"]["summary_only"] is True  # the soft rank is all it needs
     chosen = KernelOptions(probes=6, groups=3)
     monitor = FlatnessMonitor(structure=chosen)
     monitor._active_structure = "probe_kernel"
-    assert monitor.calibration_arguments() == {"structure": chosen}
+    summed = KernelOptions(probes=6, groups=3, summary_only=True)
+    assert monitor.calibration_arguments() == {"structure": summed}
     monitor = FlatnessMonitor(structure="cg")
     monitor._active_structure = "cg"
     assert monitor.calibration_arguments() == monitor.measure_arguments("cg")

@@ -9,6 +9,8 @@ the same numbers, and so must a run summed across processes.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import batches, many_classes, random_data, tiny_model
@@ -215,6 +217,37 @@ def test_the_first_half_of_a_formed_kernel_is_a_measurement_of_those_samples(
     assert probe_kernel.FIRST_HALF not in parameters.blocks
 
 
+@pytest.mark.parametrize("side", ["samples", "parameters"])
+@pytest.mark.parametrize("batch_size", [1, 7, 48])
+def test_summary_only_gives_the_same_trace_functions_without_spectrum_or_decrement(
+    one_thread, side, batch_size
+):
+    """``summary_only`` (the monitor's calibration): the jackknifed trace functions, their
+    standard errors and a formed kernel's first half as without it, to round-off, on either
+    side and at any batch size; no Newton decrement, and the spectrum only as Lanczos's sample
+    (its largest eigenvalue the same)."""
+    model, inputs, targets = many_classes()
+    options = {"side": side}
+    full = _probe_report(model, inputs, targets, 4, 2, batch_size=batch_size, options=options)
+    summary = _probe_report(
+        model,
+        inputs,
+        targets,
+        4,
+        2,
+        batch_size=batch_size,
+        options={**options, "summary_only": True},
+    )
+    for field in ("soft_rank", "soft_rank2", "logdet", "max_eig"):
+        assert getattr(summary, field) == pytest.approx(getattr(full, field), rel=1e-9), field
+    for block in ("uncorrected", "stderr", *([probe_kernel.FIRST_HALF] * (side == "samples"))):
+        expected, got = full.blocks[block], summary.blocks[block]
+        assert got.soft_rank == pytest.approx(expected.soft_rank, rel=1e-9), block
+    assert full.newton_decrement > 0
+    assert math.isnan(summary.newton_decrement)
+    assert 0 < float(summary.eigenvalues.max()) <= full.max_eig * (1 + 1e-8)
+
+
 def test_size_guards_name_the_fix():
     model, inputs, targets = many_classes()
     with pytest.raises(StructureTooLargeError, match="max_row_elements"):
@@ -236,6 +269,7 @@ def test_size_guards_name_the_fix():
         ({"probe": 4}, "Unknown kernel_options"),
         ({"probes": 0}, "probes"),
         ({"side": "both"}, "side"),
+        ({"summary_only": "yes"}, "summary_only"),
     ],
 )
 def test_bad_options_are_refused_with_their_name(options, match):

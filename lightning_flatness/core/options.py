@@ -179,7 +179,12 @@ class KernelOptions:
     ``sketch_factor`` times shorter by a random projection in ``sketch_groups`` groups whose
     jackknife removes its bias (1: never; :mod:`lightning_flatness.core.curvature.row_sketch`);
     ``"auto"`` takes the smaller
-    (:mod:`lightning_flatness.core.curvature.probe_kernel`).
+    (:mod:`lightning_flatness.core.curvature.probe_kernel`). ``summary_only``: the trace
+    functions alone (the soft rank and its kin), for a caller that needs no more — a formed
+    kernel's by one Cholesky factorisation instead of its eigendecomposition (no eigenvalue
+    spectrum beyond the largest), and no Newton decrement (its solves and the gradient's
+    projection on the rows are skipped; the report's decrement is NaN, so its ``trusted``
+    lacks that check: keep it False for a number to be read as it stands).
     """
 
     probes: int = 4
@@ -196,6 +201,7 @@ class KernelOptions:
     sketch_factor: int = SKETCH_FACTOR
     sketch_from_parameters: int = SKETCH_FROM_PARAMETERS
     sketch_groups: int = SKETCH_GROUPS
+    summary_only: bool = False
 
     @property
     def structure(self) -> str:
@@ -220,6 +226,10 @@ class KernelOptions:
         check_count("kernel_options['max_row_elements']", self.max_row_elements, allow_none=True)
         check_choice("kernel_options['side']", self.side, ("auto", "parameters", "samples"))
         check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)
+        if not isinstance(self.summary_only, bool):
+            raise ValueError(
+                f"kernel_options['summary_only'] must be True or False, got {self.summary_only!r}."
+            )
         if self.probes % self.groups:
             raise ValueError(
                 f"kernel_options['groups']={self.groups} must divide kernel_options['probes']="

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from lightning_flatness.core.failures import (
     TrainingSplitError,
 )
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import KernelOptions
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.budget import (
     CALIBRATION_PROBES,
@@ -232,11 +234,17 @@ class MonitorMeasurement:
         """:func:`measure`'s arguments for the fill-in's calibration on its own samples: the
         active structure's, and for the probe kernel measured by name
         :data:`~lightning_flatness.lightning.budget.CALIBRATION_PROBES` probe rows per sample
-        (module docstring of :mod:`~lightning_flatness.lightning.budget`)."""
+        (module docstring of :mod:`~lightning_flatness.lightning.budget`); the probe kernel,
+        by name or the user's options, for its trace functions alone (``summary_only``: the
+        ratio needs the soft rank, not the spectrum or the Newton decrement)."""
         arguments = self.measure_arguments(self._active_structure)
+        if isinstance(
+            arguments["structure"], KernelOptions
+        ):  # the user's options, for the sums alone
+            return {"structure": replace(arguments["structure"], summary_only=True)}
         if arguments["structure"] != "probe_kernel":
             return arguments
-        probes = {"probes": CALIBRATION_PROBES, "groups": CALIBRATION_PROBES}
+        probes = {"probes": CALIBRATION_PROBES, "groups": CALIBRATION_PROBES, "summary_only": True}
         return {**arguments, "kernel_options": {**arguments.get("kernel_options", {}), **probes}}
 
     def _measured_samples(self) -> int:

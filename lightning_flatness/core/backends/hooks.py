@@ -150,7 +150,7 @@ class HookBackend(Backend):
                 )
             elif self.structure in ("diag", "diag_mc"):
                 self.estimator = DiagonalFisher(names, sampled=self.structure == "diag_mc")
-            else:
+            elif not self.options.summary_only:  # the Newton decrement's gradient
                 device = model_device_dtype(self.model)[0]
                 self.gradient_sum = torch.zeros(
                     self.num_parameters, dtype=torch.float64, device=device
@@ -204,7 +204,8 @@ class HookBackend(Backend):
             _scale_terms(terms, self.decay)
         if training and isinstance(self.estimator, ProbeKernelFisher):
             self.estimator.add([terms.rows[n] for n in self.hooked.names])
-            self.gradient_sum += torch.cat([terms.gradient[n] for n in self.hooked.names])
+            if self.gradient_sum is not None:
+                self.gradient_sum += torch.cat([terms.gradient[n] for n in self.hooked.names])
         elif training:
             self.estimator.add(terms)
         return sums
@@ -230,6 +231,7 @@ class HookBackend(Backend):
                 options.slq_probes, options.slq_steps, options.slq_tolerance, options.slq_extension
             ),
             "sketching": options.sketching,
+            "spectrum": not options.summary_only,
         }
         above = self.num_parameters > options.max_parameters
         if self.all_reduce is not None and above and options.side != "parameters":

@@ -123,8 +123,12 @@ class ProbeKernelFisher(CurvatureAccumulator):
         device: torch.device | str | None = None,
         quadrature: QuadratureBudget = DEFAULT_QUADRATURE,
         sketching: SketchPlan | None = None,
+        spectrum: bool = True,
     ) -> None:
         self.quadrature = quadrature
+        #: False: a formed matrix's trace functions by one Cholesky factorisation, not its
+        #: eigendecomposition (``KernelOptions.summary_only``)
+        self.spectrum = spectrum
         self.sketching = sketching
         #: the projection of the kept rows, once they are sketched
         self.sketch: RowSketch | None = None
@@ -300,7 +304,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
         matrix, leave_outs, kept_rows = self._matrices(num_samples)
         dtype = factorisation_dtype(float(matrix.diagonal().sum()), lam, self.precision)
         factor = None
-        if matrix.shape[0] > EIGEN_SIZE_LIMIT:
+        if matrix.shape[0] > EIGEN_SIZE_LIMIT or not self.spectrum:
             plain, spectrum, factor = _large_summary(matrix, lam, dtype)
         else:
             full = psd_eigenvalues(matrix, dtype)

@@ -155,6 +155,7 @@ class SpreadProbeKernel(ProbeKernelFisher):
             max_row_elements=self.max_row_elements,
             device=self.device,
             quadrature=self.quadrature,
+            spectrum=self.spectrum,
         )
         union.add(gathered)
         union.gradient = self.gradient
