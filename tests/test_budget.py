@@ -381,9 +381,11 @@ def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path, monke
     assert [r["fill_in"] for r in monitor.history] == [0.0, 1.0, 0.0]
     ratio = monitor.history[0]["soft_rank"] / _kfac_soft_rank(weights.models[0], data)
     fill_in = monitor.history[1]
-    assert fill_in["calibration"] == pytest.approx(ratio, rel=1e-9)
+    # to float32 round-off: the monitor's measurements read the model in passes of the size its
+    # earlier ones found, a copy measured afresh starts with a first pass of FIRST_CHUNK
+    assert fill_in["calibration"] == pytest.approx(ratio, rel=1e-6)
     kfac_now = _kfac_soft_rank(weights.models[1], data)
-    assert fill_in["soft_rank"] == pytest.approx(ratio * kfac_now, rel=1e-9)
+    assert fill_in["soft_rank"] == pytest.approx(ratio * kfac_now, rel=1e-6)
     assert float(trainer.callback_metrics["flatness/overhead"]) > 0.0
     for name, value in plain.state_dict().items():
         assert torch.equal(value, watched.state_dict()[name]), name
