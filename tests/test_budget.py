@@ -235,15 +235,20 @@ def test_the_per_epoch_reads_still_to_come_are_kept_from_the_fill_ins():
 
 def test_the_fill_in_measures_fewer_samples_where_its_cap_costs_more_than_its_part():
     """After one epoch of 0.8 s of a 30-epoch fit, 7.2 s allowed: a fill-in at every epoch may
-    cost half of 7.2 / 30 = 0.12 s. On a line of 0.02 s + 0.45 ms a sample that is 222 samples
-    (not 1,024: 0.48 s); at 1 ms a sample 100, raised to the floor of 128; a cheap fill-in
-    keeps its cap, and never more than the samples there are."""
+    cost half of 7.2 / 30 = 0.12 s. On a line of 0.02 s + 0.45 ms a sample, 1,024 samples cost
+    0.48 s: the fill-in takes the floor of 128 (not the 222 the line would afford: it predicts
+    a count in between too loosely); a cheap fill-in keeps its cap (the line at 1,024 samples
+    just within 0.12 s), and never more than the samples there are."""
     budget, clock = _budget(0.3, allowance=0.0)
     clock.now = 0.8
     budget.fill_in_line = (0.02, 0.00045)
-    assert budget.choose_fill_in_samples(1, 30, available=5000) == 222
-    assert budget.fill_in_samples == 222
-    assert budget.cheap_seconds == pytest.approx(0.02 + 0.00045 * 222)
+    assert budget.choose_fill_in_samples(1, 30, available=5000) == FILL_IN_MIN_SAMPLES
+    assert budget.fill_in_samples == FILL_IN_MIN_SAMPLES
+    assert budget.cheap_seconds == pytest.approx(0.02 + 0.00045 * FILL_IN_MIN_SAMPLES)
+    budget.fill_in_line = (0.02, 0.0999 / FILL_IN_SAMPLES)
+    assert budget.choose_fill_in_samples(1, 30, available=5000) == FILL_IN_SAMPLES
+    budget.fill_in_line = (0.02, 0.1001 / FILL_IN_SAMPLES)
+    assert budget.choose_fill_in_samples(1, 30, available=5000) == FILL_IN_MIN_SAMPLES
     budget.fill_in_line = (0.02, 0.001)
     assert budget.choose_fill_in_samples(1, 30, available=5000) == FILL_IN_MIN_SAMPLES
     assert budget.cheap_seconds == pytest.approx(0.02 + 0.001 * FILL_IN_MIN_SAMPLES)
@@ -310,6 +315,21 @@ def test_where_the_exact_number_cannot_fit_the_fill_in_keeps_room_for_its_calibr
     budget.charge(1.0)  # 13 spent: the calibration cannot fit any more, the curve goes on
     clock.now = 13.5
     assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # 13 + 1 ≤ 17.5
+
+
+def test_once_calibrated_the_fill_ins_wait_for_the_last_calibration():
+    """The fit above, but the fill-in has been calibrated on its samples in this fit: the ratio
+    drifts, so the last epoch's calibration decides the last value, and its reserve is kept
+    even once it no longer fits beside the fill-ins: they wait, and the last epoch has it."""
+    budget, clock = _budget(0.3, allowance=20.0)
+    budget.exact_seconds, budget.cheap_seconds, budget.subset_seconds = 30.0, 1.0, 4.0
+    budget.calibrated = True
+    budget.charge(13.0)
+    clock.now = 13.5  # 17.5 allowed
+    assert budget.decide(2, 10, last=False, cheap=True) == SKIP  # 13 + 1 + 5 > 17.5
+    assert budget.fits_beside_fill_in(4.0, 10, 10, last=True)  # 13 + 1 + 4 ≤ 19.5
+    budget.start()
+    assert budget.calibrated is False  # a new fit has not been calibrated
 
 
 def test_the_calibration_on_the_subset_measures_two_probe_rows_per_sample():
@@ -440,6 +460,7 @@ def test_a_fill_in_on_fewer_samples_is_calibrated_on_the_calibrations_subset(tmp
     monitor._call_measure = recording
     _fit(tmp_path, [monitor])
     assert monitor.budget.fill_in_samples == 8
+    assert monitor.budget.calibrated  # the last epoch's calibration is now reserved
     fill_ins = [x for structure, x in measured if structure == "kfac" and len(x) == 8]
     assert len(fill_ins) == 3  # one at each epoch (the first in the calibration)
     assert all(torch.equal(x, fill_ins[0]) for x in fill_ins)

@@ -21,9 +21,9 @@ scheduled epoch it runs, in this order of preference, whatever keeps
 
 1. the exact-quality measurement;
 2. else the cheap one, :data:`FILL_IN` (the Kronecker factors of the layer hooks on at most
-   :data:`FILL_IN_SAMPLES` training samples — fewer, down to :data:`FILL_IN_MIN_SAMPLES`, where
-   a fill-in on those at every epoch would take more than half of what the fit may spend per
-   epoch (:meth:`OverheadBudget.choose_fill_in_samples`): 1–4 training epochs of its samples,
+   :data:`FILL_IN_SAMPLES` training samples — :data:`FILL_IN_MIN_SAMPLES` where a fill-in on
+   those at every epoch would take more than half of what the fit may spend per epoch
+   (:meth:`OverheadBudget.choose_fill_in_samples`): 1–4 training epochs of its samples,
    its cost predicted at fit start), its soft rank scaled by the ratio
    exact ÷ cheap of the last exact measurement (both are measured then) and logged with
    ``fill_in = 1``. Before any exact measurement of the whole set has run, the ratio is taken
@@ -32,7 +32,8 @@ scheduled epoch it runs, in this order of preference, whatever keeps
    :mod:`~lightning_flatness.core.sample_growth`) whenever that fits, and taken again so at the
    last epoch (the ratio drifts over a fit); the reserve for the fit-end measurement counts
    against a fill-in only while that measurement can still fit (once it cannot, the reserve is
-   that last calibration's, while it can), so that a fit whose one exact measurement alone
+   that last calibration's: always once a calibration has run, else while it fits), so that a
+   fit whose one exact measurement alone
    exceeds what it may spend still gets its curves. Fill-ins are paced: when what is left
    (after the reserve) pays for fewer fill-ins than epochs remain, one runs only once as many
    epochs have passed since the last value as the remaining epochs per affordable fill-in, so
@@ -89,10 +90,7 @@ __all__ = [
     "OverheadBudget",
     "TRIAL_SAMPLES",
     "UNTIMED_SHARE",
-    "cost_message",
     "fill_in_record",
-    "measured_line",
-    "not_exact_message",
     "trial_settings",
 ]
 
@@ -170,6 +168,9 @@ class OverheadBudget:
     fill_in_line: tuple[float, float] | None = None
     #: the samples the fill-in measures in this fit (None: not chosen yet)
     fill_in_samples: int | None = None
+    #: whether the fill-in has been calibrated on its subset in this fit (then the last
+    #: epoch's calibration is reserved for whatever else waits)
+    calibrated: bool = False
     #: what the monitor spends at every epoch's end whatever is decided (the settled test's
     #: read of the training NLL: its last time), kept for the epochs still to come
     per_epoch_seconds: float = 0.0
@@ -188,6 +189,7 @@ class OverheadBudget:
         self.started = self.clock()
         self.spent = 0.0
         self.fill_in_samples = None
+        self.calibrated = False
 
     def charge(self, seconds: float) -> None:
         """Count ``seconds`` of monitor work."""
@@ -253,8 +255,9 @@ class OverheadBudget:
         epoch, when an epoch's time is known): :data:`FILL_IN_SAMPLES`, or, where a fill-in on
         them at every epoch would take more than half of what the fit may spend per epoch
         (``allowed ÷ max_epochs ÷ 2``: the other half pays for the exact measurements and
-        calibrations), as many as cost that on :attr:`fill_in_line`, at least
-        :data:`FILL_IN_MIN_SAMPLES`; never more than the ``available`` samples (0: unknown).
+        calibrations) on :attr:`fill_in_line`, :data:`FILL_IN_MIN_SAMPLES` (nothing between:
+        the line, timed on a few samples, predicts a count in between too loosely, and the
+        fill-in tracks alike on both); never more than the ``available`` samples (0: unknown).
         Sets :attr:`cheap_seconds` to the chosen count's predicted cost."""
         cap = min(FILL_IN_SAMPLES, available) if available > 0 else FILL_IN_SAMPLES
         chosen = cap
@@ -262,9 +265,8 @@ class OverheadBudget:
             fixed, per_sample = self.fill_in_line
             projected = self._projected_training(epochs_done, max_epochs)
             per_epoch = self.allowed(projected) / max_epochs / 2
-            if per_sample > 0 and fixed + per_sample * cap > per_epoch:
-                fitting = int(max(per_epoch - fixed, 0.0) / per_sample)
-                chosen = max(min(fitting, cap), min(FILL_IN_MIN_SAMPLES, cap))
+            if fixed + per_sample * cap > per_epoch:
+                chosen = min(FILL_IN_MIN_SAMPLES, cap)
             self.cheap_seconds = fixed + per_sample * chosen
         self.fill_in_samples = chosen
         return chosen
@@ -291,17 +293,20 @@ class OverheadBudget:
         return exact <= left and self.spent <= left
 
     def _live_reserve(self, reserve: float, upcoming: float, projected: float) -> float:
-        """The fit-end reserve while the exact measurement can still fit; else, once the fill-in
-        has been calibrated on its own samples, that calibration's cost while it can still fit
-        (the last value is calibrated again); else none (so that a fit whose one exact
-        measurement exceeds what it may spend still gets fill-ins); each with the
-        ``upcoming`` per-epoch work, which is spent whatever is decided."""
+        """The fit-end reserve while the exact measurement can still fit; else the cost of
+        the fill-in's calibration on its own samples (the last value is calibrated again): kept
+        once one has run (the ratio drifts over a fit, so the last calibration decides the last
+        value: the fill-ins wait for it), before that while it can still fit; else none (so that
+        a fit whose one exact measurement exceeds what it may spend still gets fill-ins); each
+        with the ``upcoming`` per-epoch work, which is spent whatever is decided."""
         if self._fits(reserve, upcoming, projected):
             return reserve + upcoming
         if not self.subset_seconds:
             return upcoming
         again = self.subset_seconds + (self.cheap_seconds or 0.0)  # it runs the fill-in too
-        return again + upcoming if self._fits(again, upcoming, projected) else upcoming
+        if self.calibrated or self._fits(again, upcoming, projected):
+            return again + upcoming
+        return upcoming
 
     def decide(
         self,
@@ -410,70 +415,6 @@ class Calibration:
             if self.target_samples is not None and self.target_samples > self.samples:
                 where += f", extrapolated to {self.target_samples:,}"
         return f"{FILL_IN} × {self.ratio:.3g}, the exact ÷ {FILL_IN} ratio {where}"
-
-
-def measured_line(
-    history: list[dict[str, float]], skipped: list[int], structure: str, budget: OverheadBudget
-) -> str:
-    """The fit-end line that says what was measured how: the epochs measured exactly, those
-    filled in, those skipped, and what the monitor spent against what it may."""
-
-    def epochs(values: list[float] | list[int]) -> str:
-        return ", ".join(str(int(value)) for value in values)
-
-    exact = [r["epoch"] for r in history if not r.get("fill_in")]
-    filled = [r["epoch"] for r in history if r.get("fill_in")]
-    parts = [f"exact ({structure}) at epochs {epochs(exact)}"] if exact else []
-    if filled:
-        parts.append(f"the {FILL_IN} fill-in at {epochs(filled)}")
-    if skipped:
-        parts.append(f"nothing at {epochs(skipped)} (over the budget)")
-    line = "FlatnessMonitor measured " + "; ".join(parts)
-    if budget.share is None:
-        return line + f"; {budget.spent:.1f} s in all (overhead_budget=None)."
-    training = budget.training_seconds()
-    return line + (
-        f"; {budget.spent:.1f} s of the {budget.allowed(training):.1f} s it may spend "
-        f"(overhead_budget={budget.share:g} of {training:.1f} s of training, "
-        f"or {budget.allowance:g} s when that is more)."
-    )
-
-
-def cost_message(
-    budget: OverheadBudget, seconds: float, epochs_done: int, every_n_epochs: int, structure: str
-) -> str:
-    """What one exact measurement costs this fit, and what the budget does about it (said once,
-    after the first)."""
-    training = budget.training_seconds()
-    epoch = training / epochs_done if epochs_done else float("nan")
-    epochs = f", {seconds / epoch:.0f} training epochs" if epoch > 0 else ""
-    head = f"FlatnessMonitor: one {structure} measurement takes {seconds:.1f} s{epochs}. "
-    if budget.share is None:
-        added = seconds / (every_n_epochs * epoch) if epoch > 0 else float("nan")
-        return (
-            head + f"Measuring every {every_n_epochs} epoch(s) (overhead_budget=None) adds about "
-            f"{added:.0%} to the training time; overhead_budget=0.3 keeps it under 30%."
-        )
-    return (
-        head + f"It runs while the monitor adds at most overhead_budget={budget.share:g} of the "
-        f"training time, or {budget.allowance:g} s in a fit where that is more (the last "
-        f"epoch's whenever the whole fit allows it); {FILL_IN!r} scaled by the last exact ratio "
-        "fills in between (flatness/fill_in = 1). overhead_budget=None measures exactly at "
-        "every scheduled epoch."
-    )
-
-
-def not_exact_message(budget: OverheadBudget, structure: str, calibration: Calibration) -> str:
-    """Said once when the fit's last value is the fill-in, not the exact measurement."""
-    training = budget.training_seconds()
-    return (
-        f"FlatnessMonitor: the {structure} measurement (about {budget.exact_seconds or 0:.1f} s) "
-        f"did not fit what this fit may spend (overhead_budget={budget.share:g} of its "
-        f"{training:.1f} s of training, or {budget.allowance:g} s), so the last values are "
-        f"{calibration.describe()}, not trusted. For the exact number pass "
-        "overhead_budget=None (or a larger share), or measure the trained model with "
-        "lightning_flatness.measure()."
-    )
 
 
 def trial_settings(arguments: Mapping[str, Any]) -> tuple[dict, float]:

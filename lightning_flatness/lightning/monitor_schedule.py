@@ -28,8 +28,10 @@ from lightning_flatness.lightning.budget import (
     FILL_IN_SAMPLES,
     SKIP,
     Calibration,
-    cost_message,
     fill_in_record,
+)
+from lightning_flatness.lightning.budget_messages import (
+    cost_message,
     measured_line,
     not_exact_message,
 )
@@ -270,6 +272,7 @@ class MeasurementSchedule:
         if cheap is None:
             return None
         if exact is not None and cheap["soft_rank"] > 0 and math.isfinite(whole[0]):
+            self.budget.calibrated = True
             self._calibration = Calibration(
                 whole[0] / cheap["soft_rank"],
                 float(trainer.current_epoch),
