@@ -4,12 +4,14 @@ n = 5,000, ``benchmarks/_ladder.py``) trained with SGD, at chosen epochs of a fi
 
 - the default structure's soft rank on the whole training set (the exact value), and the ratio
   exact ÷ ``kfac`` (measured as the monitor measures its fill-in) on the nested fixed subsets of
-  m = 128, 256, 512 and 1,024 samples the monitor reads, with the fill-in's seconds;
-- the calibration on the 1,024-sample subset (the probe kernel with ``--calibration-probes``
-  rows per sample in as many jackknife groups, its first half read off its kernel,
+  m = 64, 128, 256, 512 and 1,024 samples the monitor reads, with the fill-in's seconds;
+- the calibration on the nested subsets of ``--calibration-samples`` (default 1,024: the
+  probe kernel with ``--calibration-probes`` rows per sample in as many jackknife groups, for
+  its trace functions alone as the monitor measures it, its first half read off its kernel,
   extrapolated to n) ÷ the exact value, with its seconds.
 
     python benchmarks/bench_fill_in_samples.py --decays 5e-4 5e-3 --calibration-probes 1 2
+    python benchmarks/bench_fill_in_samples.py --decays 5e-4 5e-3 --calibration-samples 512 768 1024
 """
 
 from __future__ import annotations
@@ -29,15 +31,23 @@ from lightning_flatness.core.sample_growth import extrapolated_soft_rank
 from lightning_flatness.lightning.monitor_measurement import MONITOR_DEFAULTS
 from lightning_flatness.lightning.trainer_facts import fixed_subset_batches
 
-SUBSETS = (128, 256, 512, 1024)
+SUBSETS = (64, 128, 256, 512, 1024)
 
 
 class FillInRatios(Callback):
     """At the ends of ``epochs``: the exact soft rank, the fill-in on each subset and the
     calibration with each probe count (module docstring)."""
 
-    def __init__(self, loader: DataLoader, epochs: set[int], decay: float, probes: list[int]):
+    def __init__(
+        self,
+        loader: DataLoader,
+        epochs: set[int],
+        decay: float,
+        probes: list[int],
+        calibration_samples: list[int],
+    ) -> None:
         self.loader, self.epochs, self.decay, self.probes = loader, epochs, decay, probes
+        self.calibration_samples = calibration_samples
         self.rows: list[list[str]] = []
 
     def _measure(self, module: LightningModule, samples: int | None, **options) -> tuple:
@@ -64,11 +74,11 @@ class FillInRatios(Callback):
                     pl_module, samples, structure="kfac", **MONITOR_DEFAULTS
                 )
                 row.append(f"{exact.soft_rank / kfac.soft_rank:.3f} ({seconds:.2f} s)")
-            for probes in self.probes:
-                rows = {"probes": probes, "groups": probes}
+            for samples, probes in _calibrations(self.calibration_samples, self.probes):
+                rows = {"probes": probes, "groups": probes, "summary_only": True}
                 options = {"trace_estimator": "probe", "kernel_options": rows}
                 subset, seconds = self._measure(
-                    pl_module, SUBSETS[-1], structure="probe_kernel", **options
+                    pl_module, samples, structure="probe_kernel", **options
                 )
                 half = subset.blocks[FIRST_HALF].soft_rank
                 whole = extrapolated_soft_rank(half, subset.soft_rank, subset.num_samples, n)
@@ -77,25 +87,36 @@ class FillInRatios(Callback):
         print(" | ".join(row), flush=True)
 
 
+def _calibrations(samples: list[int], probes: list[int]) -> list[tuple[int, int]]:
+    """The calibrations measured: every subset size with every probe count."""
+    return [(m, s) for m in samples for s in probes]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--decays", type=float, nargs="+", default=[5e-4, 5e-3])
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--at", type=int, nargs="+", default=[0, 2, 5, 9, 14, 20, 29])
     parser.add_argument("--calibration-probes", type=int, nargs="*", default=[2])
+    parser.add_argument("--calibration-samples", type=int, nargs="*", default=[1024])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     quiet_start(args.threads)
     x, y, _, _ = colour16(5000, 0)
     header = ["c", "epoch", "exact soft rank, n"]
     header += [f"exact ÷ kfac, m = {m:,} (its seconds)" for m in SUBSETS]
-    header += [f"calibration ÷ exact, {p} probe rows (seconds)" for p in args.calibration_probes]
+    calibrations = _calibrations(args.calibration_samples, args.calibration_probes)
+    header += [f"calibration ÷ exact, m = {m:,}, {p} probe rows (seconds)" for m, p in calibrations]
     rows = []
     for decay in args.decays:
         seed_everything(0)
         dataset = TensorDataset(x, y)
         ratios = FillInRatios(
-            DataLoader(dataset, batch_size=256), set(args.at), decay, args.calibration_probes
+            DataLoader(dataset, batch_size=256),
+            set(args.at),
+            decay,
+            args.calibration_probes,
+            args.calibration_samples,
         )
         module = LadderClassifier(LadderResNet((8, 16, 24)), decay)
         ladder_trainer(args.epochs, [ratios]).fit(
