@@ -317,17 +317,26 @@ def test_where_the_exact_number_cannot_fit_the_fill_in_keeps_room_for_its_calibr
     assert budget.decide(2, 10, last=False, cheap=True) == CHEAP  # 13 + 1 ≤ 17.5
 
 
-def test_once_calibrated_the_fill_ins_wait_for_the_last_calibration():
-    """The fit above, but the fill-in has been calibrated on its samples in this fit: the ratio
-    drifts, so the last epoch's calibration decides the last value, and its reserve is kept
-    even once it no longer fits beside the fill-ins: they wait, and the last epoch has it."""
-    budget, clock = _budget(0.3, allowance=20.0)
-    budget.exact_seconds, budget.cheap_seconds, budget.subset_seconds = 30.0, 1.0, 4.0
-    budget.calibrated = True
-    budget.charge(13.0)
-    clock.now = 13.5  # 17.5 allowed
-    assert budget.decide(2, 10, last=False, cheap=True) == SKIP  # 13 + 1 + 5 > 17.5
-    assert budget.fits_beside_fill_in(4.0, 10, 10, last=True)  # 13 + 1 + 4 ≤ 19.5
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_once_calibrated_the_last_calibration_is_kept_within_the_untimed_part(calibrated):
+    """90 s of training after 9 of 10 epochs (100 s projected): 0.8 · 0.3 · 100 = 24 s allowed,
+    30 s with the untimed part; 20 s spent, the calibration again costs 4 + 1 s (with its
+    fill-in). 25 > 24: before any calibration in this fit its reserve is dropped and the fill-in
+    runs. Once calibrated (the ratio drifts: the last calibration decides the last value), the
+    reserve is kept while it fits within the untimed part (25 ≤ 30): the fill-in waits, and the
+    last epoch's calibration runs there."""
+    budget, clock = _budget(0.3, untimed=0.2)
+    budget.exact_seconds, budget.cheap_seconds, budget.subset_seconds = 300.0, 1.0, 4.0
+    budget.calibrated = calibrated
+    budget.charge(20.0)
+    clock.now = 110.0
+    expected = SKIP if calibrated else CHEAP
+    assert budget.decide(9, 10, last=False, cheap=True) == expected
+    clock.now = 120.0  # the last epoch: 100 s of training
+    assert budget.fits_beside_fill_in(4.0, 10, 10, last=True) is calibrated  # 25 ≤ 30, > 24
+    budget.subset_seconds = 10.0  # 20 + 11 > 30: past even the untimed part, the curve goes on
+    clock.now = 110.0
+    assert budget.decide(9, 10, last=False, cheap=True) == CHEAP  # 20 + 1 ≤ 24
     budget.start()
     assert budget.calibrated is False  # a new fit has not been calibrated
 

@@ -32,8 +32,9 @@ scheduled epoch it runs, in this order of preference, whatever keeps
    :mod:`~lightning_flatness.core.sample_growth`) whenever that fits, and taken again so at the
    last epoch (the ratio drifts over a fit); the reserve for the fit-end measurement counts
    against a fill-in only while that measurement can still fit (once it cannot, the reserve is
-   that last calibration's: always once a calibration has run, else while it fits), so that a
-   fit whose one exact measurement alone
+   that last calibration's while it fits: once a calibration has run, within the untimed part
+   of the budget too, where the last one may then run), so that a fit whose one exact
+   measurement alone
    exceeds what it may spend still gets its curves. Fill-ins are paced: when what is left
    (after the reserve) pays for fewer fill-ins than epochs remain, one runs only once as many
    epochs have passed since the last value as the remaining epochs per affordable fill-in, so
@@ -220,15 +221,18 @@ class OverheadBudget:
             return training * max_epochs / epochs_done
         return training
 
-    def allowed(self, projected: float) -> float:
+    def allowed(self, projected: float, untimed_too: bool = False) -> float:
         """The monitor seconds a fit of ``projected`` training seconds may spend: its share
-        (less the untimed part), or what brings the whole fit to the allowance when that is
-        more."""
-        share = (1.0 - self.untimed) * float(self.share) * projected
+        (less the untimed part, unless ``untimed_too``), or what brings the whole fit to the
+        allowance when that is more."""
+        kept = 0.0 if untimed_too else self.untimed
+        share = (1.0 - kept) * float(self.share) * projected
         return max(share, self.allowance - projected)
 
-    def _fits(self, cost: float, reserve: float, projected: float) -> bool:
-        return self.spent + cost + reserve <= self.allowed(projected)
+    def _fits(
+        self, cost: float, reserve: float, projected: float, untimed_too: bool = False
+    ) -> bool:
+        return self.spent + cost + reserve <= self.allowed(projected, untimed_too)
 
     def _horizon(
         self, epochs_done: int, max_epochs: int | None, last: bool
@@ -276,12 +280,14 @@ class OverheadBudget:
     ) -> bool:
         """Whether ``seconds`` more work (the fill-in's calibration on its own samples) fits
         beside a fill-in, with the reserve for the fit-end exact measurement while it can still
-        run (the rule of :meth:`decide` for the fill-in)."""
+        run (the rule of :meth:`decide` for the fill-in); at the last epoch of a fit calibrated
+        before, within the untimed part too (:meth:`_live_reserve` kept its cost so far)."""
         if self.share is None:
             return True
         projected, reserve, upcoming = self._horizon(epochs_done, max_epochs, last)
         cost = self._fill_in_seconds(epochs_done) + seconds
-        return self._fits(cost, self._live_reserve(reserve, upcoming, projected), projected)
+        reserve = self._live_reserve(reserve, upcoming, projected)
+        return self._fits(cost, reserve, projected, untimed_too=last and self.calibrated)
 
     def _last_within_allowance(self) -> bool:
         """The fit's last exact measurement runs whenever it alone fits in what the allowance
@@ -294,17 +300,20 @@ class OverheadBudget:
 
     def _live_reserve(self, reserve: float, upcoming: float, projected: float) -> float:
         """The fit-end reserve while the exact measurement can still fit; else the cost of
-        the fill-in's calibration on its own samples (the last value is calibrated again): kept
-        once one has run (the ratio drifts over a fit, so the last calibration decides the last
-        value: the fill-ins wait for it), before that while it can still fit; else none (so that
-        a fit whose one exact measurement exceeds what it may spend still gets fill-ins); each
-        with the ``upcoming`` per-epoch work, which is spent whatever is decided."""
+        the fill-in's calibration on its own samples (the last value is calibrated again) while
+        it can still fit — once one has run, within the untimed part too (the ratio drifts over
+        a fit, so the last calibration decides the last value: a fit near the edge keeps it
+        rather than spend it on fill-ins, and it may then run in that part); else none (so that
+        a fit whose one exact measurement or calibration exceeds what it may spend still gets
+        fill-ins); each with the ``upcoming`` per-epoch work, which is spent whatever is
+        decided."""
         if self._fits(reserve, upcoming, projected):
             return reserve + upcoming
         if not self.subset_seconds:
             return upcoming
         again = self.subset_seconds + (self.cheap_seconds or 0.0)  # it runs the fill-in too
-        if self.calibrated or self._fits(again, upcoming, projected):
+        # once calibrated, a calibration that fits only within the untimed part is still kept
+        if self._fits(again, upcoming, projected, untimed_too=self.calibrated):
             return again + upcoming
         return upcoming
 
