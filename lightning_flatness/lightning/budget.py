@@ -170,7 +170,7 @@ class OverheadBudget:
     #: the samples the fill-in measures in this fit (None: not chosen yet)
     fill_in_samples: int | None = None
     #: whether the fill-in has been calibrated on its subset in this fit (then the last
-    #: epoch's calibration is reserved for whatever else waits)
+    #: epoch's calibration keeps its reserve within the untimed part too: :meth:`_live_reserve`)
     calibrated: bool = False
     #: what the monitor spends at every epoch's end whatever is decided (the settled test's
     #: read of the training NLL: its last time), kept for the epochs still to come
