@@ -238,11 +238,10 @@ class MonitorMeasurement:
         by name or the user's options, for its trace functions alone (``summary_only``: the
         ratio needs the soft rank, not the spectrum or the Newton decrement)."""
         arguments = self.measure_arguments(self._active_structure)
-        if isinstance(
-            arguments["structure"], KernelOptions
-        ):  # the user's options, for the sums alone
-            return {"structure": replace(arguments["structure"], summary_only=True)}
-        if arguments["structure"] != "probe_kernel":
+        structure = arguments["structure"]
+        if isinstance(structure, KernelOptions):  # the user's options, for the sums alone
+            return {"structure": replace(structure, summary_only=True)}
+        if structure != "probe_kernel":
             return arguments
         probes = {"probes": CALIBRATION_PROBES, "groups": CALIBRATION_PROBES, "summary_only": True}
         return {**arguments, "kernel_options": {**arguments.get("kernel_options", {}), **probes}}
