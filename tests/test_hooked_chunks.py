@@ -44,9 +44,16 @@ def _model(name: str) -> torch.nn.Module:
 
 
 def _measured(model, data, structure: str, monkeypatch, first: int, numbers: float):
+    """The measurement with these pass-size settings and no pass size known yet, and the
+    samples of each pass."""
     monkeypatch.setattr(hooks, "FIRST_CHUNK", first)
     monkeypatch.setattr(hooks, "CHUNK_NUMBERS", numbers)
     monkeypatch.setattr(hooks, "_KNOWN_CHUNKS", weakref.WeakKeyDictionary())  # none known yet
+    return _counted(model, data, structure, monkeypatch)
+
+
+def _counted(model, data, structure: str, monkeypatch):
+    """The measurement as the settings stand, and the samples of each pass."""
     passes = []
 
     def counted(self, inputs):
@@ -102,37 +109,17 @@ def test_the_pass_size_follows_the_recorded_numbers(monkeypatch):
 
 @pytest.mark.parametrize("structure", ["kfac", "probe_kernel"])
 def test_a_model_measured_again_goes_straight_to_its_known_pass_size(structure, monkeypatch):
-    """The pass size a measurement found is kept for the same model, structure and sample
-    shapes: measured again, a batch is read in passes of that size from the start (no first
-    pass of FIRST_CHUNK samples), with the same numbers; another structure, or samples of
-    another shape, start over."""
+    """The pass size a measurement found is kept for the same model under its structure and
+    sample shapes: measured again, a batch is read in passes of that size from the start (no
+    first pass of FIRST_CHUNK samples), with the same numbers."""
     model = tiny_model("mlp").to(torch.float64).eval()
     inputs, targets = random_data(50)
     recorded = sum(m.out_features for m in model.modules() if isinstance(m, torch.nn.Linear))
     data = [(inputs, targets)]
     first, passes = _measured(model, data, structure, monkeypatch, 4, 9.5 * recorded)
     assert passes[:3] == [4, 9, 9]
-    counted = []
-
-    def counting(self, batch):
-        counted.append(batch[0].shape[0])
-        return FORWARD(self, batch)
-
-    monkeypatch.setattr(HookedPass, "forward", counting)
-    kernel = {"probes": 4, "groups": 2} if structure == "probe_kernel" else None
-    again = measure(
-        model,
-        data,
-        lam=LAM,
-        num_train_samples=100,
-        structure=structure,
-        val_batches=data[:1],
-        kfac_mode="sampled" if structure == "kfac" else "exact",
-        trace_estimator="probe",
-        seed=3,
-        kernel_options=kernel,
-    )
-    assert counted == [9] * 5 + [5] + [9] * 5 + [5]  # 50 training, 50 held-out
+    again, passes = _counted(model, data, structure, monkeypatch)
+    assert passes == [9] * 5 + [5] + [9] * 5 + [5]  # 50 training, 50 held-out
     for field in FIELDS:
         assert getattr(again, field) == pytest.approx(
             getattr(first, field), rel=1e-10, nan_ok=True
