@@ -200,7 +200,7 @@ def main() -> None:
                 f"{parameters:,}",
                 f"{setup.n:,}",
                 str(setup.epochs),
-                monitor._active_structure,
+                monitor.state.active_structure,
                 f"{plain:.1f}",
                 f"{watched:.1f}",
                 f"{watched / plain:.2f}",

@@ -346,20 +346,20 @@ def test_the_calibration_on_the_subset_measures_two_probe_rows_per_sample():
     many jackknife groups); an options object the user passed is measured as given; either
     for its trace functions alone (``summary_only``)."""
     monitor = FlatnessMonitor()
-    monitor._active_structure = "probe_kernel"
-    arguments = monitor.calibration_arguments()
+    monitor.state.active_structure = "probe_kernel"
+    arguments = monitor.measurer.calibration_arguments()
     assert CALIBRATION_PROBES == 2
     assert arguments["structure"] == "probe_kernel"
     assert arguments["kernel_options"]["probes"] == arguments["kernel_options"]["groups"] == 2
     assert arguments["kernel_options"]["summary_only"] is True  # the soft rank is all it needs
     chosen = KernelOptions(probes=6, groups=3)
     monitor = FlatnessMonitor(structure=chosen)
-    monitor._active_structure = "probe_kernel"
+    monitor.state.active_structure = "probe_kernel"
     summed = KernelOptions(probes=6, groups=3, summary_only=True)
-    assert monitor.calibration_arguments() == {"structure": summed}
+    assert monitor.measurer.calibration_arguments() == {"structure": summed}
     monitor = FlatnessMonitor(structure="cg")
-    monitor._active_structure = "cg"
-    assert monitor.calibration_arguments() == monitor.measure_arguments("cg")
+    monitor.state.active_structure = "cg"
+    assert monitor.measurer.calibration_arguments() == monitor.measurer.arguments("cg")
 
 
 def test_a_fill_in_is_never_above_its_rank_bound():
@@ -430,14 +430,14 @@ def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path,
     script = [EXACT, CHEAP, CHEAP]
     monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     measured = []
-    original = monitor._call_measure
+    original = monitor.measurer.call
 
     def recording(pl_module, train_batches, *args, **kwargs):
         batches = list(train_batches)
         measured.append(torch.cat([x for x, _ in batches]))
         return original(pl_module, batches, *args, **kwargs)
 
-    monitor._call_measure = recording
+    monitor.measurer.call = recording
     _fit(tmp_path, [monitor])
     assert [r["num_samples"] for r in monitor.history] == [64.0, 16.0, 16.0]
     # the trial's runs, then epoch 1: exact and the calibrating fill-in, then two fill-ins
@@ -457,7 +457,7 @@ def test_a_fill_in_on_fewer_samples_is_calibrated_on_the_calibrations_subset(tmp
     monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     monitor.budget.choose_fill_in_samples = lambda *args: 8
     reports, measured = [], []
-    original = monitor._call_measure
+    original = monitor.measurer.call
 
     def recording(pl_module, train_batches, *args, **kwargs):
         batches = list(train_batches)
@@ -466,7 +466,7 @@ def test_a_fill_in_on_fewer_samples_is_calibrated_on_the_calibrations_subset(tmp
         measured.append((report.structure, torch.cat([x for x, _ in batches])))
         return report
 
-    monitor._call_measure = recording
+    monitor.measurer.call = recording
     _fit(tmp_path, [monitor])
     assert monitor.budget.fill_in_samples == 8
     assert monitor.budget.calibrated  # the last epoch's calibration is now reserved
@@ -497,14 +497,14 @@ def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_sampl
     script = [CHEAP, CHEAP, EXACT]
     monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     reports = []
-    original = monitor._call_measure
+    original = monitor.measurer.call
 
     def recording(*args, **kwargs):
         report = original(*args, **kwargs)
         reports.append(report)
         return report
 
-    monitor._call_measure = recording
+    monitor.measurer.call = recording
     _, model, _ = _fit(tmp_path, [monitor])
     assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 0.0]
     # epoch 0: the exact structure on the subset (its first half read off its kernel) and the
@@ -522,7 +522,7 @@ def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_sampl
     bound = min(sum(p.numel() for p in model.parameters()), 4 * exact.rank_bound)
     assert first["rank_bound"] == bound
     assert first["soft_rank"] == pytest.approx(min(whole, bound), rel=1e-12)
-    described = monitor._calibration.describe()
+    described = monitor.schedule.calibration.describe()
     assert "at epoch 0, exact on 16 samples, extrapolated to 64" in described
 
 
@@ -540,7 +540,7 @@ def test_the_last_fill_in_is_calibrated_again_and_a_report_without_a_half_measur
     monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     monitor.budget.fits_beside_fill_in = lambda *args: True  # the calibration always fits
     reports = []
-    original = monitor._call_measure
+    original = monitor.measurer.call
 
     def recording(*args, **kwargs):
         report = original(*args, **kwargs)
@@ -548,7 +548,7 @@ def test_the_last_fill_in_is_calibrated_again_and_a_report_without_a_half_measur
         reports.append(report)
         return report
 
-    monitor._call_measure = recording
+    monitor.measurer.call = recording
     _fit(tmp_path, [monitor])
     assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 1.0]
     on_subset = [(r.structure, r.num_samples) for r in reports if r.num_samples in (8, 16)]
@@ -556,7 +556,7 @@ def test_the_last_fill_in_is_calibrated_again_and_a_report_without_a_half_measur
     assert on_subset[-7:] == [*calibration, ("kfac", 16), *calibration], on_subset
     first, second, last = monitor.history
     assert first["calibration"] == second["calibration"] != last["calibration"]
-    assert monitor._calibration.epoch == 2.0
+    assert monitor.schedule.calibration.epoch == 2.0
     exact, half, _ = [r for r in reports if r.num_samples in (8, 16)][-3:]
     whole = extrapolated_soft_rank(half.soft_rank, exact.soft_rank, 16, 64)
     assert last["soft_rank"] == pytest.approx(min(whole, last["rank_bound"]), rel=1e-12)
@@ -607,7 +607,7 @@ def test_the_fill_in_reads_its_fixed_subset_once_per_fit(tmp_path, monkeypatch):
     # training half once, by the settled test at train start, which also reads it (not kept)
     # at the ends of the three epochs
     assert reads - kept_reads == (5 - 1) * 16 + 5 * 16 + 3 * 16
-    assert kept._kept_subsets == {}  # not held beyond the fit
+    assert kept.measurer._kept_subsets == {}  # not held beyond the fit
     for record, reference in zip(kept.history, again.history, strict=True):
         for name in ("soft_rank", "trace_ratio_train", "trace_ratio_val", "val_nll"):
             assert record[name] == pytest.approx(reference[name], rel=1e-12), name
@@ -637,7 +637,7 @@ def test_what_does_not_fit_is_skipped_and_said(tmp_path, caplog):
     with caplog.at_level("INFO"):
         trainer, _, _ = _fit(tmp_path, [monitor])
     assert monitor.history == [] and trainer.current_epoch == 3
-    assert monitor._skipped == [0, 1, 2]  # each epoch decided once, the fit end not again
+    assert monitor.state.skipped == [0, 1, 2]  # each epoch decided once, the fit end not again
     said = [r.getMessage() for r in caplog.records if "no measurement fitted" in r.getMessage()]
     assert len(said) == 1 and "overhead_budget=None" in said[0]
 
@@ -665,9 +665,11 @@ def test_measurement_batches_by_default_and_as_asked(batch_size, exact, fill_in)
     loader = DataLoader(data, batch_size=64)
     trainer = SimpleNamespace(global_rank=0, world_size=1)
     monitor = FlatnessMonitor(batch_size=batch_size)
-    sizes = [len(y) for _, y in monitor._batches(trainer, loader, "training")]
+    sizes = [len(y) for _, y in monitor.measurer.batches(trainer, loader, "training")]
     assert sizes == exact
-    sizes = [len(y) for _, y in monitor._batches(trainer, loader, "training", FILL_IN_SAMPLES)]
+    sizes = [
+        len(y) for _, y in monitor.measurer.batches(trainer, loader, "training", FILL_IN_SAMPLES)
+    ]
     assert sizes == fill_in
 
 
@@ -679,8 +681,8 @@ def test_the_fill_in_batch_is_bounded_by_the_numbers_it_holds(numbers, expected)
     FILL_IN_BATCH_NUMBERS numbers (the first training batch tells one sample's), never fewer
     than 256 samples per batch."""
     monitor = FlatnessMonitor()
-    monitor._sample_numbers = numbers
-    assert monitor._fill_in_batch_size() == expected
+    monitor.state.sample_numbers = numbers
+    assert monitor.measurer.fill_in_batch_size() == expected
     batch = (torch.zeros(8, 3, 4, 4), torch.zeros(8, dtype=torch.long), {"mask": torch.ones(8, 2)})
     assert tensor_numbers(batch) == 8 * (48 + 1 + 2)
 
@@ -691,15 +693,14 @@ def test_the_fit_start_prediction_is_of_each_process_share(world, monkeypatch):
     the fill-in's subset: the first exact measurement and the fill-in are predicted for that
     share, not for the whole set (which put them at twice their cost on two processes)."""
     monitor = FlatnessMonitor()
-    monitor.resolved_num_train_samples = 4000
-    monitor._active_structure = "probe_kernel"
-    monitor._trial_samples = 32
-    monkeypatch.setattr(monitor, "_trial", lambda *args: None)
-    monkeypatch.setattr(monitor, "_timed_runs", lambda *args: {8: 0.8, 32: 2.0})
-    monkeypatch.setattr(monitor, "_quadrature_seconds", lambda *args: 0.0)
-    monkeypatch.setattr(monitor, "_has_fill_in", lambda: True)
+    monitor.state.resolved_num_train_samples = 4000
+    monitor.state.active_structure = "probe_kernel"
+    monitor.fit_start.trial_samples = 32
+    monkeypatch.setattr(monitor.fit_start, "_trial", lambda *args: None)
+    monkeypatch.setattr(monitor.fit_start, "_timed_runs", lambda *args: {8: 0.8, 32: 2.0})
+    monkeypatch.setattr(monitor.fit_start, "quadrature_seconds", lambda *args: 0.0)
     trainer = SimpleNamespace(world_size=world)
-    monitor._timed_trial(trainer, None, None)
+    monitor.fit_start.timed_trial(trainer, None, None)
     # 0.1 s a sample from the 8-sample run; the fill-in's line: 0.4 s + 0.05 s a sample over
     # its 1,024 training and 1,024 held-out samples
     assert monitor.budget.exact_seconds == pytest.approx(0.1 * 4000 / world)

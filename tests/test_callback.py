@@ -257,7 +257,7 @@ def test_unsupported_model_switches_to_matrix_free_with_one_message(tmp_path, ca
     switches = [r for r in caplog.records if "Switching to the matrix-free" in r.getMessage()]
     assert len(switches) == 1
     assert "ScaledClassifier" in switches[0].getMessage()  # names what forced the switch
-    assert monitor._active_structure == "lanczos"
+    assert monitor.state.active_structure == "lanczos"
     assert all(math.isfinite(record["soft_rank"]) for record in monitor.history)
 
 

@@ -290,7 +290,7 @@ def test_shipped_configs_instantiate_with_the_callback(name, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     run = FlatnessCLI(args=["--config", str(CONFIGS / f"{name}.yaml")], run=False)
     (monitor,) = [c for c in run.trainer.callbacks if type(c).__name__ == "FlatnessMonitor"]
-    assert monitor.structure == "auto" and monitor.every_n_epochs == 5
+    assert monitor.structure == "auto" and monitor.settings.every_n_epochs == 5
     assert isinstance(run.model, FlatnessClassifier)
     assert run.model.hparams.architecture == name
 
@@ -377,7 +377,7 @@ def test_callbacks_go_by_their_short_names(tmp_path, capsys):
     )
     run = FlatnessCLI(args=["--config", str(config)], run=False)
     kinds = {type(c).__name__: c for c in run.trainer.callbacks}
-    assert kinds["FlatnessMonitor"].every_n_epochs == 2
+    assert kinds["FlatnessMonitor"].settings.every_n_epochs == 2
     assert kinds["SoftRankRegularizer"].strength == 0.5
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "--trainer.callbacks.help", "FlatnessMonitor"])

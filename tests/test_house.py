@@ -38,14 +38,6 @@ def test_no_module_over_500_lines(path):
     assert lines <= MAX_MODULE_LINES, f"{_name(path)} has {lines} lines"
 
 
-#: the package's classes (their names) that one class may still inherit from together, and which:
-#: the monitor's three remaining mixins, each to become a part the monitor owns (its writer,
-#: its settled test and its regularizer link already are). The list may only shrink.
-STILL_MIXED = {
-    "FlatnessMonitor": {"FitStartChecks", "MeasurementSchedule", "MonitorMeasurement"},
-}
-
-
 @functools.cache
 def _package_class_names() -> frozenset[str]:
     """Every class name of the package (parsed once for all the parametrized cases)."""
@@ -64,11 +56,10 @@ def test_no_class_inherits_from_several_package_classes(path):
     package = _package_class_names()
     for node in _classes(path):
         bases = _package_bases(node, package)
-        if len(bases) > 1:
-            assert bases == STILL_MIXED.get(node.name), (
-                f"{_name(path)}: class {node.name} inherits from {sorted(bases)} of the package; "
-                "make them parts it owns and calls by name"
-            )
+        assert len(bases) <= 1, (
+            f"{_name(path)}: class {node.name} inherits from {sorted(bases)} of the package; "
+            "make them parts it owns and calls by name"
+        )
 
 
 @pytest.mark.parametrize("path", MODULES, ids=_name)
@@ -130,18 +121,6 @@ def test_the_rules_can_fail(tmp_path):
     mixed.write_text("class A:\n    pass\nclass B:\n    pass\nclass C(A, B, object):\n    pass\n")
     *_, node = _classes(mixed)
     assert _package_bases(node, {"A", "B", "C"}) == {"A", "B"}
-
-
-def test_the_mixed_classes_listed_are_still_mixed():
-    """An entry of ``STILL_MIXED`` goes once its class is a composition (the list only shrinks)."""
-    package = _package_class_names()
-    found = {
-        node.name: _package_bases(node, package) for path in MODULES for node in _classes(path)
-    }
-    for name, bases in STILL_MIXED.items():
-        assert found.get(name) == bases, (
-            f"{name} now inherits from {found.get(name)}: update the list"
-        )
 
 
 def test_every_lightning_hook_of_the_monitor_is_in_its_own_file():

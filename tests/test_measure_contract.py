@@ -204,8 +204,8 @@ def test_the_monitor_measures_with_the_options_object_it_is_given():
     options = MatrixFreeOptions(structure="lanczos", probes=3)
     monitor = FlatnessMonitor(structure=options)
     assert monitor.structure == "lanczos"
-    assert monitor.measure_arguments("lanczos") == {"structure": options}
-    assert monitor.measure_arguments("kfac") == {
+    assert monitor.measurer.arguments("lanczos") == {"structure": options}
+    assert monitor.measurer.arguments("kfac") == {
         "structure": "kfac",
         "trace_estimator": "probe",
         "kfac_mode": "probe",

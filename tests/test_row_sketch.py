@@ -177,8 +177,8 @@ def test_the_monitor_measures_with_the_factor_auto_chose():
     """Where structure='auto' found the rows fit only sketched shorter, the monitor's exact
     measurements name that factor; its fill-in and the default factor are left alone."""
     monitor = FlatnessMonitor()
-    assert "kernel_options" not in monitor.measure_arguments("probe_kernel")
-    monitor._sketch_factor = 8
-    arguments = monitor.measure_arguments("probe_kernel")
+    assert "kernel_options" not in monitor.measurer.arguments("probe_kernel")
+    monitor.state.sketch_factor = 8
+    arguments = monitor.measurer.arguments("probe_kernel")
     assert arguments["kernel_options"] == {"sketch_factor": 8}
-    assert "kernel_options" not in monitor.measure_arguments("kfac")
+    assert "kernel_options" not in monitor.measurer.arguments("kfac")

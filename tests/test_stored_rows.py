@@ -196,12 +196,14 @@ def test_the_monitor_predicts_the_quadrature_its_fit_start_trial_does_not_run(mo
 
     monkeypatch.setattr(monitor_checks, "quadrature_seconds", predicted)
     monitor = FlatnessMonitor()
-    monitor._active_structure = "probe_kernel"
-    assert monitor._quadrature_seconds(_Module(10, 3), 100_000, 1) == 0.0  # P × P sums
-    assert monitor._quadrature_seconds(_Module(10, 3), 100_000, 2) == 0.0  # summed across
-    assert monitor._quadrature_seconds(_Module(1000, 10), 2000, 1) == 0.0  # a formed kernel
-    assert monitor._quadrature_seconds(_Module(1000, 10), 4000, 1) == 7.0  # stored rows
-    assert monitor._quadrature_seconds(_Module(1000, 10), 2000, 2) == 7.0  # kept by each
+    monitor.state.active_structure = "probe_kernel"
+    assert monitor.fit_start.quadrature_seconds(_Module(10, 3), 100_000, 1) == 0.0  # P × P sums
+    assert monitor.fit_start.quadrature_seconds(_Module(10, 3), 100_000, 2) == 0.0  # summed across
+    assert (
+        monitor.fit_start.quadrature_seconds(_Module(1000, 10), 2000, 1) == 0.0
+    )  # a formed kernel
+    assert monitor.fit_start.quadrature_seconds(_Module(1000, 10), 4000, 1) == 7.0  # stored rows
+    assert monitor.fit_start.quadrature_seconds(_Module(1000, 10), 2000, 2) == 7.0  # kept by each
     slq = KernelOptions().slq_probes
     assert calls == [(16_000, 10_010, 2, slq), (4_000, 10_010, 2, slq)]
     state = torch.get_rng_state()
@@ -255,6 +257,6 @@ def test_the_monitors_choice_counts_the_probes_its_measurements_take(monkeypatch
     monkeypatch.setattr(defaults, "choose_structure", choose)
     for samples in (10_000, 1_000):
         monitor = FlatnessMonitor()
-        monitor.resolved_num_train_samples = samples
-        monitor._choose_structure(_Trainer(), _Module(10, 3))
+        monitor.state.resolved_num_train_samples = samples
+        monitor.fit_start.choose_structure(_Trainer(), _Module(10, 3))
     assert seen == [(10_000, 2), (1_000, 4)]

@@ -446,7 +446,7 @@ def test_metrics_only_monitor_leaves_training_bit_identical_and_measures(name):
     assert [r["fill_in"] for r in monitor.history] == [0.0, 1.0]
     assert math.isfinite(monitor.history[-1]["calibration"])
     record = monitor.history[0]
-    assert monitor._active_structure == "probe_kernel"
+    assert monitor.state.active_structure == "probe_kernel"
     assert all(math.isfinite(record[k]) for k in ("soft_rank", "trace_fisher", "trace_cov"))
 
 

@@ -92,6 +92,7 @@ __all__ = [
     "TRIAL_SAMPLES",
     "UNTIMED_SHARE",
     "fill_in_record",
+    "fills_in",
     "trial_settings",
 ]
 
@@ -370,6 +371,12 @@ class OverheadBudget:
         remaining = max(max_epochs - epochs_done, 1)
         affordable = (self.allowed(projected) - self.spent - reserve) // fill_in
         return affordable >= remaining or since_last * max(affordable, 1.0) >= remaining
+
+
+def fills_in(structure: str) -> bool:
+    """Whether the fill-in stands in for ``structure`` between its measurements (not for
+    itself, nor for the diagonals, which cost less than it)."""
+    return structure not in (FILL_IN, "diag", "diag_mc")
 
 
 def fill_in_record(

@@ -86,7 +86,8 @@ def _batches(
     if datamodule is not None:
         datamodule.setup("fit")
     train = first_dataloader(source.train_dataloader())
-    size = monitor.num_train_samples
+    settings = monitor.settings
+    size = settings.num_train_samples
     if size is None:
         try:
             size = len(train.dataset)
@@ -95,12 +96,12 @@ def _batches(
                 "lightning-flatness measure: the training data has no length, so n is unknown; "
                 "set num_train_samples in the config's FlatnessMonitor."
             ) from None
-    seed, batch_size = monitor.seed, monitor.batch_size or MEASUREMENT_BATCH_SIZE
-    train_batches = fixed_subset_batches(train, monitor.max_samples, batch_size, seed)
-    if not monitor.use_val:
+    seed, batch_size = settings.seed, settings.batch_size or MEASUREMENT_BATCH_SIZE
+    train_batches = fixed_subset_batches(train, settings.max_samples, batch_size, seed)
+    if not settings.use_val:
         return train_batches, None, size
-    val = select_dataloader(source.val_dataloader(), monitor.val_dataloader_idx)
-    val_batches = fixed_subset_batches(val, monitor.max_val_samples, batch_size, seed)
+    val = select_dataloader(source.val_dataloader(), settings.val_dataloader_idx)
+    val_batches = fixed_subset_batches(val, settings.max_val_samples, batch_size, seed)
     return train_batches, val_batches, size
 
 
@@ -147,7 +148,7 @@ def run_measure(args: list[str], cli_class: Callable[..., LightningCLI]) -> int:
         c for c in trainer.callbacks if not isinstance(c, (FlatnessMonitor, SoftRankRegularizer))
     ]
     epoch = _validate_reading_epoch(trainer, module, cli.datamodule, options.ckpt_path)
-    explicit = options.lam if options.lam is not None else monitor.lam
+    explicit = options.lam if options.lam is not None else monitor.settings.lam
     lam = resolve_lam(_optimizers(module.configure_optimizers()), explicit, module)
     train, val, size = _batches(trainer, module, monitor)
     module.eval()
@@ -157,9 +158,9 @@ def run_measure(args: list[str], cli_class: Callable[..., LightningCLI]) -> int:
         lam=lam.decays if isinstance(lam, ParameterDecay) else lam,
         num_train_samples=size,
         val_batches=val,
-        seed=monitor.seed,
-        **monitor.reading.as_kwargs(),
-        **monitor.measure_arguments(options.structure or monitor.structure),
+        seed=monitor.settings.seed,
+        **monitor.settings.reading.as_kwargs(),
+        **monitor.measurer.arguments(options.structure or monitor.structure),
     )
     record = {**report.as_dict(), "epoch": -1.0 if epoch is None else float(epoch)}
     print(summary_table(record, report.structure))

@@ -24,8 +24,6 @@ that epoch; training goes on.
 
 from __future__ import annotations
 
-import time
-from functools import partial
 from typing import Any
 
 import torch
@@ -42,22 +40,21 @@ from lightning_flatness.core.options import (
     StructureOptions,
 )
 from lightning_flatness.core.reading import BatchReading
-from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.core.spectral import check_lam
-from lightning_flatness.lightning.budget import Calibration, OverheadBudget
+from lightning_flatness.lightning.budget import OverheadBudget
 from lightning_flatness.lightning.log_options import LogOptions
-from lightning_flatness.lightning.monitor_checks import FitStartChecks
+from lightning_flatness.lightning.monitor_checks import FitStart
 from lightning_flatness.lightning.monitor_logging import MonitorLog
-from lightning_flatness.lightning.monitor_measurement import MonitorMeasurement
+from lightning_flatness.lightning.monitor_measurement import Measurer
 from lightning_flatness.lightning.monitor_nll import TrainingNll
 from lightning_flatness.lightning.monitor_regularizer import (
     add_regularizer,
     own_regularizer,
     required_regularizer,
 )
-from lightning_flatness.lightning.monitor_schedule import MeasurementSchedule
+from lightning_flatness.lightning.monitor_schedule import Schedule
+from lightning_flatness.lightning.monitor_state import FitState, MonitorSettings
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
-from lightning_flatness.lightning.stream_buffer import StreamBuffer
 from lightning_flatness.lightning.trainer_facts import (
     resolve_lam,
     sharding_refusal,
@@ -78,12 +75,7 @@ def _check_structure(structure: str | StructureOptions) -> StructureOptions | No
     return None
 
 
-class FlatnessMonitor(
-    FitStartChecks,
-    MeasurementSchedule,
-    MonitorMeasurement,
-    Callback,
-):
+class FlatnessMonitor(Callback):
     """Log the soft rank of the Fisher and the predicted generalization gap during training.
 
     Example::
@@ -183,86 +175,90 @@ class FlatnessMonitor(
         ):
             if not isinstance(value, kind):
                 raise ValueError(f"`{name}` must be a {kind.__name__} or None, got {value!r}.")
-        #: the options object the user passed as ``structure``, if any
-        self.structure_options = _check_structure(structure)
-        self.structure = (
-            structure if self.structure_options is None else self.structure_options.structure
+        structure_options = _check_structure(structure)
+        #: the monitor's arguments as its parts read them
+        self.settings = MonitorSettings(
+            structure=structure if structure_options is None else structure_options.structure,
+            structure_options=structure_options,
+            lam=None if lam is None else float(lam),
+            num_train_samples=num_train_samples,
+            every_n_epochs=every_n_epochs,
+            max_samples=max_samples,
+            max_val_samples=max_val_samples,
+            use_val=val_dataloader is not None,
+            val_dataloader_idx=val_dataloader or 0,
+            batch_size=batch_size,
+            reading=reading,
+            log_options=log_options,
+            measure_on_fit_end=measure_on_fit_end,
+            strict=bool(strict),
+            seed=seed,
         )
+        #: what the fit has found out, shared by the parts below
+        self.state = FitState(active_structure=self.settings.structure)
         #: the callback that owns the penalty when ``regularize`` is set (added at fit start)
         self.regularizer = own_regularizer(
             regularize, lam, num_train_samples, reading, seed, log_options.prefix
         )
-        self.lam = None if lam is None else float(lam)
-        self.every_n_epochs = every_n_epochs
-        self.overhead_budget = overhead_budget
+        #: the overhead budget: what the monitor may spend, and what it has
         self.budget = OverheadBudget(overhead_budget)
-        #: exact ÷ fill-in soft rank at the last exact measurement (or on the fill-in's samples)
-        self._calibration = Calibration()
-        self._fill_in_failed = False
-        self._subset_failed = False
-        #: scheduled epochs the budget left without a value
-        self._skipped: list[int] = []
-        self._cost_told = False
-        self._trial_samples = 0
-        self.max_samples = max_samples
-        self.max_val_samples = max_val_samples
-        self.use_val = val_dataloader is not None
-        self.val_dataloader_idx = val_dataloader or 0
-        self.measure_on_fit_end = measure_on_fit_end
-        self.num_train_samples = num_train_samples
-        self.batch_size = batch_size
-        self.reading = reading
-        self.log_options = log_options
-        self.log_prefix = log_options.prefix
-        #: the writer of the records, the spectrum and the gap figure
+        #: the parts: the samples and arguments of every measurement, the fit-start checks,
+        #: the writer of the records, the settled test and the schedule that uses them all
+        self.measurer = Measurer(self.settings, self.state, self.budget)
+        self.fit_start = FitStart(
+            self.settings, self.state, self.measurer, self.budget, self.regularizer
+        )
         self.writer = MonitorLog(log_options)
-        self.seed = seed
-        self.regularize = self.regularizer is not None
-        self.strict = bool(strict)
-        #: why the monitor switched itself off at fit start (``strict=False``), or None
-        self.disabled_reason: str | None = None
-        self._checked = False
-        self.history: list[dict[str, float]] = []
-        self.resolved_lam: float | None = None
-        self.resolved_num_train_samples: int | None = None
-        self._active_structure = self.structure
-        #: the probe kernel's sketch factor that fits the rows in memory, where "auto" chose
-        #: one above the option's (None: the option's)
-        self._sketch_factor: int | None = None
-        self._coverage_logged = False
-        self._last_report: FlatnessReport | None = None
-        #: batches the loops drew this epoch, measured when the dataset is a stream
-        self._streams = {
-            "training": StreamBuffer(max_samples),
-            "validation": StreamBuffer(max_val_samples),
-        }
-        self._check_on_first_batch = False
-        #: the training batch the fit-start check read, for the trial measurement
-        self._first_batch: Any = None
-        #: the numbers one training sample's batch entry holds (read at fit start)
-        self._sample_numbers: float | None = None
-        #: the fill-in's and its calibration's subsets by split and size, read once per fit:
-        #: (dataset, settings, batches)
-        self._kept_subsets: dict[tuple[str, int], tuple[Any, tuple, list]] = {}
-        #: the training NLL on the calibration's subset after each epoch (the settled test)
         self.nll = TrainingNll(reading, self.budget)
-        #: a stream's samples that NLL is read on (the first epoch's first ones)
-        self._nll_stream: list | None = None
+        self.schedule = Schedule(
+            self.settings, self.state, self.measurer, self.budget, self.writer, self.nll
+        )
+
+    @property
+    def structure(self) -> str:
+        """The structure asked for (``"auto"``, a name, or the options object's structure)."""
+        return self.settings.structure
+
+    @property
+    def regularize(self) -> bool:
+        """Whether the monitor also trains against the soft rank (it owns a regularizer)."""
+        return self.regularizer is not None
+
+    @property
+    def history(self) -> list[dict[str, float]]:
+        """One record per measured epoch (what was logged, under the names without prefix)."""
+        return self.state.history
+
+    @property
+    def disabled_reason(self) -> str | None:
+        """Why the monitor switched itself off at fit start (``strict=False``), or None."""
+        return self.state.disabled_reason
+
+    @property
+    def resolved_lam(self) -> float | ParameterDecay | None:
+        """λ as measured: the argument, or read from the optimizer at fit start."""
+        return self.state.resolved_lam
+
+    @property
+    def resolved_num_train_samples(self) -> int | None:
+        """n as measured: the argument, or the training set's size read at fit start."""
+        return self.state.resolved_num_train_samples
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(structure=self.structure, log_prefix=self.log_prefix)
+        prefix = self.settings.log_options.prefix
+        return self._generate_state_key(structure=self.structure, log_prefix=prefix)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values only, so checkpoints load with ``torch.load(weights_only=True)``."""
         return {
             "history": [dict(record) for record in self.history],
-            "active_structure": self._active_structure,
+            "active_structure": self.state.active_structure,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.history = [dict(record) for record in state_dict.get("history", [])]
-        self._active_structure = state_dict.get("active_structure", self.structure)
+        self.state.history = [dict(record) for record in state_dict.get("history", [])]
+        self.state.active_structure = state_dict.get("active_structure", self.structure)
         if self.regularizer is not None and "penalty_calls" in state_dict:
             # a checkpoint from before the regularizer was a callback of its own
             self.regularizer.load_state_dict(state_dict)
@@ -289,53 +285,39 @@ class FlatnessMonitor(
         return required_regularizer(self.regularizer).penalty(model, inputs)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._kept_subsets = {}
-        self.nll.reset()
-        self._nll_stream = None
-        self._skipped = []
-        self._calibration = Calibration()  # a ratio of this fit's weights only
+        self.schedule.start_fit()
         refusal = sharding_refusal(trainer.strategy, pl_module)
         if refusal is not None:
-            self._refuse(pl_module, ValueError(refusal))
+            self.fit_start.refuse(pl_module, ValueError(refusal))
             return
-        self.resolved_lam = resolve_lam(trainer.optimizers, self.lam, pl_module)
-        if isinstance(self.resolved_lam, ParameterDecay):
+        self.state.resolved_lam = resolve_lam(trainer.optimizers, self.settings.lam, pl_module)
+        if isinstance(self.state.resolved_lam, ParameterDecay):
             rank_zero_info(
                 "FlatnessMonitor: the optimizer's groups decay differently "
-                f"({self.resolved_lam.describe()}); the soft rank is Tr(F(F+D)⁻¹) with "
+                f"({self.state.resolved_lam.describe()}); the soft rank is Tr(F(F+D)⁻¹) with "
                 "D = diag(λ_j), and a group without decay counts each Fisher direction it "
                 "carries (lam= sets one λ instead)."
             )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.disabled_reason is not None:  # refused at fit start (strict=False)
+        if self.state.disabled_reason is not None:  # refused at fit start (strict=False)
             return
         self.budget.start()
-        self._resolve(trainer)
-        checking = time.perf_counter()
-        if not self._checked:
-            self._checked = True
-            self._check_configuration(trainer, pl_module)
-            if self.structure == AUTO and self.disabled_reason is None:
-                self._choose_structure(trainer, pl_module)
-            self.budget.charge(time.perf_counter() - checking)  # the checks; the trial below
-            self._timed_trial(trainer, pl_module, self._first_batch)
-            self._first_batch = None
-            if self.regularizer is not None and self.disabled_reason is not None:
-                self.regularizer.disabled = True
+        self.fit_start.resolve(trainer)
+        self.fit_start.start(trainer, pl_module)
         # the training NLL before this fit's first epoch (after the last one, when resumed)
-        self._read_nll(trainer, pl_module, trainer.current_epoch - 1)
+        self.schedule.read_nll(trainer, pl_module, trainer.current_epoch - 1)
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._read_stream_batch(trainer, pl_module, batch)
+        self.fit_start.read_stream_batch(trainer, pl_module, batch)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._streams["training"].reset()
+        self.measurer.start_epoch("training")
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._streams["validation"].reset()
+        self.measurer.start_epoch("validation")
 
     def on_validation_batch_start(
         self,
@@ -345,28 +327,22 @@ class FlatnessMonitor(
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._keep_validation_batch(trainer, batch, dataloader_idx)
+        self.measurer.keep_validation_batch(trainer, batch, dataloader_idx)
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Measured here when validation closes the epoch, so that ModelCheckpoint and
         # EarlyStopping (which act on validation end) already see this epoch's values.
         if trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING:
             return
-        if trainer.is_last_batch and self._due(trainer):
-            self._read_nll(trainer, pl_module, trainer.current_epoch)
-            self._scheduled(trainer, pl_module)
+        if trainer.is_last_batch and self.schedule.due(trainer):
+            self.schedule.read_nll(trainer, pl_module, trainer.current_epoch)
+            self.schedule.measure_epoch(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._read_nll(trainer, pl_module, trainer.current_epoch)  # every epoch, for its drop
-        if self._due(trainer):
-            self._scheduled(trainer, pl_module)
+        # every epoch, for its drop
+        self.schedule.read_nll(trainer, pl_module, trainer.current_epoch)
+        if self.schedule.due(trainer):
+            self.schedule.measure_epoch(trainer, pl_module)
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._finish_fit(trainer, pl_module)
-
-    def _read_nll(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> None:
-        """The training NLL after ``epoch`` (-1: before the first) for the settled test, on the
-        fill-in's samples (:meth:`_nll_batches`), unless the monitor is switched off."""
-        if self.disabled_reason is None:
-            batches = partial(self._nll_batches, trainer)  # read in the part's forked RNG
-            self.nll.record(pl_module, epoch, batches, self._all_reduce(trainer))
+        self.schedule.finish_fit(trainer, pl_module)

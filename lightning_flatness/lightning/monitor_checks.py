@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,14 +16,17 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_flatness.core.curvature.stored_rows import keeps_rows, quadrature_seconds
-from lightning_flatness.core.defaults import choose_across_processes, default_probes, row_width
+from lightning_flatness.core.defaults import (
+    AUTO,
+    choose_across_processes,
+    default_probes,
+    row_width,
+)
 from lightning_flatness.core.failures import (
     MeasurementError,
-    UnsupportedModelError,
 )
 from lightning_flatness.core.measure import check_batch
 from lightning_flatness.core.options import (
-    MATRIX_FREE_STRUCTURES,
     KernelOptions,
     structure_options,
 )
@@ -33,14 +35,19 @@ from lightning_flatness.lightning.budget import (
     FILL_IN,
     FILL_IN_SAMPLES,
     TRIAL_SAMPLES,
+    OverheadBudget,
+    fills_in,
     trial_settings,
 )
 from lightning_flatness.lightning.monitor_measurement import (
-    FALLBACK,
     MONITOR_DEFAULTS,
+    Measurer,
+    all_reduce_of,
     tensor_numbers,
 )
 from lightning_flatness.lightning.monitor_schedule import quiet_fill_in
+from lightning_flatness.lightning.monitor_state import FitState, MonitorSettings
+from lightning_flatness.lightning.regularizer import SoftRankRegularizer
 from lightning_flatness.lightning.trainer_facts import (
     all_dataloaders,
     first_dataloader,
@@ -48,7 +55,7 @@ from lightning_flatness.lightning.trainer_facts import (
     resolve_missing,
 )
 
-__all__ = ["FitStartChecks"]
+__all__ = ["FitStart", "cost_line", "predicted_exact_seconds"]
 
 
 def cost_line(times: dict[int, float]) -> tuple[float, float]:
@@ -75,24 +82,71 @@ def predicted_exact_seconds(times: dict[int, float], samples: int) -> float:
     return max(times[large], times[small] * samples / small)
 
 
-class FitStartChecks:
-    """The fit-start checks of :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` (a
-    part of it: these methods read the monitor's settings and state)."""
+class FitStart:
+    """What :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` does once, when
+    training starts: a plain object that owns what the checks found (the first batch, its
+    sample count) until the trial has run.
 
-    def _resolve(self, trainer: Trainer) -> None:
+    Args:
+        settings: the monitor's arguments.
+        state: the fit's shared state; this part sets λ and n, the structure ``"auto"``
+            chooses (and its sketch factor), the numbers per sample, and ``disabled_reason``
+            when it switches the monitor off.
+        measurer: runs the checks' and the trial's measurements.
+        budget: the overhead budget, charged with the checks and given the trial's times.
+        regularizer: the regularizer the monitor added, switched off with the monitor.
+    """
+
+    def __init__(
+        self,
+        settings: MonitorSettings,
+        state: FitState,
+        measurer: Measurer,
+        budget: OverheadBudget,
+        regularizer: SoftRankRegularizer | None = None,
+    ) -> None:
+        self.settings = settings
+        self.regularizer = regularizer
+        self.state = state
+        self.measurer = measurer
+        self.budget = budget
+        self._checked = False
+        #: a stream's first training batch is checked when the loop draws it
+        self._check_on_first_batch = False
+        #: the training batch the checks read, for the trial measurement
+        self._first_batch: Any = None
+        #: the samples of the batch the trial measures
+        self.trial_samples = 0
+
+    def resolve(self, trainer: Trainer) -> None:
         """λ from the optimizers and n from the training dataloader, if not yet read."""
-        resolve_missing(self, trainer)
+        resolve_missing(self.state, trainer, given=self.settings)
 
-    def _choose_structure(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Once per monitor, when its first fit's training starts: the configuration read on
+        one real batch, ``"auto"`` resolved, and the timed trial; every part of it charged to
+        the budget."""
+        if self._checked:
+            return
+        self._checked = True
+        checking = time.perf_counter()
+        self._check_configuration(trainer, pl_module)
+        if self.settings.structure == AUTO and self.state.disabled_reason is None:
+            self.choose_structure(trainer, pl_module)
+        self.budget.charge(time.perf_counter() - checking)  # the checks; the trial below
+        self.timed_trial(trainer, pl_module, self._first_batch)
+        self._first_batch = None
+
+    def choose_structure(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Resolve ``structure="auto"`` once, for this model and the samples measured, and say
         which structure was chosen and why
         (:func:`~lightning_flatness.core.defaults.choose_structure`)."""
         trainable = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
-        samples = self.resolved_num_train_samples
-        cap = self.max_samples
+        samples = self.state.resolved_num_train_samples
+        cap = self.settings.max_samples
         loader = first_dataloader(trainer.train_dataloader)
         if loader is not None and not is_sized(loader):
-            cap = self._streams["training"].max_samples
+            cap = self.measurer.stream_samples()
         if samples is not None and cap is not None:
             samples = min(samples, cap)
         probes = {"probes": default_probes(samples)}  # what measure() takes for that many
@@ -103,12 +157,12 @@ class FitStartChecks:
             samples,
             options,
             device=pl_module.device,
-            all_reduce=self._all_reduce(trainer),
+            all_reduce=all_reduce_of(trainer),
             world=trainer.world_size,
             sharing=trainer.num_devices if on_cpu else 1,
         )
-        self._active_structure = choice.structure
-        self._sketch_factor = choice.sketch_factor
+        self.state.active_structure = choice.structure
+        self.state.sketch_factor = choice.sketch_factor
         rank_zero_info(f"FlatnessMonitor: structure='auto' measures {choice.reason}.")
 
     def _check_configuration(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -118,18 +172,18 @@ class FitStartChecks:
         Raises (``strict=True``) or warns once and switches the monitor off (``strict=False``)
         when the batch, the model's output or the targets cannot be measured.
         """
-        val_loaders = all_dataloaders(trainer.val_dataloaders) if self.use_val else []
+        val_loaders = all_dataloaders(trainer.val_dataloaders) if self.settings.use_val else []
         if len(val_loaders) > 1:
             rank_zero_info(
                 f"FlatnessMonitor: {len(val_loaders)} validation dataloaders; the held-out "
-                f"numbers use dataloader {self.val_dataloader_idx} (val_dataloader)."
+                f"numbers use dataloader {self.settings.val_dataloader_idx} (val_dataloader)."
             )
         train_loader = first_dataloader(trainer.train_dataloader)
         if train_loader is not None and not is_sized(train_loader):
             self._check_on_first_batch = True
             rank_zero_info(
                 "FlatnessMonitor: the training data is a stream (an IterableDataset); the "
-                f"monitor measures the first {self._streams['training'].max_samples:,} samples "
+                f"monitor measures the first {self.measurer.stream_samples():,} samples "
                 "the training loop draws in each measured epoch and never iterates the stream "
                 "itself (max_samples sets the number)."
             )
@@ -138,52 +192,52 @@ class FitStartChecks:
             splits.append(("validation", val_loaders))
         try:
             for split, loaders in splits:
-                batch = next(iter(self._batches(trainer, loaders, split)), None)
+                batch = next(iter(self.measurer.batches(trainer, loaders, split)), None)
                 if batch is not None:
                     samples, _ = self._check_batch(pl_module, batch)
                     if split == "training":
-                        self._trial_samples = samples
-                        self._sample_numbers = tensor_numbers(batch) / max(samples, 1)
+                        self.trial_samples = samples
+                        self.state.sample_numbers = tensor_numbers(batch) / max(samples, 1)
                 if split == "training":
                     self._first_batch = batch
         except Exception as error:
-            self._refuse(pl_module, error)
+            self.refuse(pl_module, error)
 
     def _check_batch(self, pl_module: LightningModule, batch: Any) -> tuple[int, int]:
-        return check_batch(pl_module, batch, **self.reading.as_kwargs())
+        return check_batch(pl_module, batch, **self.settings.reading.as_kwargs())
 
-    def _refuse(self, pl_module: LightningModule, error: Exception) -> None:
+    def refuse(self, pl_module: LightningModule, error: Exception) -> None:
         """Raise (``strict=True``), or warn once and switch the monitor off."""
         message = (
             f"FlatnessMonitor cannot measure {type(pl_module).__name__} "
             f"({type(error).__name__}): {error}"
         )
-        if self.strict:
+        if self.settings.strict:
             raise ValueError(message) from error
-        self.disabled_reason = str(error)
+        self.state.disabled_reason = str(error)
         if self.regularizer is not None:
             self.regularizer.disabled = True
         rank_zero_warn(f"{message} The monitor is switched off for this fit (strict=False).")
 
-    def _read_stream_batch(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+    def read_stream_batch(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         """A training batch the loop drew from a stream: checked (with the trial) if it is the
         fit's first, then kept for this epoch's measurement."""
         loader = first_dataloader(trainer.train_dataloader)
-        if loader is None or is_sized(loader) or self.disabled_reason is not None:
+        if loader is None or is_sized(loader) or self.state.disabled_reason is not None:
             return
         if self._check_on_first_batch:
             self._check_on_first_batch = False
             try:
-                self._trial_samples, _ = self._check_batch(pl_module, batch)
+                self.trial_samples, _ = self._check_batch(pl_module, batch)
             except Exception as error:
-                self._refuse(pl_module, error)
+                self.refuse(pl_module, error)
                 return
-            self._timed_trial(trainer, pl_module, batch)
-            if self.disabled_reason is not None:
+            self.timed_trial(trainer, pl_module, batch)
+            if self.state.disabled_reason is not None:
                 return
-        self._streams["training"].add(batch)
+        self.measurer.keep_training_batch(batch)
 
-    def _timed_trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+    def timed_trial(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
         """The fit-start trial, charged to the budget. The trial's structure is timed once more
         on a quarter of its samples, to predict the first exact measurement's cost
         (:func:`predicted_exact_seconds`: the budget's decisions, and the line announcing a long
@@ -193,23 +247,23 @@ class FitStartChecks:
         self._trial(trainer, pl_module, batch)
         seconds = time.perf_counter() - started
         self.budget.charge(seconds)
-        if self.disabled_reason is not None:
+        if self.state.disabled_reason is not None:
             return
         started = time.perf_counter()
-        samples = self._measured_samples()
+        samples = self.measurer.measured_samples()
         world = max(trainer.world_size, 1)  # each process measures (and is timed on) its share
-        arguments, work = trial_settings(self.measure_arguments(self._active_structure))
-        trial_samples = max(min(self._trial_samples, TRIAL_SAMPLES), 1)
+        arguments, work = trial_settings(self.measurer.arguments(self.state.active_structure))
+        trial_samples = max(min(self.trial_samples, TRIAL_SAMPLES), 1)
         times = self._timed_runs(pl_module, batch, arguments, trial_samples, seconds)
         if times is not None:
-            quadrature = self._quadrature_seconds(pl_module, samples, trainer.world_size)
+            quadrature = self.quadrature_seconds(pl_module, samples, trainer.world_size)
             share = math.ceil(samples / world)
             self.budget.predict_exact(work * predicted_exact_seconds(times, share) + quadrature)
-        if self.budget.share is not None and self._has_fill_in():
+        if self.budget.share is not None and fills_in(self.state.active_structure):
             fill_in_samples = min(samples, FILL_IN_SAMPLES)
-            val_samples = min(self.max_val_samples or FILL_IN_SAMPLES, FILL_IN_SAMPLES)
-            val_samples = val_samples if self.use_val else 0
-            arguments = self.measure_arguments(FILL_IN)
+            val_samples = min(self.settings.max_val_samples or FILL_IN_SAMPLES, FILL_IN_SAMPLES)
+            val_samples = val_samples if self.settings.use_val else 0
+            arguments = self.measurer.arguments(FILL_IN)
             line = self._cost_line(pl_module, batch, arguments, trial_samples)
             if line is not None:  # per sample of the fill-in's subset: with its held-out ones
                 fixed, per_sample = line
@@ -217,21 +271,21 @@ class FitStartChecks:
                 self.budget.fill_in_line = (fixed, per_subset_sample)
                 self.budget.cheap_seconds = fixed + per_subset_sample * fill_in_samples
             if samples > FILL_IN_SAMPLES:  # the fill-in will be calibrated on its samples
-                arguments = self.calibration_arguments()
+                arguments = self.measurer.calibration_arguments()
                 share = math.ceil((FILL_IN_SAMPLES + val_samples) / world)
                 subset = self._line_seconds(pl_module, batch, arguments, trial_samples, share)
                 if subset is not None:
                     self.budget.subset_seconds = subset
         self.budget.charge(time.perf_counter() - started)
 
-    def _quadrature_seconds(self, pl_module: LightningModule, samples: int, world: int) -> float:
+    def quadrature_seconds(self, pl_module: LightningModule, samples: int, world: int) -> float:
         """The stored-row quadrature's predicted seconds when the probe kernel will take that
         path on ``samples`` (P above its P × P guard, the rows above a formed kernel's or
         spread over ``world`` > 1 processes, each running on its share), which the trial on a
         few samples does not run; else 0."""
-        if self._active_structure != "probe_kernel":
+        if self.state.active_structure != "probe_kernel":
             return 0.0
-        chosen = self.structure_options
+        chosen = self.settings.structure_options
         if isinstance(chosen, KernelOptions):
             options = chosen
         else:  # the name, measured as measure() measures it: the default probes for m
@@ -244,7 +298,7 @@ class FitStartChecks:
             parameters, rows, max_kernel_size=options.max_kernel_size, **guards
         ):
             return 0.0
-        width = row_width(parameters, options, self._sketch_factor)
+        width = row_width(parameters, options, self.state.sketch_factor)
         return quadrature_seconds(
             rows,
             width,
@@ -301,7 +355,7 @@ class FitStartChecks:
             try:
                 with quiet_fill_in():
                     run = {**arguments, "max_samples": size}
-                    self._call_measure(pl_module, [batch], None, arguments=run)
+                    self.measurer.call(pl_module, [batch], None, arguments=run)
             except Exception:
                 return None
             times[size] = time.perf_counter() - started
@@ -313,9 +367,9 @@ class FitStartChecks:
         logging NaN every epoch (a BackPACK structure it cannot convert switches to
         ``lanczos`` here, and says so). A numerical failure (a NaN loss) is left to
         the epochs; under DDP every process refuses if any one does."""
-        disabled = self.disabled_reason is not None
+        disabled = self.state.disabled_reason is not None
         error = None if disabled or batch is None else self._trial_error(pl_module, batch)
-        reduce = self._all_reduce(trainer)
+        reduce = all_reduce_of(trainer)
         if reduce is not None:  # every process takes part, so all decide alike
             failed = int(reduce(torch.tensor([float(error is not None or disabled)])).item())
             if failed and error is None and not disabled:
@@ -324,38 +378,23 @@ class FitStartChecks:
                     "their messages"
                 )
         if error is not None:
-            self._refuse(pl_module, error)
+            self.refuse(pl_module, error)
 
     def _trial_error(self, pl_module: LightningModule, batch: Any) -> Exception | None:
         """What stops the structure on ``batch``, or None (numerical failures included)."""
 
         def run() -> FlatnessReport:
-            arguments, _ = trial_settings(self.measure_arguments(self._active_structure))
-            return self._call_measure(pl_module, [batch], None, arguments=arguments)
+            arguments, _ = trial_settings(self.measurer.arguments(self.state.active_structure))
+            return self.measurer.call(pl_module, [batch], None, arguments=arguments)
 
         try:
-            self._with_fallback(run)
+            self.measurer.with_fallback(run)
         except (MeasurementError, FloatingPointError):  # NaN on this batch: not the structure
             return None
         except Exception as error:
             return RuntimeError(
-                f"structure={self._active_structure!r} failed on a real training batch "
+                f"structure={self.state.active_structure!r} failed on a real training batch "
                 f"({type(error).__name__}: {error}); pick another structure "
                 "(FlatnessMonitor(structure=...))."
             )
         return None
-
-    def _with_fallback(self, run: Callable[[], FlatnessReport]) -> FlatnessReport:
-        """``run()``; when BackPACK cannot convert the model (``dense``/``gram``), switch to
-        ``lanczos`` for the rest of the fit, say so, and run again."""
-        try:
-            return run()
-        except UnsupportedModelError as error:
-            if self._active_structure in MATRIX_FREE_STRUCTURES:
-                raise
-            rank_zero_info(
-                f"FlatnessMonitor: {error} Switching to the matrix-free structure "
-                f"{FALLBACK!r} for this model."
-            )
-            self._active_structure = FALLBACK
-            return run()

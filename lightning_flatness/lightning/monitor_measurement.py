@@ -7,8 +7,7 @@ into a warning and NaN, and the samples the training NLL of every epoch's end is
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -21,16 +20,19 @@ from lightning_flatness.core.curvature import describe_coverage
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import (
     TrainingSplitError,
+    UnsupportedModelError,
 )
 from lightning_flatness.core.measure import measure
-from lightning_flatness.core.options import KernelOptions
+from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, KernelOptions
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.budget import (
     CALIBRATION_PROBES,
     FILL_IN,
     FILL_IN_SAMPLES,
+    OverheadBudget,
 )
-from lightning_flatness.lightning.stream_buffer import leading_size
+from lightning_flatness.lightning.monitor_state import FitState, MonitorSettings
+from lightning_flatness.lightning.stream_buffer import StreamBuffer, leading_size
 from lightning_flatness.lightning.trainer_facts import (
     first_dataloader,
     fixed_subset_batches,
@@ -44,7 +46,9 @@ __all__ = [
     "KEPT_SUBSET_NUMBERS",
     "MEASUREMENT_BATCH_SIZE",
     "MONITOR_DEFAULTS",
-    "MonitorMeasurement",
+    "Measurer",
+    "all_reduce_of",
+    "shard_of",
     "tensor_numbers",
 ]
 
@@ -81,11 +85,65 @@ def tensor_numbers(batch: Any) -> int:
     return sum(leaf.numel() for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor))
 
 
-class MonitorMeasurement:
-    """The measurement of :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` (a part of
-    it: these methods read the monitor's settings and state)."""
+def all_reduce_of(trainer: Trainer) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A sum across the trainer's processes, in place (None with one process)."""
+    if trainer.world_size <= 1:
+        return None
+    strategy = trainer.strategy
 
-    def _batches(
+    def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+        reduced = strategy.reduce(tensor.clone(), reduce_op="sum")
+        tensor.copy_(reduced.to(tensor.device, tensor.dtype))
+        return tensor
+
+    return all_reduce
+
+
+def shard_of(trainer: Trainer) -> tuple[int, int] | None:
+    """``(rank, world_size)`` when the ranks split one fixed subset of a sized dataset between
+    them (:func:`fixed_subset_batches`): then they draw the probes by global position and
+    together log what one process would."""
+    loader = first_dataloader(trainer.train_dataloader)
+    if trainer.world_size <= 1 or loader is None or not is_sized(loader):
+        return None
+    return trainer.global_rank, trainer.world_size
+
+
+class Measurer:
+    """What :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` measures on and with:
+    a plain object that owns the samples it reads (the streams' batches of this epoch, the
+    fill-in's subsets kept for the fit) and hands :func:`measure` the monitor's arguments.
+
+    Args:
+        settings: the monitor's arguments.
+        state: the fit's shared state; this part reads λ, n, the structure and the sample
+            size, switches ``active_structure`` to :data:`FALLBACK` where BackPACK cannot
+            follow the model, and keeps the last exact report.
+        budget: the overhead budget (the fill-in's sample count it chose).
+    """
+
+    def __init__(self, settings: MonitorSettings, state: FitState, budget: OverheadBudget) -> None:
+        self.settings = settings
+        self.state = state
+        self.budget = budget
+        #: batches the loops drew this epoch, measured when the dataset is a stream
+        self.streams = {
+            "training": StreamBuffer(settings.max_samples),
+            "validation": StreamBuffer(settings.max_val_samples),
+        }
+        #: the fill-in's and its calibration's subsets by split and size, read once per fit:
+        #: (dataset, settings, batches)
+        self._kept_subsets: dict[tuple[str, int | None], tuple[Any, tuple, list]] = {}
+        #: a stream's samples the training NLL is read on (the first epoch's first ones)
+        self._nll_stream: list | None = None
+        self._coverage_said = False
+
+    def forget_samples(self) -> None:
+        """Hold no sample beyond a fit: the kept subsets and the stream's NLL samples go."""
+        self._kept_subsets = {}
+        self._nll_stream = None
+
+    def batches(
         self, trainer: Trainer, loaders: object, split: str, limit: int | None = None
     ) -> Iterable:
         """A fixed subset of a sized dataset (at most ``limit`` samples, if given), or this
@@ -94,67 +152,47 @@ class MonitorMeasurement:
         batch size and the sharding stay the same, if it is small (:data:`KEPT_SUBSET_NUMBERS`);
         a dataset that draws random augmentations is then measured on one draw of them, the
         same at every fill-in."""
+        settings = self.settings
         if split == "validation":
-            loader = select_dataloader(loaders, self.val_dataloader_idx)
-            max_samples = self.max_val_samples
+            loader = select_dataloader(loaders, settings.val_dataloader_idx)
+            max_samples = settings.max_val_samples
         else:
             loader = first_dataloader(loaders)
-            max_samples = self.max_samples
+            max_samples = settings.max_samples
         if limit is not None:
             max_samples = min(max_samples or limit, limit)
         if loader is None:
             return []
         if not is_sized(loader):
-            return list(self._streams[split].batches)
-        batch_size = self.batch_size or (
-            self._fill_in_batch_size() if limit is not None else MEASUREMENT_BATCH_SIZE
+            return list(self.streams[split].batches)
+        batch_size = settings.batch_size or (
+            self.fill_in_batch_size() if limit is not None else MEASUREMENT_BATCH_SIZE
         )
         shard = (trainer.global_rank, trainer.world_size)
-        settings = (len(loader.dataset), max_samples, batch_size, *shard)
+        kept_settings = (len(loader.dataset), max_samples, batch_size, *shard)
         kept = self._kept_subsets.get((split, limit))
         if limit is not None and kept is not None:
-            dataset, kept_settings, batches = kept
-            if dataset is loader.dataset and kept_settings == settings:
+            dataset, earlier_settings, batches = kept
+            if dataset is loader.dataset and earlier_settings == kept_settings:
                 return batches
         batches = fixed_subset_batches(
-            loader, max_samples, batch_size, self.seed, rank=shard[0], world_size=shard[1]
+            loader, max_samples, batch_size, settings.seed, rank=shard[0], world_size=shard[1]
         )
         if limit is None:
             return batches
         batches = list(batches)
         if tensor_numbers(batches) <= KEPT_SUBSET_NUMBERS:
-            self._kept_subsets[(split, limit)] = (loader.dataset, settings, batches)
+            self._kept_subsets[(split, limit)] = (loader.dataset, kept_settings, batches)
         return batches
 
-    def _fill_in_batch_size(self) -> int:
+    def fill_in_batch_size(self) -> int:
         """All :data:`FILL_IN_SAMPLES` in one batch, or as many as hold
         :data:`FILL_IN_BATCH_NUMBERS` numbers (at least :data:`MEASUREMENT_BATCH_SIZE`)."""
-        per_sample = self._sample_numbers or 0.0
+        per_sample = self.state.sample_numbers or 0.0
         fitting = int(FILL_IN_BATCH_NUMBERS // per_sample) if per_sample > 0 else FILL_IN_SAMPLES
         return max(MEASUREMENT_BATCH_SIZE, min(FILL_IN_SAMPLES, fitting))
 
-    def _shard(self, trainer: Trainer) -> tuple[int, int] | None:
-        """``(rank, world_size)`` when the ranks split one fixed subset of a sized dataset
-        between them (:func:`fixed_subset_batches`): then they draw the probes by global
-        position and together log what one process would."""
-        loader = first_dataloader(trainer.train_dataloader)
-        if trainer.world_size <= 1 or loader is None or not is_sized(loader):
-            return None
-        return trainer.global_rank, trainer.world_size
-
-    def _all_reduce(self, trainer: Trainer):
-        if trainer.world_size <= 1:
-            return None
-        strategy = trainer.strategy
-
-        def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-            reduced = strategy.reduce(tensor.clone(), reduce_op="sum")
-            tensor.copy_(reduced.to(tensor.device, tensor.dtype))
-            return tensor
-
-        return all_reduce
-
-    def _run_measure(
+    def run(
         self,
         trainer: Trainer,
         pl_module: LightningModule,
@@ -172,28 +210,28 @@ class MonitorMeasurement:
         :meth:`calibration_arguments`."""
         if structure == FILL_IN:
             limit = self.budget.fill_in_samples or FILL_IN_SAMPLES
-        train_batches = self._batches(trainer, trainer.train_dataloader, "training", limit)
+        train_batches = self.batches(trainer, trainer.train_dataloader, "training", limit)
         val_batches = None
-        if self.use_val and not half and trainer.val_dataloaders is not None:
-            val_batches = self._batches(trainer, trainer.val_dataloaders, "validation", limit)
+        if self.settings.use_val and not half and trainer.val_dataloaders is not None:
+            val_batches = self.batches(trainer, trainer.val_dataloaders, "validation", limit)
         arguments = self.calibration_arguments() if calibration else None
         if half:
             held = sum(leading_size(batch) for batch in train_batches)
             arguments = {
-                **(arguments or self.measure_arguments(structure or self._active_structure)),
+                **(arguments or self.arguments(structure or self.state.active_structure)),
                 "max_samples": max(held // 2, 1),
             }
-        return self._call_measure(
+        return self.call(
             pl_module,
             train_batches,
             val_batches,
-            all_reduce=self._all_reduce(trainer),
-            shard=self._shard(trainer),
+            all_reduce=all_reduce_of(trainer),
+            shard=shard_of(trainer),
             structure=structure,
             arguments=arguments,
         )
 
-    def _call_measure(
+    def call(
         self,
         pl_module: LightningModule,
         train_batches: Iterable,
@@ -204,31 +242,32 @@ class MonitorMeasurement:
         arguments: dict[str, Any] | None = None,
     ) -> FlatnessReport:
         """:func:`measure` with this monitor's arguments; ``arguments`` replaces what
-        :meth:`measure_arguments` says for ``structure`` (the active one by default)."""
+        :meth:`arguments` says for ``structure`` (the active one by default)."""
         if arguments is None:
-            arguments = self.measure_arguments(structure or self._active_structure)
+            arguments = self.arguments(structure or self.state.active_structure)
         with torch.inference_mode(False), torch.enable_grad():
             return measure(
                 pl_module,
                 train_batches,
-                lam=self._lam_argument(),
-                num_train_samples=self.resolved_num_train_samples,
+                lam=self.state.lam_argument(),
+                num_train_samples=self.state.resolved_num_train_samples,
                 val_batches=val_batches,
-                seed=self.seed,
+                seed=self.settings.seed,
                 all_reduce=all_reduce,
                 shard=shard,
-                **self.reading.as_kwargs(),
+                **self.settings.reading.as_kwargs(),
                 **arguments,
             )
 
-    def measure_arguments(self, structure: str) -> dict[str, Any]:
+    def arguments(self, structure: str) -> dict[str, Any]:
         """:func:`measure`'s arguments that say what to measure ``structure`` with: the options
         object passed as ``structure=`` for its structure, else the name with
         :data:`MONITOR_DEFAULTS` and the factor "auto" chose (:func:`sketched`)."""
-        chosen = self.structure_options
+        chosen = self.settings.structure_options
         if chosen is not None and chosen.structure == structure:
             return {"structure": chosen}
-        return {"structure": structure, **MONITOR_DEFAULTS, **sketched(structure, self)}
+        factor = self.state.sketch_factor
+        return {"structure": structure, **MONITOR_DEFAULTS, **sketched(structure, factor)}
 
     def calibration_arguments(self) -> dict[str, Any]:
         """:func:`measure`'s arguments for the fill-in's calibration on its own samples: the
@@ -237,7 +276,7 @@ class MonitorMeasurement:
         (module docstring of :mod:`~lightning_flatness.lightning.budget`); the probe kernel,
         by name or the user's options, for its trace functions alone (``summary_only``: the
         ratio needs the soft rank, not the spectrum or the Newton decrement)."""
-        arguments = self.measure_arguments(self._active_structure)
+        arguments = self.arguments(self.state.active_structure)
         structure = arguments["structure"]
         if isinstance(structure, KernelOptions):  # the user's options, for the sums alone
             return {"structure": replace(structure, summary_only=True)}
@@ -246,45 +285,55 @@ class MonitorMeasurement:
         probes = {"probes": CALIBRATION_PROBES, "groups": CALIBRATION_PROBES, "summary_only": True}
         return {**arguments, "kernel_options": {**arguments.get("kernel_options", {}), **probes}}
 
-    def _measured_samples(self) -> int:
+    def measured_samples(self) -> int:
         """The training samples a measurement of the whole set reads: n, at most
         ``max_samples`` (0 while n is unknown)."""
-        return int(min(self.resolved_num_train_samples or 0, self.max_samples or math.inf))
+        return self.state.measured_samples(self.settings.max_samples)
 
-    def _lam_argument(self) -> float | dict[str, float]:
-        """λ for :func:`measure`: one value, or each parameter's (per-group decay)."""
-        if isinstance(self.resolved_lam, ParameterDecay):
-            return self.resolved_lam.decays
-        return self.resolved_lam
-
-    def _measure(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
-        """One measurement as a plain dict; NaN (and a warning) if it fails."""
-        self._resolve(trainer)
+    def record(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, float]:
+        """One measurement of the whole measured set as a plain dict (its report kept as the
+        state's ``last_report``); NaN (and a warning) if it fails."""
+        state = self.state
         try:
-            report = self._with_fallback(lambda: self._run_measure(trainer, pl_module))
+            report = self.with_fallback(lambda: self.run(trainer, pl_module))
         except Exception as error:  # a metric must never stop training
             rank_zero_warn(
                 f"FlatnessMonitor: the measurement at epoch {trainer.current_epoch} failed and "
                 f"is recorded as NaN ({type(error).__name__}: {error})"
             )
-            lam = self.resolved_lam
+            lam = state.resolved_lam
             report = FlatnessReport.failed(
-                self._active_structure,
+                state.active_structure,
                 lam.representative if isinstance(lam, ParameterDecay) else lam,
-                self.resolved_num_train_samples or 0,
+                state.resolved_num_train_samples or 0,
                 val=error.val_sums if isinstance(error, TrainingSplitError) else None,
             )
-        self._last_report = report
-        if report.coverage and not self._coverage_logged:
+        state.last_report = report
+        if report.coverage and not self._coverage_said:
             rank_zero_info(f"FlatnessMonitor: {describe_coverage(report.coverage)}")
-            self._coverage_logged = True
+            self._coverage_said = True
         record = {k: v for k, v in report.as_dict().items() if k != "structure"}
         if trainer.world_size > 1:  # the only per-rank number: log the mean so ranks agree
             seconds = torch.tensor(record["seconds"], dtype=torch.float64)
             record["seconds"] = float(trainer.strategy.reduce(seconds, reduce_op="mean"))
         return record
 
-    def _nll_batches(self, trainer: Trainer) -> Iterable:
+    def with_fallback(self, run: Callable[[], FlatnessReport]) -> FlatnessReport:
+        """``run()``; when BackPACK cannot convert the model (``dense``/``gram``), switch to
+        :data:`FALLBACK` for the rest of the fit, say so, and run again."""
+        try:
+            return run()
+        except UnsupportedModelError as error:
+            if self.state.active_structure in MATRIX_FREE_STRUCTURES:
+                raise
+            rank_zero_info(
+                f"FlatnessMonitor: {error} Switching to the matrix-free structure "
+                f"{FALLBACK!r} for this model."
+            )
+            self.state.active_structure = FALLBACK
+            return run()
+
+    def nll_batches(self, trainer: Trainer) -> Iterable:
         """The samples the settled test reads: the fixed subset of at most
         :data:`FILL_IN_SAMPLES` of a sized dataset that the fill-in is calibrated on (kept for
         the fit), or of a stream the first :data:`FILL_IN_SAMPLES` samples the loop
@@ -293,26 +342,37 @@ class MonitorMeasurement:
         if loader is None:
             return []
         if is_sized(loader):
-            return self._batches(trainer, trainer.train_dataloader, "training", FILL_IN_SAMPLES)
-        if self._nll_stream is None and self._streams["training"].batches:
-            self._nll_stream = first_samples(self._streams["training"].batches, FILL_IN_SAMPLES)
+            return self.batches(trainer, trainer.train_dataloader, "training", FILL_IN_SAMPLES)
+        if self._nll_stream is None and self.streams["training"].batches:
+            self._nll_stream = first_samples(self.streams["training"].batches, FILL_IN_SAMPLES)
         return self._nll_stream or []
 
-    def _keep_validation_batch(self, trainer: Trainer, batch: Any, dataloader_idx: int) -> None:
+    def keep_training_batch(self, batch: Any) -> None:
+        """A training batch the loop drew from a stream, kept for this epoch's measurement."""
+        self.streams["training"].add(batch)
+
+    def keep_validation_batch(self, trainer: Trainer, batch: Any, dataloader_idx: int) -> None:
         """A validation batch the loop drew from a stream, kept for this epoch's held-out
         numbers (the measured dataloader's only, never during the sanity check)."""
-        if trainer.sanity_checking or dataloader_idx != self.val_dataloader_idx:
+        index = self.settings.val_dataloader_idx
+        if trainer.sanity_checking or dataloader_idx != index:
             return
-        loader = select_dataloader(trainer.val_dataloaders, self.val_dataloader_idx)
+        loader = select_dataloader(trainer.val_dataloaders, index)
         if loader is not None and not is_sized(loader):
-            self._streams["validation"].add(batch)
+            self.streams["validation"].add(batch)
+
+    def start_epoch(self, split: str) -> None:
+        """A new epoch of ``split``: the stream's batches of the last one go."""
+        self.streams[split].reset()
+
+    def stream_samples(self) -> int | None:
+        """The most samples of a training stream an epoch's measurement reads."""
+        return self.streams["training"].max_samples
 
 
-def sketched(structure: str, monitor: Any) -> dict[str, Any]:
+def sketched(structure: str, factor: int | None) -> dict[str, Any]:
     """The probe kernel's ``kernel_options`` where ``structure="auto"`` found its rows fit
-    memory only sketched shorter than the default (the monitor's ``_sketch_factor``), else
-    none."""
-    factor = getattr(monitor, "_sketch_factor", None)
+    memory only sketched shorter than the default (``factor``), else none."""
     if structure != "probe_kernel" or factor is None:
         return {}
     return {"kernel_options": {"sketch_factor": factor}}

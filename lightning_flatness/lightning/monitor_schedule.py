@@ -12,6 +12,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
@@ -28,7 +29,9 @@ from lightning_flatness.lightning.budget import (
     FILL_IN_SAMPLES,
     SKIP,
     Calibration,
+    OverheadBudget,
     fill_in_record,
+    fills_in,
 )
 from lightning_flatness.lightning.budget_messages import (
     cost_message,
@@ -36,11 +39,15 @@ from lightning_flatness.lightning.budget_messages import (
     not_exact_message,
 )
 from lightning_flatness.lightning.figures import summary_table
+from lightning_flatness.lightning.monitor_logging import MonitorLog
+from lightning_flatness.lightning.monitor_measurement import Measurer, all_reduce_of
+from lightning_flatness.lightning.monitor_nll import TrainingNll
+from lightning_flatness.lightning.monitor_state import FitState, MonitorSettings
 
 __all__ = [
     "ANNOUNCE_SECONDS",
     "PROGRESS_SECONDS",
-    "MeasurementSchedule",
+    "Schedule",
     "announce",
     "rank_zeros",
     "reads_every_epoch",
@@ -106,25 +113,70 @@ def rank_zeros(trainer: Trainer, value: object) -> object:
     return value
 
 
-class MeasurementSchedule:
-    """The schedule of :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` (a part of
-    it: these methods read the monitor's settings and state)."""
+class Schedule:
+    """When :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` measures, and with
+    what: a plain object that owns the fill-in's calibration and what it found the fill-in and
+    the subset's measurement cannot do.
 
-    def _due(self, trainer: Trainer) -> bool:
-        if self.disabled_reason is not None:
+    Args:
+        settings: the monitor's arguments.
+        state: the fit's shared state; this part appends the records and the skipped epochs.
+        measurer: runs every measurement.
+        budget: the overhead budget: decides, and is charged with every measurement.
+        writer: logs each record.
+        nll: the training NLL by epoch (the settled test), read here after every epoch.
+    """
+
+    def __init__(
+        self,
+        settings: MonitorSettings,
+        state: FitState,
+        measurer: Measurer,
+        budget: OverheadBudget,
+        writer: MonitorLog,
+        nll: TrainingNll,
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.measurer = measurer
+        self.budget = budget
+        self.writer = writer
+        self.nll = nll
+        #: exact ÷ fill-in soft rank at the last exact measurement (or on the fill-in's samples)
+        self.calibration = Calibration()
+        self._fill_in_failed = False
+        self._subset_failed = False
+        self._cost_told = False
+
+    def start_fit(self) -> None:
+        """A new fit: no skipped epoch, no NLL reading, and no calibration (a ratio of one
+        fit's weights only)."""
+        self.state.skipped = []
+        self.calibration = Calibration()
+        self.nll.reset()
+        self.measurer.forget_samples()
+
+    def read_nll(self, trainer: Trainer, pl_module: LightningModule, epoch: int) -> None:
+        """The training NLL after ``epoch`` (-1: before the first) for the settled test, on the
+        fill-in's samples (:meth:`Measurer.nll_batches`), unless the monitor is switched off."""
+        if self.state.disabled_reason is None:
+            batches = partial(self.measurer.nll_batches, trainer)  # read in the forked RNG
+            self.nll.record(pl_module, epoch, batches, all_reduce_of(trainer))
+
+    def due(self, trainer: Trainer) -> bool:
+        """Whether this epoch is scheduled and not yet measured or skipped."""
+        if self.state.disabled_reason is not None:
             return False
         epoch = trainer.current_epoch
-        already = epoch in self._skipped or any(r["epoch"] == epoch for r in self.history)
-        return (epoch + 1) % self.every_n_epochs == 0 and not already
+        already = epoch in self.state.skipped or any(
+            r["epoch"] == epoch for r in self.state.history
+        )
+        return (epoch + 1) % self.settings.every_n_epochs == 0 and not already
 
     def _has_fill_in(self) -> bool:
-        return not self._fill_in_failed and self._active_structure not in (
-            FILL_IN,
-            "diag",
-            "diag_mc",
-        )
+        return not self._fill_in_failed and fills_in(self.state.active_structure)
 
-    def _scheduled(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def measure_epoch(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """A scheduled measurement: exact, the cheap fill-in or none, as the budget allows
         (the same decision on every process)."""
         epochs_done = trainer.current_epoch + 1
@@ -138,7 +190,7 @@ class MeasurementSchedule:
             self.nll.settle(record, trainer.current_epoch)
             self._write(trainer, pl_module, record)
         elif decision == SKIP:
-            self._skipped.append(trainer.current_epoch)
+            self.state.skipped.append(trainer.current_epoch)
         if decision == EXACT:
             self.budget.exact_seconds = time.perf_counter() - started
             if self.budget.share is not None and not last and self._has_fill_in():
@@ -149,10 +201,10 @@ class MeasurementSchedule:
             rank_zero_info(
                 cost_message(
                     self.budget,
-                    self.history[-1]["seconds"],
+                    self.state.history[-1]["seconds"],
                     epochs_done,
-                    self.every_n_epochs,
-                    self._active_structure,
+                    self.settings.every_n_epochs,
+                    self.state.active_structure,
                 )
             )
 
@@ -163,16 +215,16 @@ class MeasurementSchedule:
         (:class:`~lightning_flatness.lightning.monitor_logging.MonitorLog`), with what the
         monitor has added to the training time so far, this measurement included."""
         record["epoch"] = float(trainer.current_epoch)
-        self.history.append(record)
+        self.state.history.append(record)
         seconds = record["seconds"] if math.isfinite(record["seconds"]) else 0.0
         fill_in = bool(record.get("fill_in"))
-        report = None if fill_in else self._last_report
+        report = None if fill_in else self.state.last_report
         self.writer.write(
             trainer,
             pl_module,
-            self.history,
+            self.state.history,
             overhead=self.budget.overhead(pending=seconds),
-            how=self._calibration.describe() if fill_in else self._active_structure,
+            how=self.calibration.describe() if fill_in else self.state.active_structure,
             eigenvalues=report.eigenvalues if report is not None else None,
         )
 
@@ -181,10 +233,10 @@ class MeasurementSchedule:
     ) -> str:
         """The budget's decision (:meth:`OverheadBudget.decide`), rank 0's on every process."""
         since_last = None
-        if self.history:
-            since_last = epochs_done - 1 - int(self.history[-1]["epoch"])
+        if self.state.history:
+            since_last = epochs_done - 1 - int(self.state.history[-1]["epoch"])
         if self.budget.fill_in_samples is None:  # once, when an epoch's time is known
-            available = self._measured_samples()
+            available = self.measurer.measured_samples()
             chosen = self.budget.choose_fill_in_samples(epochs_done, max_epochs, available)
             self.budget.fill_in_samples = int(rank_zeros(trainer, chosen))
         decision = self.budget.decide(
@@ -192,7 +244,7 @@ class MeasurementSchedule:
             max_epochs,
             last,
             self._has_fill_in(),
-            reads_every_epoch(trainer, self.log_prefix),
+            reads_every_epoch(trainer, self.settings.log_options.prefix),
             since_last=since_last,
         )
         return rank_zeros(trainer, decision)
@@ -209,23 +261,23 @@ class MeasurementSchedule:
         the last exact ratio, or before any by the ratio on its own samples when that fits), or
         None (skipped, or the fill-in cannot measure this model)."""
         if decision == EXACT:
-            announce(self.budget.exact_seconds, self._active_structure, epoch)
+            announce(self.budget.exact_seconds, self.state.active_structure, epoch)
             with reporting_progress(
                 lambda line: rank_zero_info(f"FlatnessMonitor: {line}"), PROGRESS_SECONDS
             ):
-                record = self._measure(trainer, pl_module)
+                record = self.measurer.record(trainer, pl_module)
             record.update(fill_in=0.0, calibration=1.0)
             return record
         if decision == CHEAP:
             # the last value again on the subset: the fill-in's ratio drifts over a fit
-            again = horizon[2] and self._calibration.samples is not None
-            uncalibrated = not math.isfinite(self._calibration.ratio)
+            again = horizon[2] and self.calibration.samples is not None
+            uncalibrated = not math.isfinite(self.calibration.ratio)
             if (uncalibrated or again) and self._subset_fits(trainer, horizon):
                 return self._calibrate_on_subset(trainer, pl_module)
             cheap = self._cheap_record(trainer, pl_module)
             if cheap is None:
                 return None
-            return fill_in_record(cheap, self._calibration.ratio, self._calibration.rank_bound)
+            return fill_in_record(cheap, self.calibration.ratio, self.calibration.rank_bound)
         return None
 
     def _subset_seconds(self) -> float:
@@ -234,7 +286,7 @@ class MeasurementSchedule:
         probe kernel's sums grow faster than the samples)."""
         if self.budget.subset_seconds is not None:
             return self.budget.subset_seconds
-        samples = self._measured_samples()
+        samples = self.measurer.measured_samples()
         share = min(FILL_IN_SAMPLES / samples, 1.0) if samples > 0 else 1.0
         # and, below the whole set, its first half for the extrapolation to it
         share *= HALF_TOO if share < 1.0 else 1.0
@@ -257,12 +309,12 @@ class MeasurementSchedule:
         calibration, and the fill-in's record scaled by it."""
         started = time.perf_counter()
         try:
-            exact = self._run_measure(trainer, pl_module, limit=FILL_IN_SAMPLES, calibration=True)
+            exact = self.measurer.run(trainer, pl_module, limit=FILL_IN_SAMPLES, calibration=True)
             whole = self._whole_set_soft_rank(trainer, pl_module, exact)
         except Exception as error:  # said once; the fill-in goes on unscaled
             self._subset_failed = True
             rank_zero_warn(
-                f"FlatnessMonitor: the {self._active_structure} measurement of the fill-in's "
+                f"FlatnessMonitor: the {self.state.active_structure} measurement of the fill-in's "
                 f"samples failed ({type(error).__name__}: {error}); the fill-in is unscaled."
             )
             exact = None
@@ -273,14 +325,14 @@ class MeasurementSchedule:
             return None
         if exact is not None and cheap["soft_rank"] > 0 and math.isfinite(whole[0]):
             self.budget.calibrated = True
-            self._calibration = Calibration(
+            self.calibration = Calibration(
                 whole[0] / cheap["soft_rank"],
                 float(trainer.current_epoch),
                 samples=exact.num_samples,
                 rank_bound=whole[1],
                 target_samples=whole[2],
             )
-        record = fill_in_record(cheap, self._calibration.ratio, self._calibration.rank_bound)
+        record = fill_in_record(cheap, self.calibration.ratio, self.calibration.rank_bound)
         record["seconds"] += seconds
         return record
 
@@ -290,12 +342,12 @@ class MeasurementSchedule:
         """:func:`whole_set_soft_rank` from the exact structure's ``subset`` report on the
         fill-in's samples, with their first half's soft rank from a formed kernel's own rows or
         else measured."""
-        target = self._measured_samples()
+        target = self.measurer.measured_samples()
         if not math.isfinite(subset.soft_rank) or subset.num_samples >= target:
             return subset.soft_rank, subset.rank_bound, subset.num_samples
         first_half = subset.blocks.get(FIRST_HALF)
         if first_half is None:
-            first_half = self._run_measure(
+            first_half = self.measurer.run(
                 trainer, pl_module, limit=FILL_IN_SAMPLES, half=True, calibration=True
             )
         parameters = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
@@ -307,7 +359,7 @@ class MeasurementSchedule:
         started = time.perf_counter()
         try:
             with quiet_fill_in():
-                report = self._run_measure(trainer, pl_module, FILL_IN)
+                report = self.measurer.run(trainer, pl_module, FILL_IN)
         except Exception as error:
             self._fill_in_failed = True
             rank_zero_warn(
@@ -323,32 +375,31 @@ class MeasurementSchedule:
         """The ratio exact ÷ fill-in soft rank on the weights just measured exactly."""
         cheap = self._cheap_record(trainer, pl_module)
         if cheap is not None:
-            exact = self.history[-1]
+            exact = self.state.history[-1]
             ratio = exact["soft_rank"] / cheap["soft_rank"] if cheap["soft_rank"] else math.nan
             bound = exact.get("rank_bound", math.inf)
-            self._calibration = Calibration(ratio, float(trainer.current_epoch), None, bound)
+            self.calibration = Calibration(ratio, float(trainer.current_epoch), None, bound)
 
-    def _finish_fit(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def finish_fit(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """At fit end: the last epoch measured if it was not, the gap figure, and what was
         measured how, said once."""
         last_epoch = trainer.current_epoch - 1 if trainer.current_epoch else 0
         if (
-            self.measure_on_fit_end
-            and self.disabled_reason is None
+            self.settings.measure_on_fit_end
+            and self.state.disabled_reason is None
             and trainer.global_step > 0
-            and not any(record["epoch"] >= last_epoch for record in self.history)
-            and last_epoch not in self._skipped  # the budget already said no to it
+            and not any(record["epoch"] >= last_epoch for record in self.state.history)
+            and last_epoch not in self.state.skipped  # the budget already said no to it
         ):
             self._fit_end_measurement(trainer, pl_module, last_epoch)
-        self._kept_subsets = {}  # the fill-in's samples are not held beyond the fit
-        self._nll_stream = None
-        self.writer.draw_gap_figure(trainer, self.history, self._active_structure)
-        last = self.history[-1] if self.history else None
-        if last is None and self.budget.share is not None and self.disabled_reason is None:
+        self.measurer.forget_samples()  # the fill-in's samples are not held beyond the fit
+        self.writer.draw_gap_figure(trainer, self.state.history, self.state.active_structure)
+        last = self.state.history[-1] if self.state.history else None
+        if last is None and self.budget.share is not None and self.state.disabled_reason is None:
             rank_zero_info(
                 f"FlatnessMonitor: no measurement fitted overhead_budget={self.budget.share:g} "
                 f"of this fit's {self.budget.training_seconds():.1f} s of training, or what "
-                f"{self.budget.allowance:g} s leave beside it (one {self._active_structure} "
+                f"{self.budget.allowance:g} s leave beside it (one {self.state.active_structure} "
                 "measurement: about "
                 f"{self.budget.exact_seconds or math.nan:.1f} s). Pass overhead_budget=None "
                 "(or a larger share), or measure the trained model with "
@@ -356,14 +407,18 @@ class MeasurementSchedule:
             )
         if last is not None and last.get("fill_in") and self.budget.share is not None:
             rank_zero_info(
-                not_exact_message(self.budget, self._active_structure, self._calibration)
+                not_exact_message(self.budget, self.state.active_structure, self.calibration)
             )
-        if last is not None and self.disabled_reason is None:
+        if last is not None and self.state.disabled_reason is None:
             rank_zero_info(
-                measured_line(self.history, self._skipped, self._active_structure, self.budget)
+                measured_line(
+                    self.state.history, self.state.skipped, self.state.active_structure, self.budget
+                )
             )
-        if self.log_options.summary and last is not None and trainer.is_global_zero:
-            how = self._calibration.describe() if last.get("fill_in") else self._active_structure
+        if self.settings.log_options.summary and last is not None and trainer.is_global_zero:
+            how = (
+                self.calibration.describe() if last.get("fill_in") else self.state.active_structure
+            )
             rank_zero_info(summary_table(last, how))
 
     def _fit_end_measurement(
@@ -378,12 +433,14 @@ class MeasurementSchedule:
         self.budget.charge(time.perf_counter() - started)
         if record is None:
             if decision == SKIP:
-                self._skipped.append(last_epoch)
+                self.state.skipped.append(last_epoch)
             return
-        self._read_nll(trainer, pl_module, last_epoch)  # read at its end unless cut short
+        self.read_nll(trainer, pl_module, last_epoch)  # read at its end unless cut short
         self.nll.settle(record, last_epoch)
         record["epoch"] = float(last_epoch)
-        self.history.append(record)
-        metrics = {self.log_prefix + k: v for k, v in record.items() if k != "epoch"}
+        self.state.history.append(record)
+        metrics = {
+            self.settings.log_options.prefix + k: v for k, v in record.items() if k != "epoch"
+        }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)

@@ -259,17 +259,17 @@ def fixed_subset_batches(
     )
 
 
-def resolve_missing(callback: Any, trainer: Any) -> None:
-    """Set ``callback.resolved_lam`` and ``callback.resolved_num_train_samples`` where still
+def resolve_missing(target: Any, trainer: Any, given: Any = None) -> None:
+    """Set ``target.resolved_lam`` and ``target.resolved_num_train_samples`` where still
     None: λ from the trainer's optimizers (:func:`resolve_lam`, per-group decays as a
-    :class:`ParameterDecay`; the callback's ``lam`` if given), n from its training dataloader
-    (:func:`resolve_num_train_samples`; the callback's ``num_train_samples`` if given). Both
-    callbacks read λ and n this one way."""
-    if callback.resolved_lam is None:
-        callback.resolved_lam = resolve_lam(
-            trainer.optimizers, callback.lam, trainer.lightning_module
-        )
-    if callback.resolved_num_train_samples is None:
-        callback.resolved_num_train_samples = resolve_num_train_samples(
-            first_dataloader(trainer.train_dataloader), callback.num_train_samples
+    :class:`ParameterDecay`; ``given.lam`` if set), n from its training dataloader
+    (:func:`resolve_num_train_samples`; ``given.num_train_samples`` if set). ``given`` is the
+    object holding the user's arguments (``target`` itself by default). Both callbacks read λ
+    and n this one way."""
+    given = target if given is None else given
+    if target.resolved_lam is None:
+        target.resolved_lam = resolve_lam(trainer.optimizers, given.lam, trainer.lightning_module)
+    if target.resolved_num_train_samples is None:
+        target.resolved_num_train_samples = resolve_num_train_samples(
+            first_dataloader(trainer.train_dataloader), given.num_train_samples
         )

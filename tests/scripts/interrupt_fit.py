@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from lightning.pytorch import Trainer, seed_everything
 
-import lightning_flatness.lightning.monitor as monitor_module
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
 from lightning_flatness.core.options import structure_options
+from lightning_flatness.lightning.monitor_measurement import Measurer
 
-_run_measure = monitor_module.FlatnessMonitor._run_measure
+_run_measure = Measurer.run
 
 
 def _announced(self, *args, **kwargs):
@@ -18,7 +18,7 @@ def _announced(self, *args, **kwargs):
 
 
 def main() -> None:
-    monitor_module.FlatnessMonitor._run_measure = _announced
+    Measurer.run = _announced
     seed_everything(0)
     monitor = FlatnessMonitor(
         structure=structure_options(
