@@ -17,17 +17,13 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_flatness.core.curvature.stored_rows import keeps_rows, quadrature_seconds
-from lightning_flatness.core.defaults import choose_across_processes, default_probes, row_width
+from lightning_flatness.core.defaults import choose_across_processes, kernel_rows, row_width
 from lightning_flatness.core.failures import (
     MeasurementError,
     UnsupportedModelError,
 )
 from lightning_flatness.core.measure import check_batch
-from lightning_flatness.core.options import (
-    MATRIX_FREE_STRUCTURES,
-    KernelOptions,
-    structure_options,
-)
+from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, KernelOptions
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.budget import (
     FILL_IN,
@@ -37,7 +33,7 @@ from lightning_flatness.lightning.budget import (
 )
 from lightning_flatness.lightning.monitor_measurement import (
     FALLBACK,
-    MONITOR_DEFAULTS,
+    monitor_options,
     tensor_numbers,
 )
 from lightning_flatness.lightning.monitor_schedule import quiet_fill_in
@@ -95,8 +91,8 @@ class FitStartChecks:
             cap = self._streams["training"].max_samples
         if samples is not None and cap is not None:
             samples = min(samples, cap)
-        probes = {"probes": default_probes(samples)}  # what measure() takes for that many
-        options = structure_options("probe_kernel", **MONITOR_DEFAULTS, kernel_options=probes)
+        # the rows measure() takes for that many samples
+        options = kernel_rows(monitor_options("probe_kernel"), samples)
         on_cpu = pl_module.device.type == "cpu"  # processes of one machine share its memory
         choice = choose_across_processes(
             trainable,
@@ -150,7 +146,7 @@ class FitStartChecks:
             self._refuse(pl_module, error)
 
     def _check_batch(self, pl_module: LightningModule, batch: Any) -> tuple[int, int]:
-        return check_batch(pl_module, batch, **self.reading.as_kwargs())
+        return check_batch(pl_module, batch, self.reading)
 
     def _refuse(self, pl_module: LightningModule, error: Exception) -> None:
         """Raise (``strict=True``), or warn once and switch the monitor off."""
@@ -232,10 +228,8 @@ class FitStartChecks:
         if self._active_structure != "probe_kernel":
             return 0.0
         chosen = self.structure_options
-        if isinstance(chosen, KernelOptions):
-            options = chosen
-        else:  # the name, measured as measure() measures it: the default probes for m
-            options = KernelOptions(probes=default_probes(samples))
+        options = chosen if isinstance(chosen, KernelOptions) else KernelOptions()
+        options = kernel_rows(options, samples)  # as measure() settles them for m samples
         parameters = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         rows = math.ceil(samples / world) * options.probes
         spread = world > 1 and parameters > options.max_parameters

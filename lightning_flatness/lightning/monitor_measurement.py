@@ -23,7 +23,14 @@ from lightning_flatness.core.failures import (
     TrainingSplitError,
 )
 from lightning_flatness.core.measure import measure
-from lightning_flatness.core.options import KernelOptions
+from lightning_flatness.core.options import (
+    HOOK_STRUCTURES,
+    MATRIX_FREE_STRUCTURES,
+    KernelOptions,
+    KFACOptions,
+    StructureOptions,
+    structure_options,
+)
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.budget import (
     CALIBRATION_PROBES,
@@ -43,14 +50,31 @@ __all__ = [
     "FILL_IN_BATCH_NUMBERS",
     "KEPT_SUBSET_NUMBERS",
     "MEASUREMENT_BATCH_SIZE",
-    "MONITOR_DEFAULTS",
     "MonitorMeasurement",
+    "monitor_options",
     "tensor_numbers",
 ]
 
-#: what a structure named by a string is measured with: Tr(F) from probe rows (no extra
-#: backward pass), and ``kfac``'s output factors from one probe per input (docs/RESULTS.md)
-MONITOR_DEFAULTS = {"trace_estimator": "probe", "kfac_mode": "probe"}
+
+def monitor_options(structure: str, sketch_factor: int | None = None) -> StructureOptions:
+    """The options object a structure named by a string is measured with: its defaults, but
+    Tr(F) from probe rows (no extra backward pass: ``"probe"`` for the layer-hook structures,
+    the matrix-free structures' ``"sampled"`` estimate, which is the same probes; ``dense`` and
+    ``gram`` compute the exact rows anyway) and ``kfac``'s output factors from one probe per
+    input (docs/RESULTS.md); the probe kernel's rows kept ``sketch_factor`` times shorter where
+    ``structure="auto"`` found they fit memory only so."""
+    options = structure_options(structure)
+    if structure in HOOK_STRUCTURES:
+        options = replace(options, trace_estimator="probe")
+    elif structure in MATRIX_FREE_STRUCTURES:
+        options = replace(options, trace_estimator="sampled")
+    if isinstance(options, KFACOptions):
+        options = replace(options, kfac_mode="probe")
+    if isinstance(options, KernelOptions) and sketch_factor is not None:
+        options = replace(options, sketch_factor=sketch_factor)
+    return options
+
+
 #: the structure measured when BackPACK cannot extend the model for ``dense`` or ``gram``
 FALLBACK = "lanczos"
 #: the measurement's batch size when the user gives none (the fill-in reads its whole subset
@@ -217,34 +241,35 @@ class MonitorMeasurement:
                 seed=self.seed,
                 all_reduce=all_reduce,
                 shard=shard,
-                **self.reading.as_kwargs(),
+                reading=self.reading,
                 **arguments,
             )
 
     def measure_arguments(self, structure: str) -> dict[str, Any]:
         """:func:`measure`'s arguments that say what to measure ``structure`` with: the options
-        object passed as ``structure=`` for its structure, else the name with
-        :data:`MONITOR_DEFAULTS` and the factor "auto" chose (:func:`sketched`)."""
+        object passed as ``structure=`` for its structure, else :func:`monitor_options` of the
+        name with the factor "auto" chose (:func:`sketched`)."""
         chosen = self.structure_options
         if chosen is not None and chosen.structure == structure:
             return {"structure": chosen}
-        return {"structure": structure, **MONITOR_DEFAULTS, **sketched(structure, self)}
+        return {"structure": monitor_options(structure, sketched(structure, self))}
 
     def calibration_arguments(self) -> dict[str, Any]:
         """:func:`measure`'s arguments for the fill-in's calibration on its own samples: the
-        active structure's, and for the probe kernel measured by name
+        active structure's, and for the probe kernel at its default rows (by name, or options
+        without ``probes`` or ``groups``)
         :data:`~lightning_flatness.lightning.budget.CALIBRATION_PROBES` probe rows per sample
-        (module docstring of :mod:`~lightning_flatness.lightning.budget`); the probe kernel,
-        by name or the user's options, for its trace functions alone (``summary_only``: the
-        ratio needs the soft rank, not the spectrum or the Newton decrement)."""
+        (module docstring of :mod:`~lightning_flatness.lightning.budget`); the probe kernel
+        for its trace functions alone (``summary_only``: the ratio needs the soft rank, not the
+        spectrum or the Newton decrement)."""
         arguments = self.measure_arguments(self._active_structure)
-        structure = arguments["structure"]
-        if isinstance(structure, KernelOptions):  # the user's options, for the sums alone
-            return {"structure": replace(structure, summary_only=True)}
-        if structure != "probe_kernel":
+        options = arguments["structure"]
+        if not isinstance(options, KernelOptions):
             return arguments
+        if not options.default_rows:  # the user's rows, for the sums alone
+            return {"structure": replace(options, summary_only=True)}
         probes = {"probes": CALIBRATION_PROBES, "groups": CALIBRATION_PROBES, "summary_only": True}
-        return {**arguments, "kernel_options": {**arguments.get("kernel_options", {}), **probes}}
+        return {"structure": replace(options, **probes)}
 
     def _measured_samples(self) -> int:
         """The training samples a measurement of the whole set reads: n, at most
@@ -308,11 +333,9 @@ class MonitorMeasurement:
             self._streams["validation"].add(batch)
 
 
-def sketched(structure: str, monitor: Any) -> dict[str, Any]:
-    """The probe kernel's ``kernel_options`` where ``structure="auto"`` found its rows fit
+def sketched(structure: str, monitor: Any) -> int | None:
+    """The probe kernel's ``sketch_factor`` where ``structure="auto"`` found its rows fit
     memory only sketched shorter than the default (the monitor's ``_sketch_factor``), else
-    none."""
+    None."""
     factor = getattr(monitor, "_sketch_factor", None)
-    if structure != "probe_kernel" or factor is None:
-        return {}
-    return {"kernel_options": {"sketch_factor": factor}}
+    return factor if structure == "probe_kernel" else None
