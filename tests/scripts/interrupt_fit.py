@@ -7,7 +7,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 import lightning_flatness.lightning.monitor as monitor_module
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
-from lightning_flatness.core.options import structure_options
+from lightning_flatness.core.options import MatrixFreeOptions
 
 _run_measure = monitor_module.FlatnessMonitor._run_measure
 
@@ -21,11 +21,8 @@ def main() -> None:
     monitor_module.FlatnessMonitor._run_measure = _announced
     seed_everything(0)
     monitor = FlatnessMonitor(
-        structure=structure_options(
-            "lanczos",
-            trace_estimator="probe",
-            kfac_mode="probe",
-            **{"matrix_free_options": {"probes": 50, "lanczos_steps": 400}},
+        structure=MatrixFreeOptions(
+            structure="lanczos", probes=50, lanczos_steps=400, trace_estimator="sampled"
         ),
         overhead_budget=None,
     )
