@@ -30,42 +30,34 @@ import torch
 from _common import markdown_table, median, mnist7, print_header, set_threads, train_epoch
 from torch import nn
 
-from lightning_flatness import measure
+from lightning_flatness import KernelOptions, KFACOptions, MatrixFreeOptions, measure
 from lightning_flatness.core.models import build_model
+from lightning_flatness.core.options import StructureOptions
 
-#: variant → (structure, measure() options)
-VARIANTS: dict[str, tuple[str, dict]] = {
-    "kfac (exact rows)": ("kfac", {}),
-    "kfac (sampled)": (
-        "kfac",
-        {"kfac_mode": "sampled", "trace_estimator": "sampled"},
-    ),
-    "kfac (probe)": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
-    "diag": ("diag", {}),
-    "hutchinson": ("hutchinson", {}),
+#: variant → what measure() is given as its structure (a name or an options object)
+VARIANTS: dict[str, str | StructureOptions] = {
+    "kfac (exact rows)": "kfac",
+    "kfac (sampled)": KFACOptions(kfac_mode="sampled", trace_estimator="sampled"),
+    "kfac (probe)": KFACOptions(kfac_mode="probe", trace_estimator="probe"),
+    "diag": "diag",
+    "hutchinson": "hutchinson",
     **{
-        f"probe_kernel {probes}/{groups}": (
-            "probe_kernel",
-            {"kernel_options": {"probes": probes, "groups": groups}, "trace_estimator": "probe"},
+        f"probe_kernel {probes}/{groups}": KernelOptions(
+            probes=probes, groups=groups, trace_estimator="probe"
         )
         for probes, groups in ((2, 2), (4, 2), (4, 4), (8, 2))
     },
     **{
-        f"cg {probes} probes, {preconditioner}": (
-            "cg",
-            {"matrix_free_options": {"probes": probes, "preconditioner": preconditioner}},
+        f"cg {probes} probes, {preconditioner}": MatrixFreeOptions(
+            probes=probes, preconditioner=preconditioner
         )
         for probes in (4, 8)
         for preconditioner in ("kfac", "none")
     },
-    "cg 4 probes, kfac, 150 products": (
-        "cg",
-        {"matrix_free_options": {"probes": 4, "cg_steps": 150, "cg_tol": 0.005}},
-    ),
+    "cg 4 probes, kfac, 150 products": MatrixFreeOptions(probes=4, cg_steps=150, cg_tol=0.005),
     **{
-        f"lanczos {probes}×{steps}": (
-            "lanczos",
-            {"matrix_free_options": {"probes": probes, "lanczos_steps": steps}},
+        f"lanczos {probes}×{steps}": MatrixFreeOptions(
+            structure="lanczos", probes=probes, lanczos_steps=steps
         )
         for probes, steps in ((2, 10), (2, 25), (5, 25), (5, 50), (10, 80), (10, 200), (10, 400))
     },
@@ -149,14 +141,9 @@ def main() -> None:
                     f"{exact.seconds / epoch:.1f}",
                 ]
             ]
-            for variant, (structure, options) in variants.items():
+            for variant, structure in variants.items():
                 report = measure(
-                    model,
-                    _batches(x, y),
-                    lam=lam,
-                    num_train_samples=n,
-                    structure=structure,
-                    **options,
+                    model, _batches(x, y), lam=lam, num_train_samples=n, structure=structure
                 )
                 rank_ratio = report.soft_rank / exact.soft_rank
                 cost = report.seconds / epoch

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_flatness as lf
 from lightning_flatness.core.curvature.probe_kernel import FIRST_HALF
 from lightning_flatness.core.sample_growth import extrapolated_soft_rank
-from lightning_flatness.lightning.monitor_measurement import MONITOR_DEFAULTS
+from lightning_flatness.lightning.monitor_measurement import monitor_options
 from lightning_flatness.lightning.trainer_facts import fixed_subset_batches
 
 SUBSETS = (64, 128, 256, 512, 1024)
@@ -70,16 +70,13 @@ class FillInRatios(Callback):
             exact, _ = self._measure(pl_module, None)
             row = [f"{self.decay * n:g}", str(trainer.current_epoch), f"{exact.soft_rank:,.0f}"]
             for samples in SUBSETS:
-                kfac, seconds = self._measure(
-                    pl_module, samples, structure="kfac", **MONITOR_DEFAULTS
-                )
+                kfac, seconds = self._measure(pl_module, samples, structure=monitor_options("kfac"))
                 row.append(f"{exact.soft_rank / kfac.soft_rank:.3f} ({seconds:.2f} s)")
             for samples, probes in _calibrations(self.calibration_samples, self.probes):
-                rows = {"probes": probes, "groups": probes, "summary_only": True}
-                options = {"trace_estimator": "probe", "kernel_options": rows}
-                subset, seconds = self._measure(
-                    pl_module, samples, structure="probe_kernel", **options
+                options = lf.KernelOptions(
+                    probes=probes, groups=probes, summary_only=True, trace_estimator="probe"
                 )
+                subset, seconds = self._measure(pl_module, samples, structure=options)
                 half = subset.blocks[FIRST_HALF].soft_rank
                 whole = extrapolated_soft_rank(half, subset.soft_rank, subset.num_samples, n)
                 row.append(f"{whole / exact.soft_rank:.3f} ({seconds:.2f} s)")

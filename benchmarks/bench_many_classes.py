@@ -76,8 +76,8 @@ def main() -> None:
             "the monitor's fill-in: kfac, probe rows and probe Tr(F)",
             {"structure": KFACOptions(kfac_mode="probe", trace_estimator="probe")},
         ),
-        ("kfac, 4 probe rows", {"structure": "kfac", "kfac_mode": "probe", "mc_samples": 4}),
-        ("kfac, exact rows (C backward passes)", {"structure": "kfac", "kfac_mode": "exact"}),
+        ("kfac, 4 probe rows", {"structure": KFACOptions(kfac_mode="probe", mc_samples=4)}),
+        ("kfac, exact rows (C backward passes)", {"structure": KFACOptions(kfac_mode="exact")}),
     ]
     for label, kwargs in variants:
         times = []

@@ -59,8 +59,9 @@ from lightning_flatness.core.backpack.extension import (
 )
 from lightning_flatness.core.backpack.gram import DEFAULT_MAX_KERNEL_SIZE
 from lightning_flatness.core.models import build_model
+from lightning_flatness.core.options import structure_options
 
-#: Variant name → (structure, extra ``measure()`` keyword arguments, description).
+#: Variant name → (structure, fields of its options object, description).
 VARIANTS: dict[str, tuple[str, dict[str, str], str]] = {
     "kfac": ("kfac", {}, "kfac (KFLR factors, exact Tr F)"),
     "kfac_sampled": ("kfac", {"kfac_mode": "sampled"}, "kfac, kfac_mode=sampled"),
@@ -147,8 +148,7 @@ def _measurement(
             batches,
             lam=LAM,
             num_train_samples=4000,
-            structure=structure,
-            **kwargs,
+            structure=structure_options(structure, kwargs),
         )
 
     return run

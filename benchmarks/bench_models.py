@@ -50,6 +50,7 @@ from lightning_flatness import measure
 from lightning_flatness.core import layer_rules
 from lightning_flatness.core.batches import call_model, read_logits
 from lightning_flatness.core.models import build_model
+from lightning_flatness.core.options import structure_options
 from lightning_flatness.lightning.budget import FILL_IN_SAMPLES
 
 LAM = 1e-3
@@ -61,7 +62,7 @@ PASSES_ONLY = "forward + 2 backward only"
 #: FILL_IN_SAMPLES, which the hooks split into passes by their own size rule
 MONITOR_BATCHES = "kfac probe, the monitor's batches"
 
-#: variant → (structure, measure() keyword arguments)
+#: variant → (structure, fields of its options object)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "kfac exact (measure() default)": ("kfac", {}),
     "kfac sampled": (
@@ -206,9 +207,8 @@ def _measurement(model: nn.Module, batches: list, variant: str) -> Callable[[], 
         if unfolded:  # no convolution's input factor or norms from overlaps
             layer_rules.overlap_pays = lambda *args, **kwargs: False
         try:
-            return measure(
-                model, batches, lam=LAM, num_train_samples=10_000, structure=structure, **kwargs
-            )
+            options = structure_options(structure, kwargs)
+            return measure(model, batches, lam=LAM, num_train_samples=10_000, structure=options)
         finally:
             layer_rules.overlap_pays = kept
 

@@ -37,14 +37,13 @@ def _fit(data, widths, decay: float, epochs: int, monitor: FlatnessMonitor | Non
 def _exact_soft_rank(model, x, y, decay: float) -> float:
     """The dense Fisher's soft rank at λ = the weight decay: every output's row (probes =
     classes), summed as P × P in float64."""
-    rows = {"probes": 10, "groups": 1, "side": "parameters", "max_parameters": 10**6}
+    rows = lf.KernelOptions(probes=10, groups=1, side="parameters", max_parameters=10**6)
     report = lf.measure(
         model,
         [(x[i : i + 256], y[i : i + 256]) for i in range(0, x.shape[0], 256)],
         lam=decay,
         num_train_samples=x.shape[0],
-        structure="probe_kernel",
-        kernel_options=rows,
+        structure=rows,
     )
     return report.soft_rank
 

@@ -28,7 +28,7 @@ import torch
 from _common import markdown_table, median, mnist7, print_header, set_threads, train_epoch
 from torch import nn
 
-from lightning_flatness import measure
+from lightning_flatness import KernelOptions, KFACOptions, measure
 from lightning_flatness.core.defaults import default_probes
 from lightning_flatness.core.models import build_model
 
@@ -97,17 +97,14 @@ def main() -> None:
                 _batches(xm, ym),
                 lam=lam,
                 num_train_samples=m,
-                structure="probe_kernel",
-                trace_estimator="probe",
+                structure=KernelOptions(trace_estimator="probe"),
             )
             kfac = measure(
                 model,
                 _batches(xm, ym),
                 lam=lam,
                 num_train_samples=m,
-                structure="kfac",
-                kfac_mode="probe",
-                trace_estimator="probe",
+                structure=KFACOptions(kfac_mode="probe", trace_estimator="probe"),
             )
             probes = default_probes(m)
             side = "P × P" if probes * m > parameters else "kernel"

@@ -108,6 +108,7 @@ def worker(spec: dict) -> dict:
     """One measurement in this process; returns its numbers (run via ``--worker``)."""
     torch.set_num_threads(spec["threads"])
     from lightning_flatness.core.measure import measure
+    from lightning_flatness.core.options import structure_options
 
     model, inputs, targets = _load(spec)
     batch_size = spec["batch_size"]
@@ -128,9 +129,8 @@ def worker(spec: dict) -> dict:
             _batches(inputs, targets, batch_size),
             lam=LAM_C / inputs.shape[0],
             num_train_samples=inputs.shape[0],
-            structure=spec["structure"],
+            structure=structure_options(spec["structure"], spec.get("options")),
             seed=spec.get("seed", 0),
-            matrix_free_options=spec.get("options"),
         )
         stderr = report.blocks.get("stderr")
         result = {
@@ -156,23 +156,23 @@ def _convergence(model, inputs, targets, spec) -> list[list[float]]:
     from lightning_flatness.core.curvature.lanczos import gauss_quadrature, slq_values, truncated
     from lightning_flatness.core.options import structure_options
     from lightning_flatness.core.pipeline import run_pipeline
+    from lightning_flatness.core.reading import BatchReading
 
     lam = LAM_C / inputs.shape[0]
     # measure()'s own path, which keeps the Lanczos coefficients the report leaves out
     train_batches = _batches(inputs, targets, spec["batch_size"])
     wrapped, first_pass, _ = wrap_for_batches(model, train_batches)
+    reading = BatchReading()
     backend = make_backend(
-        "lanczos",
         wrapped,
-        structure_options("lanczos", matrix_free_options=spec["options"]),
-        loss="cross_entropy",
+        structure_options("lanczos", spec["options"]),
+        reading,
         seed=spec.get("seed", 0),
         all_reduce=None,
-        unpack_batch=None,
         repeatable_train_batches=train_batches,
         max_samples=None,
     )
-    estimate, _, _ = run_pipeline(backend, wrapped, first_pass, None, lam=lam)
+    estimate, _, _ = run_pipeline(backend, wrapped, first_pass, None, reading, lam=lam)
     rows = []
     for steps in range(4, spec["options"]["lanczos_steps"] + 1, 4):
         head = truncated(estimate.decomposition, steps)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import resource
 import time
+from dataclasses import replace
 
 import torch
 from _common import environment_note, markdown_table, mnist7, set_threads, train_epoch
@@ -43,6 +44,12 @@ from _ladder import LadderResNet, colour16
 from _resnet import SmallResNet
 
 import lightning_flatness as lf
+from lightning_flatness.core.defaults import auto_choice
+from lightning_flatness.core.options import (
+    HOOK_STRUCTURES,
+    MATRIX_FREE_STRUCTURES,
+    structure_options,
+)
 
 
 def _trained(rung: str, n: int, c: float, epochs: int) -> tuple[torch.nn.Module, float, tuple]:
@@ -63,7 +70,25 @@ def _trained(rung: str, n: int, c: float, epochs: int) -> tuple[torch.nn.Module,
     return model.eval(), (time.perf_counter() - started) / epochs, data
 
 
-def _measure(model, data, lam: float, structure: str, **options) -> tuple:
+def _options(model, n: int, structure: str, fields: dict, all_reduce=None):
+    """The options object of ``structure`` with these fields (``"auto"``: of the structure it
+    chooses, sketched as it sketches unless the fields name a factor; the fields are the probe
+    kernel's), Tr(F) from probe rows: ``"probe"`` for the layer-hook structures, the
+    matrix-free structures' ``"sampled"`` (the same probes)."""
+    if structure == "auto":
+        choice = auto_choice(model, n, all_reduce=all_reduce)
+        structure = choice.structure
+        if structure != "probe_kernel":
+            fields = {}
+        elif choice.sketch_factor is not None:
+            fields = {"sketch_factor": choice.sketch_factor, **fields}
+    options = structure_options(structure, fields)
+    if structure in MATRIX_FREE_STRUCTURES:
+        return replace(options, trace_estimator="sampled")
+    return replace(options, trace_estimator="probe") if structure in HOOK_STRUCTURES else options
+
+
+def _measure(model, data, lam: float, structure: str, fields: dict, all_reduce=None) -> tuple:
     """One measurement: its report, seconds and peak memory growth (MiB)."""
     x, y = data[0], data[1]
     n = x.shape[0]
@@ -74,9 +99,8 @@ def _measure(model, data, lam: float, structure: str, **options) -> tuple:
         [(x[i : i + 256], y[i : i + 256]) for i in range(0, n, 256)],
         lam=lam,
         num_train_samples=n,
-        structure=structure,
-        trace_estimator="probe",
-        **options,
+        structure=_options(model, n, structure, fields, all_reduce),
+        all_reduce=all_reduce,
     )
     seconds = time.perf_counter() - started
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
@@ -185,7 +209,7 @@ def main() -> None:
                 exact_rows = {"probes": 10, "groups": 1, "side": "parameters"}
                 runs["dense (exact output rows, P × P)"] = (
                     "probe_kernel",
-                    {"kernel_options": {**exact_rows, "max_parameters": 10**6}},
+                    {**exact_rows, "max_parameters": 10**6},
                 )
             if args.certified:  # twice the default's probe rows where it takes 2, a tight bracket
                 certified = {
@@ -198,7 +222,7 @@ def main() -> None:
                 }
                 runs["stored rows, 4 probes, 16 × ≤ 150 steps, bracket ±0.2%"] = (
                     "probe_kernel",
-                    {"kernel_options": certified},
+                    certified,
                 )
             if args.reference_factor is not None:
                 sketched = {
@@ -210,49 +234,46 @@ def main() -> None:
                 }
                 runs[f"rows {args.reference_factor}× shorter, 16 × ≤ 150 steps, ±0.2%"] = (
                     "probe_kernel",
-                    {"kernel_options": sketched},
+                    sketched,
                 )
             if not args.skip_formed:
                 runs["formed kernel, default's rows"] = (
                     "probe_kernel",
-                    {"kernel_options": {"side": "samples", "max_kernel_size": 10**6}},
+                    {"side": "samples", "max_kernel_size": 10**6},
                 )
             runs["stored rows (the default)"] = ("auto", {})
             if args.across_processes:  # a world of one: what each of several processes runs
-                runs["stored rows, split runs (across processes)"] = (
-                    "auto",
-                    {"all_reduce": _one_process},
-                )
+                runs["stored rows, split runs (across processes)"] = ("auto", {}, _one_process)
             if args.unsketched:
-                runs["stored rows kept whole"] = ("auto", {"kernel_options": {"sketch_factor": 1}})
+                runs["stored rows kept whole"] = ("auto", {"sketch_factor": 1})
             for groups in args.sketch_groups:
                 sketched = {"sketch_factor": 8, "sketch_groups": groups}
                 sketched["sketch_from_parameters"] = 1
                 runs[f"stored rows 8× shorter, {groups} sketch groups"] = (
                     "auto",
-                    {"kernel_options": sketched},
+                    sketched,
                 )
             for factor in args.sketch_factors:
                 sketched = {"sketch_factor": factor, "sketch_from_parameters": 1}
                 runs[f"stored rows sketched {factor}× shorter"] = (
                     "auto",
-                    {"kernel_options": sketched},
+                    sketched,
                 )
             for extension in args.slq_extensions:
                 runs[f"stored rows, at most {extension}× slq_steps"] = (
                     "auto",
-                    {"kernel_options": {"slq_extension": extension}},
+                    {"slq_extension": extension},
                 )
             for tolerance in args.tolerances:
                 runs[f"stored rows, bracket ±{tolerance:.0%}"] = (
                     "auto",
-                    {"kernel_options": {"slq_tolerance": tolerance}},
+                    {"slq_tolerance": tolerance},
                 )
             if not args.skip_cg:
                 runs["cg (the default before)"] = ("cg", {})
             for structure in args.structures:
                 runs[OTHER_STRUCTURES[structure]] = (structure, {})
-            results = {name: _measure(model, data, lam, s, **o) for name, (s, o) in runs.items()}
+            results = {name: _measure(model, data, lam, *run) for name, run in runs.items()}
             reference = next(iter(results.values()))[0].soft_rank
             for name, (report, seconds, grown) in results.items():
                 stderr = report.as_dict().get("soft_rank_stderr", float("nan"))

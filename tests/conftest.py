@@ -10,6 +10,8 @@ import torch
 
 from lightning_flatness.core.measure import measure
 from lightning_flatness.core.models import build_model
+from lightning_flatness.core.options import KernelOptions
+from lightning_flatness.core.reading import BatchReading
 
 #: Small widths keep the dense P × P reference fast; the structure of each model is the paper's.
 TINY = {
@@ -50,14 +52,13 @@ def batches(inputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> lis
 
 
 def probe_kernel_report(model, inputs, targets, batch_size: int = 7, **options):
-    """``measure()`` of ``probe_kernel`` with these ``kernel_options`` at λ = 1e-3, n = 100."""
+    """``measure()`` of ``probe_kernel`` with these ``KernelOptions`` at λ = 1e-3, n = 100."""
     return measure(
         model,
         batches(inputs, targets, batch_size),
         lam=1e-3,
         num_train_samples=100,
-        structure="probe_kernel",
-        kernel_options=options,
+        structure=KernelOptions(**options),
     )
 
 
@@ -128,18 +129,23 @@ def curvature_and_sums(
     loss: str = "cross_entropy",
     seed: int = 0,
     all_reduce=None,
-    matrix_free_options: dict | None = None,
+    options: dict | None = None,
 ):
     """``(curvature estimate, training sums)`` from ``measure()``'s own pass
-    (:func:`~lightning_flatness.core.measure.curvature_and_sums`), for tests that read more of
-    the estimate than the report keeps (per-probe values, the Lanczos coefficients, the summary
-    next to its blocks)."""
+    (:func:`~lightning_flatness.core.measure.curvature_and_sums`) of ``structure`` with these
+    fields of its options object, for tests that read more of the estimate than the report
+    keeps (per-probe values, the Lanczos coefficients, the summary next to its blocks)."""
     from lightning_flatness.core.measure import curvature_and_sums as measured
     from lightning_flatness.core.options import structure_options
 
-    options = structure_options(structure, matrix_free_options=matrix_free_options)
     curvature, train, _ = measured(
-        model, train_batches, options, lam=lam, loss=loss, seed=seed, all_reduce=all_reduce
+        model,
+        train_batches,
+        structure_options(structure, options),
+        BatchReading(loss=loss),
+        lam=lam,
+        seed=seed,
+        all_reduce=all_reduce,
     )
     return curvature, train
 

@@ -10,7 +10,7 @@ import torch
 from conftest import assert_kronecker_blocks_exact
 from torch import Tensor, nn
 
-from lightning_flatness import measure
+from lightning_flatness import KFACOptions, measure
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.module_rules import AttentionRule, LocalRule
 from lightning_flatness.core.rule_assignment import record_call
@@ -136,7 +136,7 @@ def test_projections_read_off_the_pass_equal_a_second_run_of_the_module(batch_fi
         return maps
 
     monkeypatch.setattr(module_rules, "recorded_projection_maps", counting)
-    options = {"lam": LAM, "num_train_samples": 100, "structure": "kfac", "kfac_mode": "probe"}
+    options = {"lam": LAM, "num_train_samples": 100, "structure": KFACOptions(kfac_mode="probe")}
     for size in (1, 4, 9):
         data = [(inputs[i : i + size], targets[i : i + size]) for i in range(0, 9, size)]
         read_off = measure(model, data, **options)

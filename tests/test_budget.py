@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -20,11 +21,13 @@ from lightning_flatness import (
     FlatnessClassifier,
     FlatnessMonitor,
     KernelOptions,
+    KFACOptions,
     MNIST7DataModule,
     measure,
 )
 from lightning_flatness.core.curvature.probe_kernel import FIRST_HALF
 from lightning_flatness.core.sample_growth import extrapolated_soft_rank
+from lightning_flatness.lightning import monitor_measurement
 from lightning_flatness.lightning.budget import (
     ALLOWANCE_SECONDS,
     CALIBRATION_PROBES,
@@ -39,7 +42,7 @@ from lightning_flatness.lightning.budget import (
 )
 from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.monitor_checks import cost_line, predicted_exact_seconds
-from lightning_flatness.lightning.monitor_measurement import MONITOR_DEFAULTS, tensor_numbers
+from lightning_flatness.lightning.monitor_measurement import tensor_numbers
 
 
 class FakeClock:
@@ -342,21 +345,27 @@ def test_once_calibrated_the_last_calibration_is_kept_within_the_untimed_part(ca
 
 
 def test_the_calibration_on_the_subset_measures_two_probe_rows_per_sample():
-    """The probe kernel by name is calibrated with CALIBRATION_PROBES rows per sample (in as
-    many jackknife groups); an options object the user passed is measured as given; either
-    for its trace functions alone (``summary_only``)."""
+    """The probe kernel at its default rows (by name, or options without probes or groups) is
+    calibrated with CALIBRATION_PROBES rows per sample (in as many jackknife groups); the rows
+    of an options object that names them are measured as given; either for its trace
+    functions alone (``summary_only``)."""
     monitor = FlatnessMonitor()
     monitor.state.active_structure = "probe_kernel"
     arguments = monitor.measurer.calibration_arguments()
     assert CALIBRATION_PROBES == 2
-    assert arguments["structure"] == "probe_kernel"
-    assert arguments["kernel_options"]["probes"] == arguments["kernel_options"]["groups"] == 2
-    assert arguments["kernel_options"]["summary_only"] is True  # the soft rank is all it needs
+    options = arguments["structure"]
+    assert isinstance(options, KernelOptions) and options.trace_estimator == "probe"
+    assert options.probes == options.groups == 2
+    assert options.summary_only is True  # the soft rank is all it needs
     chosen = KernelOptions(probes=6, groups=3)
     monitor = FlatnessMonitor(structure=chosen)
     monitor.state.active_structure = "probe_kernel"
     summed = KernelOptions(probes=6, groups=3, summary_only=True)
     assert monitor.measurer.calibration_arguments() == {"structure": summed}
+    monitor = FlatnessMonitor(structure=KernelOptions(side="samples"))
+    monitor.state.active_structure = "probe_kernel"
+    calibrated = monitor.measurer.calibration_arguments()["structure"]
+    assert (calibrated.probes, calibrated.side, calibrated.summary_only) == (2, "samples", True)
     monitor = FlatnessMonitor(structure="cg")
     monitor.state.active_structure = "cg"
     assert monitor.measurer.calibration_arguments() == monitor.measurer.arguments("cg")
@@ -394,14 +403,24 @@ def _fit(tmp_path, callbacks, max_epochs=3):
 
 def _kfac_soft_rank(model, data) -> float:
     x, y = data.train_set.tensors
-    return measure(
-        model, [(x, y)], lam=1e-3, num_train_samples=64, structure="kfac", kfac_mode="exact"
-    ).soft_rank
+    return measure(model, [(x, y)], lam=1e-3, num_train_samples=64, structure="kfac").soft_rank
+
+
+def _fill_in_without_probes(monkeypatch) -> None:
+    """``kfac`` by name measured with the exact output rows (Tr(F) still from probes): a
+    fill-in whose factors a plain ``measure()`` reproduces."""
+    defaults = monitor_measurement.monitor_options
+
+    def options(structure, sketch_factor=None):
+        chosen = defaults(structure, sketch_factor)
+        return replace(chosen, kfac_mode="exact") if isinstance(chosen, KFACOptions) else chosen
+
+    monkeypatch.setattr(monitor_measurement, "monitor_options", options)
 
 
 def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path, monkeypatch):
     _, plain, _ = _fit(tmp_path / "plain", [])
-    monkeypatch.setitem(MONITOR_DEFAULTS, "kfac_mode", "exact")  # a fill-in without probes
+    _fill_in_without_probes(monkeypatch)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [EXACT, CHEAP, EXACT]
     monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
@@ -425,7 +444,7 @@ def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path,
     (16 here, of 64), the same ones at every epoch, and its calibration is taken on them."""
     for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
         monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
-    monkeypatch.setitem(MONITOR_DEFAULTS, "kfac_mode", "exact")
+    _fill_in_without_probes(monkeypatch)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [EXACT, CHEAP, CHEAP]
     monitor.budget.decide = lambda *args, **kwargs: script.pop(0)

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
-from lightning_flatness.core.options import DenseOptions, KFACOptions, structure_options
+from lightning_flatness.core.options import DenseOptions, KFACOptions
 from lightning_flatness.core.reading import BatchReading
 from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.trainer_facts import LambdaResolutionError, resolve_lam
@@ -137,7 +137,7 @@ def test_logged_values_equal_a_direct_measurement(tmp_path):
 def test_monitor_does_not_change_training(tmp_path, architecture):
     _, plain, _ = fit(tmp_path / "plain", [], architecture=architecture, max_epochs=2)
     monitor = FlatnessMonitor(
-        structure=structure_options("kfac", trace_estimator="sampled", kfac_mode="sampled"),
+        structure=KFACOptions(kfac_mode="sampled", trace_estimator="sampled"),
         overhead_budget=None,
     )
     _, monitored, _ = fit(tmp_path / "monitored", [monitor], architecture=architecture)
@@ -152,13 +152,13 @@ def test_a_structure_that_cannot_measure_the_model_fails_once_at_fit_start(tmp_p
     """The structure is tried on one real training batch at fit start: strict, the fit stops
     there naming the fix; strict=False, one warning and the monitor is off (no NaN epochs)."""
     kwargs = {"structure": DenseOptions(trace_estimator="exact", max_parameters=10)}
-    with pytest.raises(ValueError, match=r"structure='dense' failed.*dense_max_parameters"):
+    with pytest.raises(ValueError, match=r"structure='dense' failed.*DenseOptions.max_parameters"):
         fit(tmp_path, [FlatnessMonitor(**kwargs)])
     monitor = FlatnessMonitor(strict=False, **kwargs)
-    with pytest.warns(UserWarning, match=r"dense_max_parameters.*switched off"):
+    with pytest.warns(UserWarning, match=r"DenseOptions.max_parameters.*switched off"):
         trainer, _, _ = fit(tmp_path, [monitor])
     assert trainer.current_epoch == 2
-    assert monitor.history == [] and "dense_max_parameters" in monitor.disabled_reason
+    assert monitor.history == [] and "DenseOptions.max_parameters" in monitor.disabled_reason
 
 
 def test_every_n_epochs_and_fit_end(tmp_path):
@@ -232,12 +232,7 @@ class ScaledClassifier(FlatnessClassifier):
 
 def test_unsupported_model_switches_to_matrix_free_with_one_message(tmp_path, caplog):
     monitor = FlatnessMonitor(
-        structure=structure_options(
-            "dense",
-            trace_estimator="probe",
-            kfac_mode="probe",
-            **{"matrix_free_options": {"probes": 2, "lanczos_steps": 8}},
-        ),
+        structure=DenseOptions(),
         max_samples=64,
     )
     seed_everything(0)

@@ -16,6 +16,7 @@ from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.curvature.cg import KroneckerPreconditioner, conjugate_gradients
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import MatrixFreeOptions
 
 LAM = 1e-3
 
@@ -26,8 +27,7 @@ def _cg(model, inputs, targets, batch_size=7, **options):
         batches(inputs, targets, batch_size),
         lam=LAM,
         num_train_samples=100,
-        structure="cg",
-        matrix_free_options={"cg_tol": 1e-4, "cg_steps": 300, **options},
+        structure=MatrixFreeOptions(**{"cg_tol": 1e-4, "cg_steps": 300, **options}),
     )
 
 
@@ -180,7 +180,6 @@ def test_cg_measures_gpt2_with_frozen_transposed_weights(one_thread):
         data,
         lam=LAM,
         num_train_samples=100,
-        structure="cg",
-        matrix_free_options={"probes": 16, "cg_steps": 300, "cg_tol": 1e-6},
+        structure=MatrixFreeOptions(probes=16, cg_steps=300, cg_tol=1e-6),
     )
     assert abs(report.soft_rank - exact) < 4 * report.as_dict()["soft_rank_stderr"] + 1e-6

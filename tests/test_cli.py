@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 import lightning_flatness
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import KFACOptions
 from lightning_flatness.lightning import cli
 from lightning_flatness.lightning.cli import FlatnessCLI, main
 from lightning_flatness.lightning.data import MNIST7DataModule
@@ -422,7 +423,11 @@ def test_measure_prints_the_report_of_a_checkpoint(tmp_path, capsys):
     data.setup("fit")
     x, y = data.train_set.tensors
     expected = measure(  # the monitor's defaults: kfac from probe rows, seed 0
-        model, [(x, y)], lam=1.0 / 64, num_train_samples=64, structure="kfac", kfac_mode="probe"
+        model,
+        [(x, y)],
+        lam=1.0 / 64,
+        num_train_samples=64,
+        structure=KFACOptions(kfac_mode="probe"),
     )
     assert printed == pytest.approx(expected.soft_rank, rel=1e-5)
 

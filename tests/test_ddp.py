@@ -14,15 +14,28 @@ import torch
 from conftest import assert_records_equal
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness.core.defaults import AUTO, auto_choice
 from lightning_flatness.core.options import structure_options
 from lightning_flatness.core.trust import SETTLED_DROP
 from lightning_flatness.lightning.monitor import DEFAULT_MAX_VAL_SAMPLES
-from lightning_flatness.lightning.monitor_measurement import MEASUREMENT_BATCH_SIZE
+from lightning_flatness.lightning.monitor_measurement import (
+    MEASUREMENT_BATCH_SIZE,
+    monitor_options,
+)
 from lightning_flatness.lightning.trainer_facts import fixed_subset_batches
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_fit.py"
 #: the probe kernel's options of the script's ``spread`` mode (sketched rows, split runs)
 SPREAD = {"max_parameters": 1000, "sketch_from_parameters": 2000, "max_kernel_size": 512}
+
+
+def rows_options(structure: str, rows: str):
+    """The options object the script's monitor is given (tests/scripts/ddp_fit.py): Tr(F),
+    and kfac's output rows, from ``rows``."""
+    values = {"trace_estimator": rows}
+    if structure == "kfac":
+        values["kfac_mode"] = rows
+    return structure_options(structure, values)
 
 
 def run_ddp(tmp_path: Path, *args: str, timeout: float = 600) -> list[dict]:
@@ -65,14 +78,12 @@ def test_ranks_agree_and_equal_one_process_on_the_union(tmp_path, structure, mod
     union = fixed_subset_batches(data.train_dataloader(), 200, 256, seed=0)
     val_union = fixed_subset_batches(data.val_dataloader(), 100, 256, seed=0)
     # the options object the ranks' monitor was given (tests/scripts/ddp_fit.py)
-    rows = {"trace_estimator": "sampled" if mode else "exact"}
-    rows["kfac_mode"] = rows["trace_estimator"]
     single = measure(
         model,
         union,
         lam=1e-3,
         num_train_samples=256,
-        structure=structure_options(structure, **rows),
+        structure=rows_options(structure, "sampled" if mode else "exact"),
         val_batches=val_union,
     ).as_dict()
     assert rank0["num_samples"] == 200 and rank0["num_val_samples"] == 100
@@ -106,6 +117,13 @@ def union_measurement(weights: dict, structure, all_reduce=None, hidden: int = 7
     data = MNIST7DataModule(train_size=256, val_size=128, batch_size=32)
     data.setup("fit")
     size = MEASUREMENT_BATCH_SIZE
+    if structure == AUTO:  # resolved as one process resolves it, with the monitor's options
+        choice = auto_choice(model, 256)
+        arguments = {"structure": monitor_options(choice.structure, choice.sketch_factor)}
+    else:
+        arguments = FlatnessMonitor(structure=structure).measurer.arguments(
+            structure if isinstance(structure, str) else structure.structure
+        )
     return measure(
         model,
         fixed_subset_batches(data.train_dataloader(), None, size, seed=0),
@@ -113,9 +131,7 @@ def union_measurement(weights: dict, structure, all_reduce=None, hidden: int = 7
         num_train_samples=256,
         val_batches=fixed_subset_batches(data.val_dataloader(), DEFAULT_MAX_VAL_SAMPLES, size, 0),
         all_reduce=all_reduce,
-        **FlatnessMonitor(structure=structure).measure_arguments(
-            structure if isinstance(structure, str) else structure.structure
-        ),
+        **arguments,
     ).as_dict()
 
 
@@ -155,7 +171,7 @@ def test_rows_kept_by_each_process_equal_one_process(tmp_path):
     rank0, rank1 = run_ddp(tmp_path, "probe_kernel", "spread")
     assert_records_equal(rank0, rank1)
     weights = torch.load(tmp_path / "weights0.pt", weights_only=True)
-    options = structure_options("probe_kernel", kernel_options=SPREAD)
+    options = structure_options("probe_kernel", SPREAD)
     single = union_measurement(weights, options, all_reduce=lambda tensor: tensor)
     assert rank0["num_samples"] == 256 and rank0["num_val_samples"] == 128
     assert math.isnan(single["newton_decrement"])  # sketched rows: no decrement

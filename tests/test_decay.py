@@ -6,7 +6,14 @@ import pytest
 import torch
 from conftest import batches, quiet_trainer, random_data, tiny_model
 
-from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule, measure
+from lightning_flatness import (
+    FlatnessClassifier,
+    FlatnessMonitor,
+    KernelOptions,
+    MatrixFreeOptions,
+    MNIST7DataModule,
+    measure,
+)
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.lightning.log_options import LogOptions
@@ -51,8 +58,7 @@ def test_probe_kernel_exact_rows_give_the_generalised_soft_rank(
         batches(inputs, targets, batch_size),
         lam=decays,
         num_train_samples=100,
-        structure="probe_kernel",
-        kernel_options={"probes": 10, "groups": 1},  # 10 classes: the exact rows
+        structure=KernelOptions(probes=10, groups=1),  # 10 classes: the exact rows
     )
     expected = _exact(model, inputs, decays)
     assert report.soft_rank == pytest.approx(expected.soft_rank, rel=1e-7)
@@ -136,8 +142,7 @@ def test_cg_solves_with_the_per_group_decay(architecture, bias_decay, one_thread
             batches(inputs, targets, 7),
             lam=lam,
             num_train_samples=100,
-            structure="cg",
-            matrix_free_options={"probes": 64, "cg_steps": 300, "cg_tol": 1e-4},
+            structure=MatrixFreeOptions(probes=64, cg_steps=300, cg_tol=1e-4),
         )
 
     report, one_lam = cg(decays), cg(LAM)
@@ -176,8 +181,7 @@ def test_lanczos_and_hutchinson_take_the_scaled_fisher(bias_decay, one_thread):
         data,
         lam=decays,
         num_train_samples=100,
-        structure="lanczos",
-        matrix_free_options={"probes": 32, "lanczos_steps": 80},
+        structure=MatrixFreeOptions(structure="lanczos", probes=32, lanczos_steps=80),
     )
     stderr = lanczos.as_dict()["soft_rank_stderr"]
     assert abs(lanczos.soft_rank - expected) < 4 * stderr + 0.02 * expected
@@ -189,8 +193,7 @@ def test_lanczos_and_hutchinson_take_the_scaled_fisher(bias_decay, one_thread):
         data,
         lam=decays,
         num_train_samples=100,
-        structure="hutchinson",
-        matrix_free_options={"probes": 256},
+        structure=MatrixFreeOptions(structure="hutchinson", probes=256),
     )
     assert hutchinson.soft_rank == pytest.approx(exact_diagonal, rel=0.05)
 

@@ -17,6 +17,7 @@ from conftest import random_data, tiny_model
 from lightning_flatness.core import measure
 from lightning_flatness.core.backends import hooks
 from lightning_flatness.core.hooked_pass import HookedPass
+from lightning_flatness.core.options import structure_options
 
 pytestmark = pytest.mark.filterwarnings("ignore:structure='.*' reports a soft rank")
 
@@ -61,19 +62,21 @@ def _counted(model, data, structure: str, monkeypatch):
         return FORWARD(self, inputs)
 
     monkeypatch.setattr(HookedPass, "forward", counted)
+    options = {"trace_estimator": "probe"}
+    if structure == "kfac":
+        options["kfac_mode"] = "sampled"
+    if structure == "probe_kernel":
+        # the probes named: at the default ones this small model's soft rank nears its probe
+        # rows, and the probe kernel would measure it again with the exact rows
+        options.update(probes=4, groups=2)
     report = measure(
         model,
         data,
         lam=LAM,
         num_train_samples=100,
-        structure=structure,
+        structure=structure_options(structure, options),
         val_batches=data[:1],
-        kfac_mode="sampled" if structure == "kfac" else "exact",
-        trace_estimator="probe",
         seed=3,
-        # the probes named: at the default ones this small model's soft rank nears its probe
-        # rows, and the probe kernel would measure it again with the exact rows
-        kernel_options={"probes": 4, "groups": 2} if structure == "probe_kernel" else None,
     )
     return report, passes
 

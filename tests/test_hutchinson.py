@@ -13,6 +13,7 @@ from conftest import batches, curvature_and_sums, random_data, tiny_model
 from lightning_flatness.core import reference
 from lightning_flatness.core.curvature.hutchinson import jackknife_summary
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import MatrixFreeOptions
 from lightning_flatness.core.spectral import soft_rank as spectral_soft_rank
 
 LAM = 1e-3
@@ -56,7 +57,7 @@ def run(model, inputs, targets, batch_size=16, seed=0, all_reduce=None, **option
         lam=LAM,
         seed=seed,
         all_reduce=all_reduce,
-        matrix_free_options={"trace_estimator": "exact", **options},
+        options={"trace_estimator": "exact", **options},
     )
 
 
@@ -133,8 +134,7 @@ def test_tic_uses_the_estimated_diagonal(cases):
         batches(inputs, targets, 7),
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure="hutchinson",
-        matrix_free_options={"probes": 4, "trace_estimator": "exact"},
+        structure=MatrixFreeOptions(structure="hutchinson", probes=4, trace_estimator="exact"),
     )
     grads = reference.per_sample_gradients(model, inputs, targets)
     covariance = grads.square().mean(0)
@@ -173,7 +173,7 @@ def test_regression_fisher_is_estimated_without_bias(cases):
         structure="hutchinson",
         lam=LAM,
         loss="mse",
-        matrix_free_options={"probes": 128, "trace_estimator": "exact"},
+        options={"probes": 128, "trace_estimator": "exact"},
     )
     assert sums.fisher_trace / sums.count == pytest.approx(trace, rel=1e-10)
     assert abs(estimate.summary.trace - trace) <= 4 * estimate.blocks["stderr"].trace
@@ -198,7 +198,7 @@ def test_soft_rank_is_jackknife_corrected_so_its_error_bars_cover_its_bias(cases
             structure="hutchinson",
             lam=lam,
             seed=seed,
-            matrix_free_options={"trace_estimator": "exact", "probes": 8, "bounds": False},
+            options={"trace_estimator": "exact", "probes": 8, "bounds": False},
         )
         corrected.append(estimate.summary.soft_rank)
         plain.append(spectral_soft_rank(estimate.eigenvalues, lam))

@@ -17,6 +17,7 @@ from curvlinops import KFACLinearOperator
 
 from lightning_flatness.core import spectral
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import KFACOptions
 
 LAM = 1e-3
 
@@ -41,9 +42,7 @@ def test_kronecker_blocks_equal_curvlinops_expand(architecture, batch_size):
     )
     size = sum(p.numel() for p in params)
     dense = independent @ torch.eye(size, dtype=torch.float64)
-    report = measure(
-        model, data, lam=LAM, num_train_samples=1000, structure="kfac", kfac_mode="exact"
-    )
+    report = measure(model, data, lam=LAM, num_train_samples=1000, structure=KFACOptions())
     start, compared = 0, 0
     for name, p in model.named_parameters():
         block = slice(start, start + p.numel())

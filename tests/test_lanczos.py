@@ -28,6 +28,7 @@ from lightning_flatness.core.curvature.lanczos import (
 )
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import MatrixFreeOptions
 
 LAM = 1e-3
 N_TRAIN = 1000
@@ -165,7 +166,7 @@ def _run(model, inputs, targets, seed=0, **options):
         structure="lanczos",
         lam=LAM,
         seed=seed,
-        matrix_free_options={"lanczos_steps": 40, "trace_estimator": "exact", **options},
+        options={"lanczos_steps": 40, "trace_estimator": "exact", **options},
     )
     return estimate
 
@@ -236,8 +237,9 @@ def test_measure_reports_lanczos_with_exact_statistics(cases):
         batches(inputs, targets, 16),
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure="lanczos",
-        matrix_free_options={"probes": 16, "lanczos_steps": 40, "trace_estimator": "exact"},
+        structure=MatrixFreeOptions(
+            structure="lanczos", probes=16, lanczos_steps=40, trace_estimator="exact"
+        ),
     )
     assert report.structure == "lanczos" and report.num_samples == NUM_SAMPLES
     assert report.trace_fisher == pytest.approx(float(eigenvalues.sum()), rel=1e-9)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import batches, random_data, tiny_model
 
-from lightning_flatness import measure
+from lightning_flatness import BatchReading, DiagOptions, MatrixFreeOptions, measure
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.likelihoods import TargetError, get_likelihood
 
@@ -91,7 +91,7 @@ def test_exact_structures_match_reference(cases, case, structure, batch_size):
         lam=LAM,
         num_train_samples=N_TRAIN,
         structure=structure,
-        loss=loss,
+        reading=BatchReading(loss=loss),
     )
     expected = spectral.spectral_summary(spectral.psd_eigenvalues(fisher), LAM)
     assert report.soft_rank == pytest.approx(expected.soft_rank, rel=1e-8)
@@ -115,14 +115,15 @@ def test_exact_structures_match_reference(cases, case, structure, batch_size):
 def test_diagonal_and_matrix_free_traces_match_reference(cases, case, batch_size):
     model, inputs, targets, fisher, cov, _ = cases[case]
     data = batches(inputs, targets, batch_size)
-    kwargs = {"lam": LAM, "num_train_samples": N_TRAIN, "loss": case[1]}
+    kwargs = {"lam": LAM, "num_train_samples": N_TRAIN, "reading": BatchReading(loss=case[1])}
     diag = measure(model, data, structure="diag", **kwargs)
     expected = spectral.spectral_summary(fisher.diagonal().clamp_min(0), LAM)
     assert diag.soft_rank == pytest.approx(expected.soft_rank, rel=1e-8)
     tic_diag = float((cov.diagonal() / (fisher.diagonal() + LAM)).sum()) / N_TRAIN
     assert diag.tic == pytest.approx(tic_diag, rel=1e-8)
     for structure in ("lanczos", "hutchinson"):
-        report = measure(model, data, structure=structure, trace_estimator="exact", **kwargs)
+        options = MatrixFreeOptions(structure=structure, trace_estimator="exact")
+        report = measure(model, data, structure=options, **kwargs)
         assert report.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-10)
         assert report.trace_cov == pytest.approx(float(cov.trace()), rel=1e-10)
 
@@ -136,9 +137,8 @@ def test_lanczos_soft_rank_within_its_error_bars(cases, case):
         batches(inputs, targets, 16),
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure="lanczos",
-        loss=case[1],
-        matrix_free_options={"probes": 20, "lanczos_steps": 30},
+        structure=MatrixFreeOptions(structure="lanczos", probes=20, lanczos_steps=30),
+        reading=BatchReading(loss=case[1]),
     )
     stderr = report.as_dict()["soft_rank_stderr"]
     assert abs(report.soft_rank - exact) <= 4 * stderr + 1e-6 * exact
@@ -151,7 +151,12 @@ def test_kfac_is_exact_per_layer_for_one_sample(cases, case):
     x, y = inputs[:1], targets[:1]
     fisher = reference.dense_fisher(model, x, case[1])
     report = measure(
-        model, [(x, y)], lam=LAM, num_train_samples=N_TRAIN, structure="kfac", loss=case[1]
+        model,
+        [(x, y)],
+        lam=LAM,
+        num_train_samples=N_TRAIN,
+        structure="kfac",
+        reading=BatchReading(loss=case[1]),
     )
     for name, block in reference.parameter_blocks(model):
         expected = spectral.spectral_summary(spectral.psd_eigenvalues(fisher[block, block]), LAM)
@@ -170,9 +175,8 @@ def test_sampled_structures_converge_for_bce(cases, outputs):
         [(many, targets.repeat(50, *[1] * (targets.dim() - 1)))],
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure="diag_mc",
-        loss="bce",
-        trace_estimator="sampled",
+        structure=DiagOptions(sampled=True, trace_estimator="sampled"),
+        reading=BatchReading(loss="bce"),
     )
     exact = float(fisher.trace())
     assert report.trace_fisher == pytest.approx(exact, rel=0.05)
@@ -195,12 +199,18 @@ def test_targets_that_do_not_fit_the_loss_name_the_fix(loss, targets, match):
     model = tiny_model("mlp")
     inputs, _ = random_data(8)
     with pytest.raises(TargetError, match=match):
-        measure(model, [(inputs, targets)], lam=LAM, num_train_samples=N_TRAIN, loss=loss)
+        measure(
+            model,
+            [(inputs, targets)],
+            lam=LAM,
+            num_train_samples=N_TRAIN,
+            reading=BatchReading(loss=loss),
+        )
 
 
 def test_unknown_loss_is_refused():
-    with pytest.raises(ValueError, match="loss must be one of"):
-        measure(tiny_model("mlp"), [], lam=LAM, num_train_samples=N_TRAIN, loss="hinge")
+    with pytest.raises(ValueError, match="loss` must be one of"):
+        BatchReading(loss="hinge")
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "bce", "mse"])

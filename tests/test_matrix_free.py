@@ -17,6 +17,8 @@ from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.backends.matrix_free import MatrixFreeOptions
 from lightning_flatness.core.failures import MeasurementError, UnsupportedModelError
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import structure_options
+from lightning_flatness.core.reading import BatchReading
 
 LAM = 1e-3
 N_TRAIN = 1000
@@ -54,9 +56,8 @@ def _measure(model, inputs, targets, batch_size, structure, val=None, **options)
         batches(inputs, targets, batch_size),
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure=structure,
+        structure=structure_options(structure, {"probes": 2, "lanczos_steps": 5, **options}),
         val_batches=None if val is None else batches(*val, 9),
-        matrix_free_options={"probes": 2, "lanczos_steps": 5, **options},
     )
 
 
@@ -138,9 +139,10 @@ def test_sampled_fisher_trace_is_unbiased(data, gram_reports):
             batches(inputs, targets, 16),
             lam=LAM,
             num_train_samples=N_TRAIN,
-            structure="hutchinson",
+            structure=MatrixFreeOptions(
+                structure="hutchinson", probes=1, bounds=False, trace_estimator="sampled"
+            ),
             seed=seed,
-            matrix_free_options={"probes": 1, "bounds": False, "trace_estimator": "sampled"},
         )
         draws.append(report.trace_fisher)
     values = torch.tensor(draws, dtype=torch.float64)
@@ -208,8 +210,7 @@ def test_models_backpack_cannot_handle_match_the_dense_reference(data, kind):
         batches(inputs, targets, 16),
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure="lanczos",
-        matrix_free_options={"probes": 32, "lanczos_steps": 40},
+        structure=MatrixFreeOptions(structure="lanczos", probes=32, lanczos_steps=40),
     )
     stderr = report.blocks["stderr"]
     assert abs(report.soft_rank - truth.soft_rank) <= 3 * stderr.soft_rank + 5e-3 * truth.soft_rank
@@ -223,8 +224,7 @@ def test_models_backpack_cannot_handle_match_the_dense_reference(data, kind):
         batches(inputs, targets, 16),
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure="hutchinson",
-        matrix_free_options={"probes": 64},
+        structure=MatrixFreeOptions(structure="hutchinson", probes=64),
     )
     assert diagonal.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-9)
     assert diagonal.eigenvalues.shape == (fisher.shape[0],)
@@ -266,12 +266,10 @@ def test_model_is_left_as_found(data, structure):
 def test_max_samples_truncates_the_stream(data):
     inputs, targets, _, _ = data
     model = tiny_model("mlp")
-    kwargs = {"lam": LAM, "num_train_samples": N_TRAIN, "structure": "lanczos"}
-    options = {"probes": 3, "lanczos_steps": 10}
-    truncated = measure(
-        model, batches(inputs, targets, 7), max_samples=20, matrix_free_options=options, **kwargs
-    )
-    direct = measure(model, [(inputs[:20], targets[:20])], matrix_free_options=options, **kwargs)
+    options = MatrixFreeOptions(structure="lanczos", probes=3, lanczos_steps=10)
+    kwargs = {"lam": LAM, "num_train_samples": N_TRAIN, "structure": options}
+    truncated = measure(model, batches(inputs, targets, 7), max_samples=20, **kwargs)
+    direct = measure(model, [(inputs[:20], targets[:20])], **kwargs)
     assert truncated.num_samples == 20
     assert truncated.train_nll == pytest.approx(direct.train_nll, rel=1e-12)
     assert truncated.soft_rank == pytest.approx(direct.soft_rank, rel=1e-8)
@@ -290,9 +288,8 @@ def test_regression_lanczos_matches_jacobian_gram(data):
         batches(inputs, targets, 8),
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure="lanczos",
-        loss="mse",
-        matrix_free_options={"probes": 32, "lanczos_steps": 40},
+        structure=MatrixFreeOptions(structure="lanczos", probes=32, lanczos_steps=40),
+        reading=BatchReading(loss="mse"),
     )
     assert abs(report.soft_rank - truth) <= 3 * report.blocks["stderr"].soft_rank + 5e-3 * truth
     assert report.trace_fisher == pytest.approx(float(fisher.trace()), rel=1e-9)
@@ -321,7 +318,7 @@ def test_empty_training_data_raises(data):
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"probs": 3}, "Unknown matrix_free_options"),
+        ({"probs": 3}, r"no option \['probs'\]"),
         ({"space": "weights"}, "space"),
         ({"probes": 0}, "probes"),
         ({"trace_estimator": "approx"}, "trace_estimator"),
@@ -330,17 +327,17 @@ def test_empty_training_data_raises(data):
 )
 def test_bad_options_are_named(options, match):
     with pytest.raises(ValueError, match=match):
-        MatrixFreeOptions.from_dict(options)
+        structure_options("lanczos", options)
 
 
 def test_uncached_passes_match_and_detect_changing_data(data):
     inputs, targets, _, _ = data
     model = tiny_model("mlp")
-    options = {"probes": 3, "lanczos_steps": 10}
-    kwargs = {"lam": LAM, "num_train_samples": N_TRAIN, "structure": "lanczos"}
-    cached = measure(model, batches(inputs, targets, 16), matrix_free_options=options, **kwargs)
-    uncached = {**options, "cache": False}
-    streamed = measure(model, batches(inputs, targets, 16), matrix_free_options=uncached, **kwargs)
+    options = MatrixFreeOptions(structure="lanczos", probes=3, lanczos_steps=10)
+    uncached = MatrixFreeOptions(structure="lanczos", probes=3, lanczos_steps=10, cache=False)
+    kwargs = {"lam": LAM, "num_train_samples": N_TRAIN}
+    cached = measure(model, batches(inputs, targets, 16), structure=options, **kwargs)
+    streamed = measure(model, batches(inputs, targets, 16), structure=uncached, **kwargs)
     assert streamed.soft_rank == pytest.approx(cached.soft_rank, rel=1e-10)
 
     class Shuffled:
@@ -352,7 +349,7 @@ def test_uncached_passes_match_and_detect_changing_data(data):
             return iter(batches(inputs[order], targets[order], 16))
 
     with pytest.raises(MeasurementError, match="different samples"):
-        measure(model, Shuffled(), matrix_free_options=uncached, **kwargs)
+        measure(model, Shuffled(), structure=uncached, **kwargs)
 
 
 def test_one_shot_iterators_and_inference_mode(data, gram_reports):
@@ -366,8 +363,7 @@ def test_one_shot_iterators_and_inference_mode(data, gram_reports):
             iter(batches(inputs, targets, 16)),
             lam=LAM,
             num_train_samples=N_TRAIN,
-            structure="lanczos",
-            matrix_free_options={"probes": 3, "lanczos_steps": 10},
+            structure=MatrixFreeOptions(structure="lanczos", probes=3, lanczos_steps=10),
         )
     assert report.num_samples == NUM_SAMPLES
     assert report.trace_cov == pytest.approx(gram_reports["mlp"].trace_cov, rel=1e-9)
@@ -391,9 +387,8 @@ def _ddp_worker(rank: int, port: int, queue) -> None:
             batches(inputs[half], targets[half], 8),
             lam=LAM,
             num_train_samples=N_TRAIN,
-            structure="lanczos",
+            structure=MatrixFreeOptions(structure="lanczos", probes=32, lanczos_steps=40),
             all_reduce=all_reduce,
-            matrix_free_options={"probes": 32, "lanczos_steps": 40},
         )
         queue.put((rank, report.as_dict(), report.blocks["stderr"].soft_rank))
     finally:

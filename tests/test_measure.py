@@ -14,6 +14,8 @@ from conftest import batches, random_data, tiny_model
 
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import DiagOptions, KFACOptions
+from lightning_flatness.core.reading import BatchReading
 
 LAM = 1e-3
 N_TRAIN = 1000
@@ -299,8 +301,7 @@ def test_sampled_diagonal_and_trace_converge_to_exact(cases):
             data,
             lam=LAM,
             num_train_samples=N_TRAIN,
-            structure="diag_mc",
-            trace_estimator="sampled",
+            structure=DiagOptions(sampled=True, trace_estimator="sampled"),
             seed=seed,
         )
         for seed in range(40)
@@ -321,16 +322,18 @@ def test_sampled_kfac_converges_to_exact_kfac(cases):
     data = batches(inputs, targets, 32)
     exact = measure(model, data, lam=LAM, num_train_samples=N_TRAIN, structure="kfac")
     one = measure(
-        model, data, lam=LAM, num_train_samples=N_TRAIN, structure="kfac", kfac_mode="sampled"
+        model,
+        data,
+        lam=LAM,
+        num_train_samples=N_TRAIN,
+        structure=KFACOptions(kfac_mode="sampled"),
     )
     many = measure(
         model,
         data,
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure="kfac",
-        kfac_mode="sampled",
-        mc_samples=200,
+        structure=KFACOptions(kfac_mode="sampled", mc_samples=200),
     )
     assert abs(many.logdet - exact.logdet) < abs(one.logdet - exact.logdet)
     assert many.logdet == pytest.approx(exact.logdet, rel=0.05)
@@ -359,7 +362,7 @@ def test_regression_fisher_is_jacobian_gram(cases):
         lam=LAM,
         num_train_samples=N_TRAIN,
         structure="gram",
-        loss="mse",
+        reading=BatchReading(loss="mse"),
     )
     assert report.soft_rank == pytest.approx(
         spectral.soft_rank(spectral.psd_eigenvalues(fisher), LAM), rel=1e-7

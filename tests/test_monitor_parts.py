@@ -16,7 +16,7 @@ from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataMo
 from lightning_flatness.core.options import KernelOptions
 from lightning_flatness.lightning.budget import EXACT, OverheadBudget
 from lightning_flatness.lightning.log_options import LogOptions
-from lightning_flatness.lightning.monitor_measurement import Measurer
+from lightning_flatness.lightning.monitor_measurement import Measurer, monitor_options
 from lightning_flatness.lightning.monitor_schedule import Schedule
 from lightning_flatness.lightning.monitor_state import FitState
 
@@ -109,7 +109,7 @@ def test_the_measurer_builds_its_arguments_from_settings_and_state():
     assert calibration.summary_only and calibration.probes == 8
     state = FitState(active_structure="kfac", resolved_num_train_samples=5000)
     alone = Measurer(monitor.settings, state, OverheadBudget(0.3))
-    assert alone.arguments("kfac")["structure"] == "kfac"
+    assert alone.arguments("kfac") == {"structure": monitor_options("kfac")}
     assert alone.measured_samples() == 5000
     assert alone.calibration_arguments() == alone.arguments("kfac")
 

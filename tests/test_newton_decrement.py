@@ -19,6 +19,7 @@ from zoo import build, zoo_data
 from lightning_flatness.core import reference
 from lightning_flatness.core.curvature.newton_decrement import regularized_form
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import structure_options
 from lightning_flatness.core.spectral import regularized_cholesky
 from lightning_flatness.core.trust import DECREMENT_LIMIT, verdict
 
@@ -55,13 +56,14 @@ def reference_decrement(model, inputs, targets, lam=LAM, decays=None, reduction=
     return 0.5 * float(gradient @ torch.linalg.solve(fisher + torch.diag(diagonal), gradient))
 
 
-def _measure(model, inputs, targets, batch_size, structure="probe_kernel", **kwargs):
+def _measure(model, inputs, targets, batch_size, structure="probe_kernel", options=None, **kwargs):
+    """``measure()`` of ``structure`` with these fields of its options object."""
     return measure(
         model,
         batches(inputs, targets, batch_size),
         lam=kwargs.pop("lam", LAM),
         num_train_samples=100,
-        structure=structure,
+        structure=structure_options(structure, options),
         **kwargs,
     )
 
@@ -108,7 +110,7 @@ def test_exact_rows_give_the_reference_decrement_on_every_side(name, side, batch
         (model, inputs, targets), classes = _zoo_case(name), {"resnet": 4}.get(name, 5)
     expected = reference_decrement(model, inputs, targets)
     options = {"probes": classes, "groups": 1, **SIDES[side]}
-    report = _measure(model, inputs, targets, batch_size, kernel_options=options)
+    report = _measure(model, inputs, targets, batch_size, options=options)
     tolerance = 1e-5 if side == "stored rows" else 1e-8
     assert report.newton_decrement == pytest.approx(expected, rel=tolerance)
 
@@ -125,7 +127,7 @@ def test_probes_converge_to_the_reference_decrement(architecture, side, one_thre
     errors = {}
     for probes in (2, 8):
         options = {"probes": probes, "groups": 2, **SIDES[side]}
-        report = _measure(model, inputs, targets, 50, lam=1e-2, kernel_options=options)
+        report = _measure(model, inputs, targets, 50, lam=1e-2, options=options)
         errors[probes] = abs(report.newton_decrement - expected)
         if probes == 8:
             assert errors[8] < 4 * report.newton_decrement_stderr + 0.05 * expected
@@ -141,7 +143,7 @@ def test_a_plain_value_replaces_a_jackknife_out_of_its_reach(one_thread):
     inputs, targets = random_data(200)
     expected = reference_decrement(model, inputs, targets)
     options = {"probes": 2, "groups": 2}
-    report = _measure(model, inputs, targets, 50, kernel_options=options)
+    report = _measure(model, inputs, targets, 50, options=options)
     assert report.newton_decrement > expected
     assert report.newton_decrement - report.newton_decrement_stderr < expected
 
@@ -164,7 +166,7 @@ def test_per_group_decay_gives_the_reference_decrement(one_thread):
     expected = reference_decrement(model, inputs, targets, decays=decays)
     for side in SIDES.values():
         options = {"probes": 10, "groups": 1, **side}
-        report = _measure(model, inputs, targets, 7, lam=lams, kernel_options=options)
+        report = _measure(model, inputs, targets, 7, lam=lams, options=options)
         assert report.newton_decrement == pytest.approx(expected, rel=1e-5)
     dense = _measure(model, inputs, targets, 7, "dense", lam=lams)
     assert dense.newton_decrement == pytest.approx(expected, rel=1e-8)
@@ -178,7 +180,7 @@ def test_two_processes_summing_their_states_equal_one_process(one_thread):
     model = tiny_model("mlp").eval()
     inputs, targets = random_data(N)
     options = {"probes": 4, "groups": 2}
-    single = _measure(model, inputs, targets, 5, kernel_options=options, all_reduce=lambda t: t)
+    single = _measure(model, inputs, targets, 5, options=options, all_reduce=lambda t: t)
     group, reports = TwoProcesses(), [None, None]
     # a replica per rank, as each process has its own: two threads hooking one module would
     # record each other's forward passes
@@ -190,7 +192,7 @@ def test_two_processes_summing_their_states_equal_one_process(one_thread):
             replicas[rank],
             *local,
             5,
-            kernel_options=options,
+            options=options,
             all_reduce=group.for_rank(rank),
             shard=(rank, 2),
         )
@@ -263,9 +265,7 @@ def test_cg_brackets_the_reference_decrement_with_one_more_solve(
     report = _measure(model, inputs, targets, batch_size, "cg")
     assert abs(report.newton_decrement - expected) <= report.newton_decrement_stderr * (1 + 1e-9)
     assert report.newton_decrement_stderr < 0.02 * expected
-    tight = _measure(
-        model, inputs, targets, batch_size, "cg", matrix_free_options={"cg_tol": 1e-10}
-    )
+    tight = _measure(model, inputs, targets, batch_size, "cg", {"cg_tol": 1e-10})
     assert tight.newton_decrement == pytest.approx(expected, rel=1e-6)
 
 
@@ -276,9 +276,7 @@ def test_cg_gives_the_reference_decrement_under_per_group_decay(one_thread):
     inputs, targets = random_data(N)
     lams, decays = _per_group_decays(model)
     expected = reference_decrement(model, inputs, targets, decays=decays)
-    report = _measure(
-        model, inputs, targets, 7, "cg", lam=lams, matrix_free_options={"cg_tol": 1e-10}
-    )
+    report = _measure(model, inputs, targets, 7, "cg", {"cg_tol": 1e-10}, lam=lams)
     assert report.newton_decrement == pytest.approx(expected, rel=1e-6)
 
 

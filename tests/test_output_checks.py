@@ -9,7 +9,7 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_flatness import FlatnessMonitor
+from lightning_flatness import BatchReading, FlatnessMonitor
 from lightning_flatness.core.likelihoods import TargetError
 from lightning_flatness.core.measure import check_batch
 from lightning_flatness.lightning.log_options import LogOptions
@@ -49,9 +49,8 @@ def test_probabilities_are_refused_and_log_probabilities_pass():
         check_batch(Classifier("probabilities"), batch)
     assert check_batch(Classifier("log_probabilities"), batch) == (8, 3)
     assert check_batch(Classifier("logits"), batch) == (8, 3)
-    fixed = check_batch(
-        Classifier("probabilities"), batch, logits_fn=lambda model, x: model(x).log()
-    )
+    reading = BatchReading(logits_fn=lambda model, x: model(x).log())
+    fixed = check_batch(Classifier("probabilities"), batch, reading)
     assert fixed == (8, 3)
 
 

@@ -16,7 +16,7 @@ from conftest import batches
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_flatness import measure
+from lightning_flatness import KernelOptions, measure
 from lightning_flatness.core import outside_calls, reference, spectral
 
 LAM = 1e-3
@@ -77,8 +77,7 @@ def test_an_outside_application_is_measured_exactly_by_the_hooks(use, batch_size
         data,
         lam=LAM,
         num_train_samples=100,
-        structure="probe_kernel",
-        kernel_options={"probes": CLASSES, "groups": 1},
+        structure=KernelOptions(probes=CLASSES, groups=1),
     )
     expected = spectral.soft_rank(spectral.psd_eigenvalues(fisher), LAM)
     assert whole.soft_rank == pytest.approx(expected, rel=1e-9)

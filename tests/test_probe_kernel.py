@@ -24,7 +24,7 @@ from lightning_flatness.core.defaults import choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.measure import measure
 from lightning_flatness.core.model_state import left_as_found, original_module
-from lightning_flatness.core.options import KernelOptions
+from lightning_flatness.core.options import KernelOptions, structure_options
 from lightning_flatness.core.positional import position_signs
 from lightning_flatness.core.trust import DECREMENT_LIMIT, TRUST_THRESHOLD
 
@@ -80,8 +80,7 @@ def _exact_rows_report(case, name: str, batch_size: int):
         _split(inputs, targets, batch_size),
         lam=LAM,
         num_train_samples=100,
-        structure="probe_kernel",
-        kernel_options={"probes": classes, "groups": 1},
+        structure=KernelOptions(probes=classes, groups=1),
     )
 
 
@@ -125,8 +124,7 @@ def test_dense_reference_agrees_with_the_exact_rows(one_thread):
         batches(inputs, targets, 7),
         lam=LAM,
         num_train_samples=100,
-        structure="probe_kernel",
-        kernel_options={"probes": 10, "groups": 1},
+        structure=KernelOptions(probes=10, groups=1),
     )
     assert report.soft_rank == pytest.approx(exact, rel=1e-8)
 
@@ -137,8 +135,7 @@ def _probe_report(model, inputs, targets, probes, groups, seed=0, batch_size=7, 
         batches(inputs, targets, batch_size),
         lam=LAM,
         num_train_samples=100,
-        structure="probe_kernel",
-        kernel_options={"probes": probes, "groups": groups, **more.pop("options", {})},
+        structure=KernelOptions(probes=probes, groups=groups, **more.pop("options", {})),
         seed=seed,
         **more,
     )
@@ -166,10 +163,9 @@ def test_probes_converge_to_the_exact_soft_rank_and_the_jackknife_helps(one_thre
 def test_probe_estimate_does_not_depend_on_the_batch_size(batch_size, one_thread):
     """Each sample's probes are keyed by its position: every batch size gives the same numbers."""
     model, inputs, targets = many_classes()
-    one = _probe_report(
-        model, inputs, targets, 16, 4, batch_size=batch_size, trace_estimator="probe"
-    )
-    other = _probe_report(model, inputs, targets, 16, 4, batch_size=5, trace_estimator="probe")
+    probe = {"trace_estimator": "probe"}
+    one = _probe_report(model, inputs, targets, 16, 4, batch_size=batch_size, options=probe)
+    other = _probe_report(model, inputs, targets, 16, 4, batch_size=5, options=probe)
     for key, value in other.as_dict().items():
         if key not in ("seconds", "structure"):
             assert one.as_dict()[key] == pytest.approx(value, rel=1e-9, nan_ok=True), key
@@ -266,7 +262,7 @@ def test_size_guards_name_the_fix():
     ("options", "match"),
     [
         ({"probes": 4, "groups": 3}, "must divide"),
-        ({"probe": 4}, "Unknown kernel_options"),
+        ({"probe": 4}, r"no option \['probe'\]"),
         ({"probes": 0}, "probes"),
         ({"side": "both"}, "side"),
         ({"summary_only": "yes"}, "summary_only"),
@@ -280,8 +276,7 @@ def test_bad_options_are_refused_with_their_name(options, match):
             batches(inputs, targets, 7),
             lam=LAM,
             num_train_samples=100,
-            structure="probe_kernel",
-            kernel_options=options,
+            structure=structure_options("probe_kernel", options),
         )
 
 
@@ -325,8 +320,7 @@ def test_many_measured_samples_take_two_probes_unless_told(
         lam=LAM,
         num_train_samples=100,
         max_samples=max_samples,
-        structure="probe_kernel",
-        kernel_options=options,
+        structure=KernelOptions(**(options or {})),
     )
     # (at the default probes, this model's soft rank near its rows is measured again with its
     # 12 exact rows: tests/test_probe_bias.py)
@@ -352,7 +346,7 @@ def test_approximations_are_never_trusted_and_impossible_values_warn(one_thread)
         [(inputs, targets)],
         lam=LAM,
         num_train_samples=100,
-        kernel_options={"probes": 10, "groups": 1},
+        structure=KernelOptions(probes=10, groups=1),
     )
     assert exact.structure == "probe_kernel" and exact.soft_rank <= 72
     settled = exact.newton_decrement <= DECREMENT_LIMIT

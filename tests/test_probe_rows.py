@@ -8,7 +8,14 @@ import pytest
 import torch
 from conftest import batches, random_data, tiny_model
 
-from lightning_flatness import measure
+from lightning_flatness import (
+    DenseOptions,
+    DiagOptions,
+    GramOptions,
+    KFACOptions,
+    MatrixFreeOptions,
+    measure,
+)
 
 LAM = 1e-4
 N = 1000
@@ -34,11 +41,8 @@ def kfac(model: torch.nn.Module, data: list, rows: str = "exact", seed: int = 0,
         data,
         lam=LAM,
         num_train_samples=N,
-        structure="kfac",
-        kfac_mode=rows,
-        trace_estimator=rows,
+        structure=KFACOptions(kfac_mode=rows, trace_estimator=rows, **options),
         seed=seed,
-        **options,
     )
 
 
@@ -72,31 +76,31 @@ def test_probe_rows_are_far_less_noisy_than_drawn_labels_on_a_confident_model():
     assert float(probe.std()) < 0.5 * float(sampled.std())
 
 
-def test_every_structure_accepts_probe_for_its_trace():
-    """Hook structures draw probe rows; for the matrix-free ones "probe" is their (Hutchinson)
-    "sampled" trace, and dense/gram, which compute the exact rows anyway, give the exact one."""
+def test_the_monitors_probe_trace_for_every_structure():
+    """Hook structures draw probe rows for Tr(F); the monitor's options give the matrix-free
+    ones their (Hutchinson) "sampled" trace, which is those probes, and dense/gram, which
+    compute the exact rows anyway, the exact one."""
+    from lightning_flatness.lightning.monitor_measurement import monitor_options
+
     model, data = confident("mlp", 1.0)
 
-    def run(structure, estimator):
-        return measure(
-            model,
-            data,
-            lam=LAM,
-            num_train_samples=N,
-            structure=structure,
-            trace_estimator=estimator,
-            seed=3,
-            matrix_free_options={"probes": 2, "lanczos_steps": 5},
-        )
+    def run(options):
+        return measure(model, data, lam=LAM, num_train_samples=N, structure=options, seed=3)
 
-    diag, probed = run("diag", "exact"), run("diag", "probe")
+    diag, probed = run(DiagOptions()), run(monitor_options("diag"))
+    assert monitor_options("diag") == DiagOptions(trace_estimator="probe")
     assert probed.soft_rank == diag.soft_rank  # the diagonal itself is exact either way
     assert probed.trace_fisher != diag.trace_fisher
     assert probed.trace_fisher == pytest.approx(diag.trace_fisher, rel=0.5)
-    assert run("dense", "probe").trace_fisher == run("dense", "exact").trace_fisher
-    assert run("lanczos", "probe").trace_fisher == run("lanczos", "sampled").trace_fisher
+    assert monitor_options("kfac") == KFACOptions(kfac_mode="probe", trace_estimator="probe")
+    assert monitor_options("dense") == DenseOptions(trace_estimator="exact")
+    assert monitor_options("gram") == GramOptions(trace_estimator="exact")
+    for structure in ("lanczos", "hutchinson", "cg"):
+        assert monitor_options(structure) == MatrixFreeOptions(
+            structure=structure, trace_estimator="sampled"
+        )
     with pytest.raises(ValueError, match="trace_estimator must be one of"):
-        run("kfac", "rademacher")
+        KFACOptions(trace_estimator="rademacher")
 
 
 def test_probe_error_shrinks_with_its_budget():

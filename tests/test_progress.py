@@ -5,6 +5,7 @@ from __future__ import annotations
 from conftest import batches, random_data, tiny_model
 
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import MatrixFreeOptions
 from lightning_flatness.core.progress import progress, reporting_progress
 
 
@@ -14,8 +15,7 @@ def _lanczos(model, data):
         data,
         lam=1e-3,
         num_train_samples=100,
-        structure="lanczos",
-        matrix_free_options={"probes": 2, "lanczos_steps": 4},
+        structure=MatrixFreeOptions(structure="lanczos", probes=2, lanczos_steps=4),
     )
 
 
@@ -33,8 +33,7 @@ def test_a_measurement_reports_its_stages_to_a_listener(one_thread):
             data,
             lam=1e-3,
             num_train_samples=100,
-            structure="cg",
-            matrix_free_options={"probes": 2, "cg_steps": 3, "cg_tol": 1e-12},
+            structure=MatrixFreeOptions(probes=2, cg_steps=3, cg_tol=1e-12),
         )
     assert any(line.startswith("cg: 3 of at most 3 Fisher-vector products") for line in lines)
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import random_data, tiny_model
 
-from lightning_flatness import measure
+from lightning_flatness import BatchReading, measure
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.decay import ParameterDecay
-from lightning_flatness.core.options import ALL_STRUCTURES
+from lightning_flatness.core.options import ALL_STRUCTURES, structure_options
 
 LAM = 1e-3
 N_TRAIN = 1000
@@ -103,11 +103,13 @@ def test_every_structure_reports_the_rank_bound(structure, case, one_thread):
         [(inputs[:half], targets[:half]), (inputs[half:], targets[half:])],
         lam=GROUP_DECAY if case.group_decay else LAM,
         num_train_samples=N_TRAIN,
-        structure=structure,
-        loss=case.loss,
-        matrix_free_options={"probes": 4, "lanczos_steps": 20, "cg_steps": 30}
-        if structure in ("lanczos", "hutchinson", "cg")
-        else None,
+        structure=structure_options(
+            structure,
+            {"probes": 4, "lanczos_steps": 20, "cg_steps": 30}
+            if structure in ("lanczos", "hutchinson", "cg")
+            else None,
+        ),
+        reading=BatchReading(loss=case.loss),
     )
     assert report.num_samples == case.samples
     assert report.rank_bound == _expected_bound(model, case)

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from lightning_flatness import (
     BatchReading,
     FlatnessMonitor,
+    KernelOptions,
     PenaltyOptions,
     SoftRankRegularizer,
     measure,
@@ -166,7 +167,7 @@ def _records(monitor):
     return [{k: v for k, v in r.items() if k != "seconds"} for r in monitor.history]
 
 
-def _plain_measurement(module, kind, **kwargs):
+def _plain_measurement(module, kind, loss: str = "cross_entropy"):
     """The same weights measured with plain (x, y) batches and a tensor-returning model."""
     plain = UserClassifier(kind=kind)
     plain.load_state_dict(module.state_dict())
@@ -178,10 +179,8 @@ def _plain_measurement(module, kind, **kwargs):
         val_batches=[(vx, vy)],
         lam=LAM,
         num_train_samples=N_TRAIN,
-        structure="probe_kernel",
-        trace_estimator="probe",  # the monitor's defaults
-        kfac_mode="probe",
-        **kwargs,
+        structure=KernelOptions(trace_estimator="probe"),  # the monitor's defaults
+        reading=BatchReading(loss=loss),
     )
 
 

@@ -4,6 +4,8 @@ against the same rows unsketched (float64, tiny models) and the probe kernel's s
 from __future__ import annotations
 
 import math
+import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,8 +16,11 @@ from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
 from lightning_flatness.core.curvature.row_sketch import RowSketch, SketchPlan, kept_width
 from lightning_flatness.core.curvature.row_store import RowStore
 from lightning_flatness.core.curvature.stored_rows import QuadratureBudget, stored_rows_estimate
+from lightning_flatness.core.defaults import choose_structure
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import KernelOptions
+from lightning_flatness.lightning.monitor_measurement import monitor_options
 
 LAM = 1e-3
 #: past a formed kernel of 10 rows, no P × P side, every P sketched: the sketched stored rows
@@ -146,39 +151,49 @@ def test_the_probe_kernel_sketches_once_its_rows_pass_the_formed_kernel_or_their
         assert fisher.sketch is None, never
 
 
-def test_auto_sketches_shorter_where_the_rows_would_not_fit_otherwise(one_thread):
-    """structure='auto' with rows that fit their memory 8× shorter, not 4×: the measurement is
-    the one with sketch_factor=8 named; a factor the user names is kept."""
+def test_auto_sketches_shorter_where_the_rows_would_not_fit_otherwise(one_thread, monkeypatch):
+    """Rows that fit their memory 8× shorter, not 4×: the choice names sketch_factor=8, which
+    measures, where 2 would not fit; structure='auto' measures with the factor it chose."""
     model = tiny_model("mlp").eval()
     inputs, targets = random_data(10)
     # 40 rows of 730 parameters: 256 numbers each at factor 4 (10,240), 128 at 8 (5,120)
     memory = {"max_row_elements": 6_000, "max_parameters": 10, "max_kernel_size": 10}
-    options = {**memory, "sketch_from_parameters": 1, "probes": 4, "groups": 2}
+    options = KernelOptions(**memory, sketch_from_parameters=1, probes=4, groups=2)
+    choice = choose_structure(730, 10, options)
+    assert (choice.structure, choice.sketch_factor) == ("probe_kernel", 8)
 
-    def report(structure, **more):
+    def report(structure):
         return measure(
             model,
             batches(inputs, targets, 2),  # a batch's whole rows fit: 5,840 numbers
             lam=LAM,
             num_train_samples=10,
             structure=structure,
-            kernel_options={**options, **more},
         )
 
-    chosen = report("auto")
-    named = report("probe_kernel", sketch_factor=8)
-    assert chosen.structure == "probe_kernel"
-    assert chosen.soft_rank == pytest.approx(named.soft_rank, rel=1e-12)
-    with pytest.raises(StructureTooLargeError, match="sketch_factor'\\]=2"):
-        report("auto", sketch_factor=2)
+    assert math.isfinite(report(replace(options, sketch_factor=8)).soft_rank)
+    with pytest.raises(StructureTooLargeError, match="sketch_factor=2"):
+        report(replace(options, sketch_factor=2))
+    measure_module = sys.modules["lightning_flatness.core.measure"]
+    measured = []
+    monkeypatch.setattr(measure_module, "auto_choice", lambda *args, **kwargs: choice)
+    monkeypatch.setattr(
+        measure_module,
+        "curvature_and_sums",
+        lambda model, batches, options, *args, **kwargs: measured.append(options) or 1 / 0,
+    )
+    with pytest.raises(ZeroDivisionError):
+        report("auto")
+    assert measured == [KernelOptions(probes=4, groups=2, sketch_factor=8)]
 
 
 def test_the_monitor_measures_with_the_factor_auto_chose():
     """Where structure='auto' found the rows fit only sketched shorter, the monitor's exact
     measurements name that factor; its fill-in and the default factor are left alone."""
     monitor = FlatnessMonitor()
-    assert "kernel_options" not in monitor.measurer.arguments("probe_kernel")
+    default = KernelOptions().sketch_factor
+    assert monitor.measurer.arguments("probe_kernel")["structure"].sketch_factor == default
     monitor.state.sketch_factor = 8
     arguments = monitor.measurer.arguments("probe_kernel")
-    assert arguments["kernel_options"] == {"sketch_factor": 8}
-    assert "kernel_options" not in monitor.measurer.arguments("kfac")
+    assert arguments["structure"] == KernelOptions(trace_estimator="probe", sketch_factor=8)
+    assert monitor.measurer.arguments("kfac")["structure"] == monitor_options("kfac")

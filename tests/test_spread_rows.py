@@ -17,6 +17,7 @@ from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.curvature.row_positions import union_entries, union_samples
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.measure import measure
+from lightning_flatness.core.options import KernelOptions
 
 LAM = 1e-3
 #: P above the P × P guard and more rows than a formed kernel: one process keeps its rows
@@ -41,8 +42,7 @@ def _measure(model, inputs, targets, batch_size=7, all_reduce=one_process, lam=L
         batches(inputs, targets, batch_size),
         lam=lam,
         num_train_samples=100,
-        structure="probe_kernel",
-        kernel_options=options,
+        structure=KernelOptions(**options),
         all_reduce=all_reduce,
     )
 
@@ -175,8 +175,7 @@ def test_two_processes_keeping_their_rows_equal_one_process(options, one_thread)
             batches(inputs[rank::2], targets[rank::2], 5),
             lam=LAM,
             num_train_samples=100,
-            structure="probe_kernel",
-            kernel_options={"probes": 4, **options},
+            structure=KernelOptions(**{"probes": 4, **options}),
             all_reduce=group.for_rank(rank),
             shard=(rank, 2),
         )

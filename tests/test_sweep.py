@@ -14,8 +14,10 @@ import torch
 import yaml
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_flatness.core.options import KFACOptions, MatrixFreeOptions
 from lightning_flatness.lightning import cli
 from lightning_flatness.sweep.config import SweepConfig, load_config, run_key
+from lightning_flatness.sweep.measured import measure_arguments
 from lightning_flatness.sweep.report import null_standard_deviation, write_report
 from lightning_flatness.sweep.run import execute_run, resolve_exact
 from lightning_flatness.sweep.runner import read_records, run_sweep
@@ -260,6 +262,11 @@ def test_config_validation_and_keys(tmp_path):
         ({"grid": {"model.lr": []}}, "non-empty list"),
         ({"grid": {"optimizer.lr": [1]}}, "must start with"),
         ({"model": {"init_args": {}, "lr": 1}}, "class_path and init_args"),
+        ({"measure": {"kfac_mode": "exact"}}, "Unknown key measure.kfac_mode.*loose option"),
+        ({"measure": {"kfac": {"probes": 2}}}, r"KFACOptions.*no option \['probes'\]"),
+        ({"measure": {"lanczos": 5}}, "measure.lanczos must be a mapping"),
+        ({"measure": {"max_samples": 0}}, "measure.max_samples"),
+        ({"grid": {"measure.lanczos.probes": [2, 0]}}, "probes"),
     ):
         with pytest.raises(ValueError, match=match):
             SweepConfig.from_dict({**raw, **bad})
@@ -270,6 +277,10 @@ def test_config_validation_and_keys(tmp_path):
 def test_shipped_configs_parse():
     root = Path(__file__).resolve().parents[1] / "configs"
     quick = load_config(root / "sweep_quick.yaml")
+    arguments = measure_arguments("lanczos", "lanczos", quick.measure)
+    assert arguments == {
+        "structure": MatrixFreeOptions(structure="lanczos", probes=5, lanczos_steps=50)
+    }
     assert 24 <= len(quick.runs()) <= 40
     paper = load_config(root / "sweep_paper.yaml")
     assert len(paper.runs()) == 3 * 3 * 7 * 3 * 3
@@ -293,12 +304,11 @@ def test_the_monitor_default_is_measured_with_the_monitor_options(monkeypatch):
 
     monkeypatch.setattr(measure_module, "measure", recording)
     raw = {**user_config(), "structures": ["kfac", "kfac_sampled"]}
-    raw["measure"] = {"kfac_mode": "exact"}
+    raw["measure"] = {"kfac": {"mc_samples": 2}, "kfac_sampled": {"mc_samples": 3}}
     (run,) = SweepConfig.from_dict(raw).runs()
     record = execute_run(run, threads=1)
     assert record["status"] == "ok", record.get("error")
     plain, sampled = calls
-    assert plain["structure"] == sampled["structure"] == "kfac"
-    assert plain["kfac_mode"] == "exact" and "trace_estimator" not in plain
-    assert sampled["kfac_mode"] == sampled["trace_estimator"] == "sampled"
+    assert plain["structure"] == KFACOptions(mc_samples=2)
+    assert sampled["structure"] == KFACOptions("sampled", 3, trace_estimator="sampled")
     assert set(record["measures"]) == {"kfac", "kfac_sampled"}

@@ -20,7 +20,7 @@ from lightning.pytorch import LightningModule, Trainer, seed_everything
 from torch.utils.data import DataLoader
 from zoo import ZOO, build, zoo_data
 
-from lightning_flatness import FlatnessMonitor, SoftRankRegularizer, measure
+from lightning_flatness import FlatnessMonitor, MatrixFreeOptions, SoftRankRegularizer, measure
 from lightning_flatness.core import reference, spectral
 from lightning_flatness.core.batches import wrap_for_batches
 from lightning_flatness.core.layer_rules import is_transposed_linear
@@ -197,10 +197,7 @@ def test_compiled_module_is_measured_as_the_module_it_compiles(one_thread):
     plain = measure(build("tied_mlp"), data, lam=LAM, num_train_samples=100, structure="kfac")
     for structure_report in (compiled,):
         assert structure_report.soft_rank == pytest.approx(plain.soft_rank, rel=1e-12)
-    lanczos = {
-        "structure": "lanczos",
-        "matrix_free_options": {"probes": 4, "lanczos_steps": 10},
-    }
+    lanczos = {"structure": MatrixFreeOptions(structure="lanczos", probes=4, lanczos_steps=10)}
     first = measure(build("compiled"), data, lam=LAM, num_train_samples=100, **lanczos)
     second = measure(build("tied_mlp"), data, lam=LAM, num_train_samples=100, **lanczos)
     assert first.soft_rank == pytest.approx(second.soft_rank, rel=1e-10)
@@ -218,8 +215,7 @@ def test_matrix_free_structures_agree_with_the_reference(references, name, one_t
         data,
         lam=LAM,
         num_train_samples=100,
-        structure="lanczos",
-        matrix_free_options={"probes": 24, "lanczos_steps": 30},
+        structure=MatrixFreeOptions(structure="lanczos", probes=24, lanczos_steps=30),
     )
     stderr = report.blocks["stderr"]
     assert abs(report.soft_rank - truth.soft_rank) <= 4 * stderr.soft_rank + 5e-3 * truth.soft_rank
@@ -235,8 +231,7 @@ def test_matrix_free_structures_agree_with_the_reference(references, name, one_t
         data,
         lam=LAM,
         num_train_samples=100,
-        structure="cg",
-        matrix_free_options={"probes": 16, "cg_steps": 400, "cg_tol": 1e-6},
+        structure=MatrixFreeOptions(probes=16, cg_steps=400, cg_tol=1e-6),
     ).as_dict()
     assert abs(cg["soft_rank"] - truth.soft_rank) <= 4 * cg["soft_rank_stderr"]
 

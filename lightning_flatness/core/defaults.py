@@ -19,19 +19,22 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from lightning_flatness.core.curvature.stored_rows import keeps_rows
 from lightning_flatness.core.failures import AllReduce
 from lightning_flatness.core.memory import row_elements
-from lightning_flatness.core.options import KernelOptions
+from lightning_flatness.core.options import DEFAULT_GROUPS, DEFAULT_PROBES, KernelOptions
 
 __all__ = [
     "AUTO",
     "StructureChoice",
     "agreed_sketch_factor",
+    "auto_choice",
     "choose_across_processes",
     "choose_structure",
     "default_probes",
+    "kernel_rows",
     "row_width",
 ]
 
@@ -53,7 +56,22 @@ def default_probes(num_samples: int | None) -> int:
     """
     if num_samples is not None and num_samples >= SAMPLES_FOR_TWO_PROBES:
         return 2
-    return KernelOptions.probes
+    return DEFAULT_PROBES
+
+
+def kernel_rows(options: KernelOptions, num_samples: int | None) -> KernelOptions:
+    """``options`` with its probe rows settled for ``num_samples`` measured samples (None:
+    unknown, many): ``probes`` and ``groups`` both None take :func:`default_probes` in
+    :data:`~lightning_flatness.core.options.DEFAULT_GROUPS` groups; one of them None, its
+    default (:data:`~lightning_flatness.core.options.DEFAULT_PROBES` probes, or
+    ``DEFAULT_GROUPS`` groups)."""
+    if options.probes is not None and options.groups is not None:
+        return options
+    probes = options.probes
+    if probes is None:
+        probes = default_probes(num_samples) if options.groups is None else DEFAULT_PROBES
+    groups = DEFAULT_GROUPS if options.groups is None else options.groups
+    return replace(options, probes=probes, groups=groups)
 
 
 #: the largest sketch factor the automatic choice raises ``sketch_factor`` to where the rows of
@@ -117,11 +135,13 @@ def choose_structure(
         num_parameters: P, the trainable parameters.
         num_samples: m, the samples a measurement will see on this process (None: unknown,
             many).
-        options: the probe kernel's options (sizes and probes).
+        options: the probe kernel's options (sizes and probes; probes left None are those
+            :func:`kernel_rows` settles for ``num_samples``).
         summable: the state must add up across processes (data parallelism).
         device: where the rows would be kept (their memory guard).
         sharing: the processes whose rows share that memory (those of one machine on the CPU).
     """
+    options = kernel_rows(options, num_samples)
     if num_parameters <= options.max_parameters:
         return StructureChoice(
             "probe_kernel",
@@ -226,3 +246,28 @@ def choose_across_processes(
         num_parameters, per_process, options, summable=summable, device=device, sharing=sharing
     )
     return agreed_sketch_factor(choice, options, all_reduce) if summable else choice
+
+
+def auto_choice(
+    model: nn.Module,
+    num_samples: int,
+    *,
+    all_reduce: AllReduce | None = None,
+    shard: tuple[int, int] | None = None,
+) -> StructureChoice:
+    """What ``structure="auto"`` measures ``model`` with on ``num_samples`` samples (all
+    processes' together, ``shard=(rank, world_size)`` under data parallelism): the probe
+    kernel at its default rows where it fits, else ``cg`` (:func:`choose_across_processes`;
+    on the CPU the processes share one machine's memory, as far as can be told)."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    world = shard[1] if shard is not None else 1
+    return choose_across_processes(
+        trainable,
+        num_samples,
+        kernel_rows(KernelOptions(), num_samples),
+        device=device,
+        all_reduce=all_reduce,
+        world=world,
+        sharing=world if device.type == "cpu" else 1,
+    )

@@ -77,14 +77,14 @@ def rows_refusal(
     if sketch is not None:
         return StructureTooLargeError(
             f"structure='probe_kernel' keeps {kept_rows:,} probe rows sketched to {width:,} "
-            f"numbers (kernel_options['sketch_factor']={sketch.factor}), above kernel_options"
-            f"['max_row_elements']={max_row_elements:,} (the rows' memory); pass a larger "
+            f"numbers (KernelOptions.sketch_factor={sketch.factor}), above KernelOptions."
+            f"max_row_elements={max_row_elements:,} (the rows' memory); pass a larger "
             "sketch_factor, leave it to structure='auto' (which sketches until the rows fit), "
             "or max_samples=."
         )
     return StructureTooLargeError(
         f"structure='probe_kernel' on the sample side keeps {kept_rows:,} probe rows of "
-        f"{width:,} parameters, above kernel_options['max_row_elements']={max_row_elements:,} "
+        f"{width:,} parameters, above KernelOptions.max_row_elements={max_row_elements:,} "
         "(the rows' memory); pass max_samples=, side='parameters' (P ≤ max_parameters) or "
         "structure='cg'."
     )

@@ -1,34 +1,40 @@
 """The options of each structure, one frozen dataclass per structure, validated once.
 
-An options object names its structure (``options.structure``) and is what ``measure()``, the
-monitor, the sweep and the configs pass around: ``measure(structure=KFACOptions(kfac_mode=
-"probe"))`` and ``FlatnessMonitor(structure=KernelOptions(probes=8))`` measure with it, and a
-plain name (``"kfac"``) takes the defaults. :func:`structure_options` turns ``measure()``'s
-keyword arguments into the options of the one structure being measured; the backends read
-only that object, so a bad option fails when the object is built, with the same message.
+An options object names its structure (``options.structure``) and holds every option of it; it
+is the one way to set a structure's options, and what ``measure()``, the monitor, the sweep and
+the configs pass around: ``measure(model, batches, ..., structure=KFACOptions(kfac_mode=
+"probe"))`` and ``FlatnessMonitor(structure=KernelOptions(probes=8))`` measure with it. A plain
+name (``"kfac"``) measures with that structure's defaults, the object
+:func:`structure_options` returns for it; the same function builds an object from a mapping of
+its fields (a YAML file's), naming any unknown one. The pipeline and the backends receive the
+object unchanged and read only it, so a bad option fails when the object is built, with the
+same message.
 
-===========================  =====================  ==========================================
-structure                    dataclass              options
-===========================  =====================  ==========================================
-``kfac``                     :class:`KFACOptions`   ``kfac_mode``, ``mc_samples``,
-                                                    ``trace_estimator``
-``diag``, ``diag_mc``        :class:`DiagOptions`   ``mc_samples`` (``diag_mc``),
-                                                    ``trace_estimator``
-``dense``                    :class:`DenseOptions`  ``trace_estimator``, ``dense_max_parameters``
-``gram``                     :class:`GramOptions`   ``trace_estimator``, ``gram_max_kernel_size``
-``cg``                       :class:`MatrixFreeOptions`  as ``lanczos``, ``hutchinson``
-``lanczos``, ``hutchinson``  :class:`MatrixFreeOptions`  ``matrix_free_options`` (table in
-                                                    :mod:`lightning_flatness.core.backends.matrix_free`)
-                                                    and ``trace_estimator``
-``probe_kernel``             :class:`KernelOptions`  ``kernel_options`` (its fields) and
-                                                    ``trace_estimator``
-===========================  =====================  ==========================================
+==============================  ==========================  =====================================
+structure                       dataclass                   options
+==============================  ==========================  =====================================
+``probe_kernel``                :class:`KernelOptions`      ``probes``, ``groups``, ``side``,
+                                                            size guards, quadrature, sketch,
+                                                            ``summary_only``, ``trace_estimator``
+``kfac``                        :class:`KFACOptions`        ``kfac_mode``, ``mc_samples``,
+                                                            ``trace_estimator``
+``diag``, ``diag_mc``           :class:`DiagOptions`        ``sampled`` (``diag_mc``),
+                                                            ``mc_samples``, ``trace_estimator``
+``dense``                       :class:`DenseOptions`       ``trace_estimator``,
+                                                            ``max_parameters``
+``gram``                        :class:`GramOptions`        ``trace_estimator``,
+                                                            ``max_kernel_size``
+``cg``, ``lanczos``,            :class:`MatrixFreeOptions`  ``structure``, ``probes``, steps,
+``hutchinson``                                              tolerances, ``trace_estimator``, ...
+==============================  ==========================  =====================================
+
+The matrix-free options are tabled in :mod:`lightning_flatness.core.backends.matrix_free`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 from lightning_flatness.core.checks import check_choice, check_count
 from lightning_flatness.core.curvature.row_sketch import SketchPlan
@@ -45,6 +51,8 @@ __all__ = [
     "KernelOptions",
     "MatrixFreeOptions",
     "OPTION_CLASSES",
+    "DEFAULT_GROUPS",
+    "DEFAULT_PROBES",
     "StructureOptions",
     "structure_options",
 ]
@@ -115,7 +123,7 @@ class DenseOptions:
 
     def __post_init__(self) -> None:
         check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
-        check_count("dense_max_parameters", self.max_parameters, allow_none=True)
+        check_count("DenseOptions.max_parameters", self.max_parameters, allow_none=True)
 
 
 @dataclass(frozen=True)
@@ -131,9 +139,16 @@ class GramOptions:
 
     def __post_init__(self) -> None:
         check_choice("trace_estimator", self.trace_estimator, EXACT_OR_SAMPLED)
-        check_count("gram_max_kernel_size", self.max_kernel_size, allow_none=True)
+        check_count("GramOptions.max_kernel_size", self.max_kernel_size, allow_none=True)
 
 
+#: the probe kernel's probe rows per sample when neither ``probes`` nor ``groups`` is given and
+#: fewer than :data:`~lightning_flatness.core.defaults.SAMPLES_FOR_TWO_PROBES` samples are
+#: measured, or when only ``groups`` is given (:func:`~lightning_flatness.core.defaults.
+#: default_probes`)
+DEFAULT_PROBES = 4
+#: the probe kernel's jackknife groups when ``groups`` is not given
+DEFAULT_GROUPS = 2
 #: Hutchinson probes of the probe kernel's stored-row estimate (each also runs once per left-out
 #: group; :mod:`lightning_flatness.core.curvature.stored_rows`) and its Lanczos steps: on a
 #: trained BatchNorm ResNet (11,230 parameters, 2,000 samples of 4 probes) 8 probes of 60 steps
@@ -167,28 +182,32 @@ SKETCH_GROUPS = 2
 @dataclass(frozen=True)
 class KernelOptions:
     """``probe_kernel``: ``probes`` Rademacher probe rows per sample in ``groups`` jackknife
-    groups; the spectrum on the ``side`` of the parameters (P × P, P ≤ ``max_parameters``) or
-    of the samples (ms × ms, ms ≤ ``max_kernel_size`` for a formed kernel; more rows, where
-    P × P does not fit, by stochastic Lanczos quadrature on them with ``slq_probes`` probes of
-    at most ``slq_steps`` steps, ending once the soft rank is bracketed to ``slq_tolerance``,
-    and going on to ``slq_extension`` times those steps while the bracket is wider than
-    :data:`SLQ_LOOSE_TOLERANCE`),
-    at most ``max_row_elements`` numbers of kept rows (None: the rows may
-    take :data:`~lightning_flatness.core.memory.ROW_MEMORY_SHARE` of the free memory of the
-    model's device); from ``sketch_from_parameters`` parameters on, those rows are kept
+    groups (both None, the default, as for the name ``"probe_kernel"``: chosen from the number
+    of samples measured, :func:`~lightning_flatness.core.defaults.kernel_rows`, and measured
+    again with the exact output rows where the soft rank nears the probe rows,
+    :mod:`~lightning_flatness.core.probe_bias`; one of them None: :data:`DEFAULT_PROBES` or
+    :data:`DEFAULT_GROUPS`); the spectrum on the ``side`` of the parameters (P × P,
+    P ≤ ``max_parameters``) or of the samples (ms × ms, ms ≤ ``max_kernel_size`` for a formed
+    kernel; more rows, where P × P does not fit, by stochastic Lanczos quadrature on them with
+    ``slq_probes`` probes of at most ``slq_steps`` steps, ending once the soft rank is
+    bracketed to ``slq_tolerance``, and going on to ``slq_extension`` times those steps while
+    the bracket is wider than :data:`SLQ_LOOSE_TOLERANCE`), at most ``max_row_elements``
+    numbers of kept rows (None: the rows may take
+    :data:`~lightning_flatness.core.memory.ROW_MEMORY_SHARE` of the free memory of the model's
+    device); from ``sketch_from_parameters`` parameters on, those rows are kept
     ``sketch_factor`` times shorter by a random projection in ``sketch_groups`` groups whose
     jackknife removes its bias (1: never; :mod:`lightning_flatness.core.curvature.row_sketch`);
-    ``"auto"`` takes the smaller
-    (:mod:`lightning_flatness.core.curvature.probe_kernel`). ``summary_only``: the trace
-    functions alone (the soft rank and its kin), for a caller that needs no more — a formed
-    kernel's by one Cholesky factorisation instead of its eigendecomposition (no eigenvalue
-    spectrum beyond the largest), and no Newton decrement (its solves and the gradient's
-    projection on the rows are skipped; the report's decrement is NaN, so its ``trusted``
-    lacks that check: keep it False for a number to be read as it stands).
+    ``"auto"`` takes the smaller (:mod:`lightning_flatness.core.curvature.probe_kernel`).
+    ``summary_only``: the trace functions alone (the soft rank and its kin), for a caller that
+    needs no more — a formed kernel's by one Cholesky factorisation instead of its
+    eigendecomposition (no eigenvalue spectrum beyond the largest), and no Newton decrement
+    (its solves and the gradient's projection on the rows are skipped; the report's decrement
+    is NaN, so its ``trusted`` lacks that check: keep it False for a number to be read as it
+    stands).
     """
 
-    probes: int = 4
-    groups: int = 2
+    probes: int | None = None
+    groups: int | None = None
     side: str = "auto"
     max_parameters: int = 8192
     max_kernel_size: int = 8192
@@ -208,47 +227,42 @@ class KernelOptions:
         return "probe_kernel"
 
     @property
+    def default_rows(self) -> bool:
+        """Neither ``probes`` nor ``groups`` given: the rows are chosen from the samples
+        measured (:func:`~lightning_flatness.core.defaults.kernel_rows`)."""
+        return self.probes is None and self.groups is None
+
+    @property
     def sketching(self) -> SketchPlan:
         """When and how the rows kept for the stored-row estimate are sketched."""
         return SketchPlan(self.sketch_factor, self.sketch_groups, self.sketch_from_parameters)
 
     def __post_init__(self) -> None:
-        names = ("probes", "groups", "max_parameters", "max_kernel_size", "slq_probes")
-        names = (*names, "slq_extension")
+        for name in ("probes", "groups"):
+            check_count(f"KernelOptions.{name}", getattr(self, name), allow_none=True)
+        names = ("max_parameters", "max_kernel_size", "slq_probes", "slq_extension")
         for name in (*names, "sketch_factor", "sketch_from_parameters", "sketch_groups"):
-            check_count(f"kernel_options[{name!r}]", getattr(self, name))
-        check_count("kernel_options['slq_steps']", self.slq_steps)
+            check_count(f"KernelOptions.{name}", getattr(self, name))
+        check_count("KernelOptions.slq_steps", self.slq_steps)
         if not 0 < self.slq_tolerance < 1:
             raise ValueError(
-                f"kernel_options['slq_tolerance']={self.slq_tolerance!r} must be in (0, 1): the "
+                f"KernelOptions.slq_tolerance={self.slq_tolerance!r} must be in (0, 1): the "
                 "relative half-width of the soft rank's quadrature bracket, e.g. 0.02."
             )
-        check_count("kernel_options['max_row_elements']", self.max_row_elements, allow_none=True)
-        check_choice("kernel_options['side']", self.side, ("auto", "parameters", "samples"))
+        check_count("KernelOptions.max_row_elements", self.max_row_elements, allow_none=True)
+        check_choice("KernelOptions.side", self.side, ("auto", "parameters", "samples"))
         check_choice("trace_estimator", self.trace_estimator, HOOK_ROWS)
         if not isinstance(self.summary_only, bool):
             raise ValueError(
-                f"kernel_options['summary_only'] must be True or False, got {self.summary_only!r}."
+                f"KernelOptions.summary_only must be True or False, got {self.summary_only!r}."
             )
-        if self.probes % self.groups:
+        probes = DEFAULT_PROBES if self.probes is None else self.probes
+        groups = DEFAULT_GROUPS if self.groups is None else self.groups
+        if probes % groups:
             raise ValueError(
-                f"kernel_options['groups']={self.groups} must divide kernel_options['probes']="
-                f"{self.probes} (each jackknife group holds the same number of probes)."
+                f"KernelOptions.groups={groups} must divide KernelOptions.probes={probes} (each "
+                "jackknife group holds the same number of probes)."
             )
-
-    @classmethod
-    def from_dict(cls, options: Mapping[str, object] | None, trace_estimator: str) -> KernelOptions:
-        """Build from a mapping, naming any unknown key.
-
-        Raises:
-            ValueError: unknown key or bad value.
-        """
-        options = dict(options or {})
-        known = {f.name for f in fields(cls)} - {"trace_estimator"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"Unknown kernel_options {unknown}; valid keys are {sorted(known)}.")
-        return cls(**options, trace_estimator=trace_estimator)
 
 
 _CHOICES = {
@@ -290,17 +304,15 @@ class MatrixFreeOptions:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ValueError(
-                    f"matrix_free_options[{name!r}] must be one of {choices}, "
+                    f"MatrixFreeOptions.{name} must be one of {choices}, "
                     f"got {getattr(self, name)!r}."
                 )
         if not 0 < float(self.cg_tol) < 1:
-            raise ValueError(
-                f"matrix_free_options['cg_tol'] must be in (0, 1), got {self.cg_tol!r}."
-            )
+            raise ValueError(f"MatrixFreeOptions.cg_tol must be in (0, 1), got {self.cg_tol!r}.")
         for name in ("probes", "lanczos_steps", "chunk_elements", "max_histogram", "cg_steps"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(
-                    f"matrix_free_options[{name!r}] must be ≥ 1, got {getattr(self, name)!r}."
+                    f"MatrixFreeOptions.{name} must be ≥ 1, got {getattr(self, name)!r}."
                 )
         if self.chunk_size is not None and int(self.chunk_size) < 1:
             raise ValueError(f"chunk_size must be ≥ 1 or None, got {self.chunk_size!r}.")
@@ -309,24 +321,6 @@ class MatrixFreeOptions:
                 "start='random' draws probes in parameter space; use space='parameters' or "
                 "'auto' with it, or start='range'."
             )
-
-    @classmethod
-    def from_dict(
-        cls, options: Mapping[str, object] | None, structure: str = "cg"
-    ) -> MatrixFreeOptions:
-        """Build ``structure``'s options from a mapping, naming any unknown key or bad value.
-
-        Raises:
-            ValueError: unknown key, bad choice, or a count below 1.
-        """
-        options = dict(options or {})
-        known = {f.name for f in fields(cls)} - {"structure"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(
-                f"Unknown matrix_free_options {unknown}; valid keys are {sorted(known)}."
-            )
-        return cls(structure=structure, **options)
 
 
 StructureOptions = (
@@ -344,46 +338,39 @@ OPTION_CLASSES = (
 
 
 def structure_options(
-    structure: str | StructureOptions,
-    *,
-    trace_estimator: str | None = None,
-    kfac_mode: str = "exact",
-    mc_samples: int = 1,
-    dense_max_parameters: int | None = None,
-    gram_max_kernel_size: int | None = None,
-    matrix_free_options: Mapping[str, object] | None = None,
-    kernel_options: Mapping[str, object] | None = None,
+    structure: str, values: Mapping[str, object] | None = None
 ) -> StructureOptions:
-    """The validated options of ``structure`` from ``measure()``'s keyword arguments.
-
-    ``trace_estimator=None`` is each structure's default (exact; ``"auto"`` for the matrix-free
-    ones). ``"probe"`` (Rademacher probes through the output Fisher's square root) is accepted
-    by every structure: the matrix-free structures' ``"sampled"`` Tr(F) *is* that estimate,
-    and ``dense`` and ``gram`` compute the exact rows anyway, so their exact Tr(F) costs
-    nothing more. Arguments that do not concern ``structure`` are ignored, and so are all of
-    them when ``structure`` already is an options object (returned as it is).
+    """The options object of the structure named ``structure``: its defaults (what
+    ``measure()`` measures the name with), with ``values`` (a mapping of the object's fields,
+    e.g. read from a YAML file) in their place.
 
     Raises:
-        ValueError: an unknown structure, or a bad option of this one (naming it).
+        ValueError: an unknown structure, a field the structure's options do not have (naming
+            the fields they do), or a bad value (naming it).
     """
-    if isinstance(structure, OPTION_CLASSES):
-        return structure
     check_choice("structure", structure, ALL_STRUCTURES)
-    if trace_estimator == "probe" and structure not in HOOK_STRUCTURES:
-        trace_estimator = "exact" if structure in ("dense", "gram") else "sampled"
-    exact_default = trace_estimator or "exact"
-    if structure == "probe_kernel":
-        return KernelOptions.from_dict(kernel_options, exact_default)
-    if structure == "kfac":
-        return KFACOptions(kfac_mode, mc_samples, exact_default)
-    if structure in ("diag", "diag_mc"):
-        return DiagOptions(structure == "diag_mc", mc_samples, exact_default)
-    if structure == "dense":
-        return DenseOptions(exact_default, dense_max_parameters)
-    if structure == "gram":
-        return GramOptions(exact_default, gram_max_kernel_size)
-    options = MatrixFreeOptions.from_dict(matrix_free_options, structure)
-    if trace_estimator is not None and "trace_estimator" not in (matrix_free_options or {}):
-        check_choice("trace_estimator", trace_estimator, _CHOICES["trace_estimator"])
-        options = replace(options, trace_estimator=trace_estimator)
-    return options
+    kind = _OPTION_CLASS_OF[structure]
+    named: dict[str, object] = {"structure": structure} if kind is MatrixFreeOptions else {}
+    if kind is DiagOptions:
+        named = {"sampled": structure == "diag_mc"}
+    values = dict(values or {})
+    known = sorted({field.name for field in fields(kind)} - set(named))
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(
+            f"{kind.__name__} (structure={structure!r}) has no option {unknown}; its options "
+            f"are {known}."
+        )
+    return kind(**named, **values)
+
+
+#: the options class of each structure name
+_OPTION_CLASS_OF = {
+    "probe_kernel": KernelOptions,
+    "kfac": KFACOptions,
+    "diag": DiagOptions,
+    "diag_mc": DiagOptions,
+    "dense": DenseOptions,
+    "gram": GramOptions,
+    **dict.fromkeys(MATRIX_FREE_STRUCTURES, MatrixFreeOptions),
+}

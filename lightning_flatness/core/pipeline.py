@@ -12,7 +12,10 @@ process its own, :mod:`~lightning_flatness.core.curvature.spread_rows`). Three b
 layer hooks (``probe_kernel``, ``kfac``, ``diag``, ``diag_mc``,
 :mod:`lightning_flatness.core.backends.hooks`), BackPACK (``dense``, ``gram``,
 :mod:`lightning_flatness.core.backpack.backend`) and ``torch.func`` (``cg``, ``lanczos``,
-``hutchinson``, :mod:`lightning_flatness.core.backends.matrix_free`).
+``hutchinson``, :mod:`lightning_flatness.core.backends.matrix_free`). The structure's options
+object and the :class:`~lightning_flatness.core.reading.BatchReading` reach the backend and this
+loop unchanged (:func:`~lightning_flatness.core.backends.make_backend`): no layer spells out
+their fields as keyword arguments of its own.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from contextlib import AbstractContextManager
 import torch
 from torch import Tensor, nn
 
-from lightning_flatness.core.batches import Leaves, LogitsModule, UnpackBatch, prepared_batches
+from lightning_flatness.core.batches import Leaves, LogitsModule, prepared_batches
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.failures import (
     MeasurementError,
@@ -34,6 +37,7 @@ from lightning_flatness.core.failures import (
 )
 from lightning_flatness.core.likelihoods import Likelihood
 from lightning_flatness.core.progress import progress
+from lightning_flatness.core.reading import BatchReading
 from lightning_flatness.core.statistics import StatisticSums
 
 __all__ = ["SPLITS", "Backend", "model_device_dtype", "run_pipeline"]
@@ -120,14 +124,15 @@ def run_pipeline(
     model: LogitsModule,
     train_batches: Iterable,
     val_batches: Iterable | None,
+    reading: BatchReading,
     *,
     lam: float,
     max_samples: int | None = None,
     max_val_samples: int | None = None,
     all_reduce: AllReduce | None = None,
-    unpack_batch: UnpackBatch | None = None,
 ) -> tuple[CurvatureEstimate, StatisticSums, StatisticSums]:
-    """Stream both splits through ``backend``, agree on failures, reduce, estimate.
+    """Stream both splits through ``backend``, agree on failures, reduce, estimate; batches are
+    split into inputs and targets by ``reading.unpack_batch``.
 
     Returns:
         ``(curvature, train_sums, val_sums)``, the sums reduced across processes.
@@ -148,7 +153,8 @@ def run_pipeline(
 
         def stream() -> None:
             for split, batches, limit in splits:
-                prepared = prepared_batches(batches, limit, device, dtype, unpack_batch, model.spec)
+                unpack = reading.unpack_batch
+                prepared = prepared_batches(batches, limit, device, dtype, unpack, model.spec)
                 for index, inputs, targets in prepared:
                     progress(f"pass over the {split} data", index, None, "batches")
                     try:

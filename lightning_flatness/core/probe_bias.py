@@ -9,8 +9,8 @@ c = 1 on the CNN (0.16 of mÂ·s) 0.8% (docs/RESULTS.md, "The probes' bias near mÂ
 rows of the output Fisher's square root have no such bias. Where the first measurement's soft
 rank is at least :data:`PROBE_BIAS_SHARE` of its probe rows, the exact rows fit the formed
 matrix's guards, and the batches can be read again, :func:`~lightning_flatness.measure` at its
-default probes (no ``probes`` or ``groups`` given, no options object) measures once more with
-them (C rows per sample, one group): on those models it costs one more
+default probes (the name ``"probe_kernel"``, or its options with ``probes`` and ``groups`` left
+None) measures once more with them (C rows per sample, one group): on those models it costs one more
 measurement of about the same size, and elsewhere nothing.
 """
 

@@ -5,7 +5,8 @@ regularizer, the ``measure`` subcommand and the sweep.
 ``unpack_batch`` splits a batch into inputs and targets
 (:func:`~lightning_flatness.core.batches.default_unpack_batch` when None) and ``logits_fn``
 reads the logits from the model (:func:`~lightning_flatness.core.batches.default_logits_fn`
-when None). :func:`~lightning_flatness.core.measure` takes the same three as keywords.
+when None). :func:`~lightning_flatness.core.measure` takes this object as ``reading=``, the one
+way to say the three, and hands it on unchanged to the pipeline and the backend.
 """
 
 from __future__ import annotations
@@ -50,5 +51,6 @@ class BatchReading:
                 raise ValueError(f"`{name}` must be a callable or None, got {value!r}.")
 
     def as_kwargs(self) -> dict[str, Any]:
-        """``loss``, ``unpack_batch`` and ``logits_fn`` as keyword arguments of ``measure()``."""
+        """``loss``, ``unpack_batch`` and ``logits_fn`` as keyword arguments (of
+        :func:`~lightning_flatness.core.training_nll.mean_nll`)."""
         return {"loss": self.loss, "unpack_batch": self.unpack_batch, "logits_fn": self.logits_fn}

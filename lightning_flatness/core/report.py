@@ -167,7 +167,7 @@ def build_report(
     summary = curvature.summary
     if above_rank_bound(summary.soft_rank, curvature.rank_bound):
         fix = (
-            "more probes (kernel_options={'probes': ...})"
+            "more probes (structure=KernelOptions(probes=...))"
             if structure == "probe_kernel"
             else "structure='probe_kernel', which measures the whole Fisher's spectrum"
         )

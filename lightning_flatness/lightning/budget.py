@@ -435,18 +435,17 @@ class Calibration:
 
 def trial_settings(arguments: Mapping[str, Any]) -> tuple[dict, float]:
     """The fit-start trial's :func:`~lightning_flatness.core.measure` keyword arguments, from
-    the ``structure`` (a name or an options object) and option keywords a real measurement
-    passes: at most :data:`TRIAL_SAMPLES` samples, and a matrix-free structure with
-    :data:`TRIAL_MATRIX_FREE`'s few probes and steps, since its full run on one batch can
-    cost minutes. Also how many times more work a real measurement does per sample (the ratio
-    of steps for the matrix-free ones, whose probes run as one block; 1 for the others): the
-    factor that predicts the first exact measurement's cost."""
+    the ``structure`` (a name or an options object) a real measurement passes: at most
+    :data:`TRIAL_SAMPLES` samples, and a matrix-free structure with :data:`TRIAL_MATRIX_FREE`'s
+    few probes and steps, since its full run on one batch can cost minutes. Also how many times
+    more work a real measurement does per sample (the ratio of steps for the matrix-free ones,
+    whose probes run as one block; 1 for the others): the factor that predicts the first exact
+    measurement's cost."""
     kwargs = {**arguments, "max_samples": TRIAL_SAMPLES}
     structure = arguments["structure"]
     if isinstance(structure, str) and structure not in MATRIX_FREE_STRUCTURES:
         return kwargs, 1.0  # "auto" before it is resolved, or a structure without steps
-    options = {key: value for key, value in arguments.items() if key != "structure"}
-    full = structure_options(structure, **options)
+    full = structure_options(structure) if isinstance(structure, str) else structure
     if not isinstance(full, MatrixFreeOptions):
         return kwargs, 1.0
     kwargs = {"structure": replace(full, **TRIAL_MATRIX_FREE), "max_samples": TRIAL_SAMPLES}

@@ -22,10 +22,14 @@ from lightning.pytorch.cli import LightningCLI
 
 from lightning_flatness.core.curvature import describe_coverage
 from lightning_flatness.core.decay import ParameterDecay
+from lightning_flatness.core.defaults import AUTO, auto_choice
 from lightning_flatness.core.measure import measure
 from lightning_flatness.lightning.figures import summary_table
 from lightning_flatness.lightning.monitor import FlatnessMonitor
-from lightning_flatness.lightning.monitor_measurement import MEASUREMENT_BATCH_SIZE
+from lightning_flatness.lightning.monitor_measurement import (
+    MEASUREMENT_BATCH_SIZE,
+    monitor_options,
+)
 from lightning_flatness.lightning.regularizer import SoftRankRegularizer
 from lightning_flatness.lightning.trainer_facts import (
     first_dataloader,
@@ -152,6 +156,12 @@ def run_measure(args: list[str], cli_class: Callable[..., LightningCLI]) -> int:
     lam = resolve_lam(_optimizers(module.configure_optimizers()), explicit, module)
     train, val, size = _batches(trainer, module, monitor)
     module.eval()
+    structure = options.structure or monitor.structure
+    if structure == AUTO:  # resolved as measure() resolves it, measured as the monitor measures
+        choice = auto_choice(module, size)
+        arguments = {"structure": monitor_options(choice.structure, choice.sketch_factor)}
+    else:
+        arguments = monitor.measurer.arguments(structure)
     report = measure(
         module,
         train,
@@ -159,8 +169,8 @@ def run_measure(args: list[str], cli_class: Callable[..., LightningCLI]) -> int:
         num_train_samples=size,
         val_batches=val,
         seed=monitor.settings.seed,
-        **monitor.settings.reading.as_kwargs(),
-        **monitor.measurer.arguments(options.structure or monitor.structure),
+        reading=monitor.settings.reading,
+        **arguments,
     )
     record = {**report.as_dict(), "epoch": -1.0 if epoch is None else float(epoch)}
     print(summary_table(record, report.structure))

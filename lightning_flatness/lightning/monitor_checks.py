@@ -19,17 +19,14 @@ from lightning_flatness.core.curvature.stored_rows import keeps_rows, quadrature
 from lightning_flatness.core.defaults import (
     AUTO,
     choose_across_processes,
-    default_probes,
+    kernel_rows,
     row_width,
 )
 from lightning_flatness.core.failures import (
     MeasurementError,
 )
 from lightning_flatness.core.measure import check_batch
-from lightning_flatness.core.options import (
-    KernelOptions,
-    structure_options,
-)
+from lightning_flatness.core.options import KernelOptions
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.budget import (
     FILL_IN,
@@ -40,9 +37,9 @@ from lightning_flatness.lightning.budget import (
     trial_settings,
 )
 from lightning_flatness.lightning.monitor_measurement import (
-    MONITOR_DEFAULTS,
     Measurer,
     all_reduce_of,
+    monitor_options,
     tensor_numbers,
 )
 from lightning_flatness.lightning.monitor_schedule import quiet_fill_in
@@ -149,8 +146,8 @@ class FitStart:
             cap = self.measurer.stream_samples()
         if samples is not None and cap is not None:
             samples = min(samples, cap)
-        probes = {"probes": default_probes(samples)}  # what measure() takes for that many
-        options = structure_options("probe_kernel", **MONITOR_DEFAULTS, kernel_options=probes)
+        # the rows measure() takes for that many samples
+        options = kernel_rows(monitor_options("probe_kernel"), samples)
         on_cpu = pl_module.device.type == "cpu"  # processes of one machine share its memory
         choice = choose_across_processes(
             trainable,
@@ -204,7 +201,7 @@ class FitStart:
             self.refuse(pl_module, error)
 
     def _check_batch(self, pl_module: LightningModule, batch: Any) -> tuple[int, int]:
-        return check_batch(pl_module, batch, **self.settings.reading.as_kwargs())
+        return check_batch(pl_module, batch, self.settings.reading)
 
     def refuse(self, pl_module: LightningModule, error: Exception) -> None:
         """Raise (``strict=True``), or warn once and switch the monitor off."""
@@ -286,10 +283,8 @@ class FitStart:
         if self.state.active_structure != "probe_kernel":
             return 0.0
         chosen = self.settings.structure_options
-        if isinstance(chosen, KernelOptions):
-            options = chosen
-        else:  # the name, measured as measure() measures it: the default probes for m
-            options = KernelOptions(probes=default_probes(samples))
+        options = chosen if isinstance(chosen, KernelOptions) else KernelOptions()
+        options = kernel_rows(options, samples)  # as measure() settles them for m samples
         parameters = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
         rows = math.ceil(samples / world) * options.probes
         spread = world > 1 and parameters > options.max_parameters

@@ -23,7 +23,14 @@ from lightning_flatness.core.failures import (
     UnsupportedModelError,
 )
 from lightning_flatness.core.measure import measure
-from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, KernelOptions
+from lightning_flatness.core.options import (
+    HOOK_STRUCTURES,
+    MATRIX_FREE_STRUCTURES,
+    KernelOptions,
+    KFACOptions,
+    StructureOptions,
+    structure_options,
+)
 from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.budget import (
     CALIBRATION_PROBES,
@@ -45,16 +52,33 @@ __all__ = [
     "FILL_IN_BATCH_NUMBERS",
     "KEPT_SUBSET_NUMBERS",
     "MEASUREMENT_BATCH_SIZE",
-    "MONITOR_DEFAULTS",
     "Measurer",
     "all_reduce_of",
+    "monitor_options",
     "shard_of",
     "tensor_numbers",
 ]
 
-#: what a structure named by a string is measured with: Tr(F) from probe rows (no extra
-#: backward pass), and ``kfac``'s output factors from one probe per input (docs/RESULTS.md)
-MONITOR_DEFAULTS = {"trace_estimator": "probe", "kfac_mode": "probe"}
+
+def monitor_options(structure: str, sketch_factor: int | None = None) -> StructureOptions:
+    """The options object a structure named by a string is measured with: its defaults, but
+    Tr(F) from probe rows (no extra backward pass: ``"probe"`` for the layer-hook structures,
+    the matrix-free structures' ``"sampled"`` estimate, which is the same probes; ``dense`` and
+    ``gram`` compute the exact rows anyway) and ``kfac``'s output factors from one probe per
+    input (docs/RESULTS.md); the probe kernel's rows kept ``sketch_factor`` times shorter where
+    ``structure="auto"`` found they fit memory only so."""
+    options = structure_options(structure)
+    if structure in HOOK_STRUCTURES:
+        options = replace(options, trace_estimator="probe")
+    elif structure in MATRIX_FREE_STRUCTURES:
+        options = replace(options, trace_estimator="sampled")
+    if isinstance(options, KFACOptions):
+        options = replace(options, kfac_mode="probe")
+    if isinstance(options, KernelOptions) and sketch_factor is not None:
+        options = replace(options, sketch_factor=sketch_factor)
+    return options
+
+
 #: the structure measured when BackPACK cannot extend the model for ``dense`` or ``gram``
 FALLBACK = "lanczos"
 #: the measurement's batch size when the user gives none (the fill-in reads its whole subset
@@ -255,35 +279,37 @@ class Measurer:
                 seed=self.settings.seed,
                 all_reduce=all_reduce,
                 shard=shard,
-                **self.settings.reading.as_kwargs(),
+                reading=self.settings.reading,
                 **arguments,
             )
 
     def arguments(self, structure: str) -> dict[str, Any]:
         """:func:`measure`'s arguments that say what to measure ``structure`` with: the options
-        object passed as ``structure=`` for its structure, else the name with
-        :data:`MONITOR_DEFAULTS` and the factor "auto" chose (:func:`sketched`)."""
+        object passed as ``structure=`` for its structure, else :func:`monitor_options` of the
+        name with the factor "auto" chose (:func:`sketched`)."""
         chosen = self.settings.structure_options
         if chosen is not None and chosen.structure == structure:
             return {"structure": chosen}
-        factor = self.state.sketch_factor
-        return {"structure": structure, **MONITOR_DEFAULTS, **sketched(structure, factor)}
+        return {
+            "structure": monitor_options(structure, sketched(structure, self.state.sketch_factor))
+        }
 
     def calibration_arguments(self) -> dict[str, Any]:
         """:func:`measure`'s arguments for the fill-in's calibration on its own samples: the
-        active structure's, and for the probe kernel measured by name
+        active structure's, and for the probe kernel at its default rows (by name, or options
+        without ``probes`` or ``groups``)
         :data:`~lightning_flatness.lightning.budget.CALIBRATION_PROBES` probe rows per sample
-        (module docstring of :mod:`~lightning_flatness.lightning.budget`); the probe kernel,
-        by name or the user's options, for its trace functions alone (``summary_only``: the
-        ratio needs the soft rank, not the spectrum or the Newton decrement)."""
+        (module docstring of :mod:`~lightning_flatness.lightning.budget`); the probe kernel
+        for its trace functions alone (``summary_only``: the ratio needs the soft rank, not the
+        spectrum or the Newton decrement)."""
         arguments = self.arguments(self.state.active_structure)
-        structure = arguments["structure"]
-        if isinstance(structure, KernelOptions):  # the user's options, for the sums alone
-            return {"structure": replace(structure, summary_only=True)}
-        if structure != "probe_kernel":
+        options = arguments["structure"]
+        if not isinstance(options, KernelOptions):
             return arguments
+        if not options.default_rows:  # the user's rows, for the sums alone
+            return {"structure": replace(options, summary_only=True)}
         probes = {"probes": CALIBRATION_PROBES, "groups": CALIBRATION_PROBES, "summary_only": True}
-        return {**arguments, "kernel_options": {**arguments.get("kernel_options", {}), **probes}}
+        return {"structure": replace(options, **probes)}
 
     def measured_samples(self) -> int:
         """The training samples a measurement of the whole set reads: n, at most
@@ -370,9 +396,7 @@ class Measurer:
         return self.streams["training"].max_samples
 
 
-def sketched(structure: str, factor: int | None) -> dict[str, Any]:
-    """The probe kernel's ``kernel_options`` where ``structure="auto"`` found its rows fit
-    memory only sketched shorter than the default (``factor``), else none."""
-    if structure != "probe_kernel" or factor is None:
-        return {}
-    return {"kernel_options": {"sketch_factor": factor}}
+def sketched(structure: str, factor: int | None) -> int | None:
+    """The probe kernel's ``sketch_factor`` where ``structure="auto"`` found its rows fit
+    memory only sketched shorter than the default (``factor``), else None."""
+    return factor if structure == "probe_kernel" else None

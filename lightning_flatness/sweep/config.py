@@ -8,7 +8,8 @@ A sweep file has the sections of a ``lightning-flatness fit`` config (``model``,
 ``grid``
     ``{dotted.path: [values, ...]}``; the runs are the Cartesian product, in file order.
     ``model.lr`` is short for ``model.init_args.lr`` (likewise for ``data``); ``trainer.X``,
-    ``measure.X`` and the top-level ``seed``, ``steps``, ``lam`` can be varied as well.
+    ``measure.X`` (e.g. ``measure.lanczos.probes``) and the top-level ``seed``, ``steps``,
+    ``lam`` can be varied as well.
 ``structures``
     The :func:`~lightning_flatness.core.measure` structures measured at the end of every run;
     ``"exact"`` is ``"dense"`` when the model has at most ``n·C`` parameters and ``"gram"``
@@ -22,7 +23,10 @@ A sweep file has the sections of a ``lightning-flatness fit`` config (``model``,
 ``lam``
     λ of the soft rank; ``null`` reads the coupled weight decay from the optimizer.
 ``measure``, ``measure_batch_size``
-    Further keyword arguments of ``measure()`` and the batch size of its passes.
+    What each structure is measured with and the batch size of the measurement's passes:
+    ``measure`` maps a structure's name to the fields of its options object (e.g.
+    ``lanczos: {probes: 5, lanczos_steps: 50}``) and may give ``loss``, ``max_samples`` and
+    ``max_val_samples`` (:mod:`~lightning_flatness.sweep.measured`).
 ``sample``, ``sample_seed``
     Run only a seeded random subset of ``sample`` grid points.
 ``output_dir``, ``workers``, ``threads_per_worker``
@@ -63,6 +67,7 @@ import yaml
 
 from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, STRUCTURES
 from lightning_flatness.lightning.class_paths import DEFAULT_DATA, DEFAULT_MODEL
+from lightning_flatness.sweep.measured import EXACT, MONITOR_DEFAULT, VARIANTS, check_measure
 
 __all__ = [
     "ENGINES",
@@ -75,17 +80,8 @@ __all__ = [
     "run_key",
 ]
 
-#: Pseudo-structure: ``"dense"`` or ``"gram"``, whichever matrix is smaller for the run.
-EXACT = "exact"
-#: Pseudo-structure: the structure and options ``FlatnessMonitor`` measures with by default.
-MONITOR_DEFAULT = "probe_kernel"
-#: pseudo-structure → (structure, measure() options that override the sweep's ``measure``)
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "kfac_sampled": ("kfac", {"kfac_mode": "sampled", "trace_estimator": "sampled"}),
-    "kfac_probe": ("kfac", {"kfac_mode": "probe", "trace_estimator": "probe"}),
-    MONITOR_DEFAULT: ("probe_kernel", {"trace_estimator": "probe"}),
-}
-#: Structures a sweep accepts.
+#: Structures a sweep accepts (the pseudo-structures :data:`EXACT` and :data:`VARIANTS`
+#: among them).
 SWEEP_STRUCTURES = (
     EXACT,
     *STRUCTURES[:3],
@@ -216,7 +212,8 @@ class SweepConfig:
         structures: Structures measured after every run.
         seed: Base ``seed_everything`` seed.
         lam: λ of the soft rank, or ``None`` (read from the optimizer).
-        measure: Further keyword arguments of ``measure()``.
+        measure: Each structure's options by its name, and ``loss``, ``max_samples``,
+            ``max_val_samples`` (:mod:`~lightning_flatness.sweep.measured`).
         measure_batch_size: Batch size of the measurement passes.
         sample: If set, run only this many grid points (a seeded random subset).
         sample_seed: Seed of that subset.
@@ -383,6 +380,7 @@ class SweepConfig:
             params = dict(zip(paths, values, strict=True))
             for path, value in params.items():
                 _set_path(run, path, copy.deepcopy(value))
+            check_measure(run["measure"])
             run["key"] = run_key(run)
             if run["key"] in keys:  # e.g. a grid value listed twice: run it once
                 continue

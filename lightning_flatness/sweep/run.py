@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lightning_flatness.sweep.config import EXACT, VARIANTS
+from lightning_flatness.sweep.measured import EXACT, VARIANTS, measure_arguments
 
 __all__ = ["TRAINER_DEFAULTS", "execute_run", "instantiate", "resolve_exact", "set_threads"]
 
@@ -172,9 +172,9 @@ def _train_and_measure(run: Mapping[str, Any]) -> dict[str, Any]:
     measures: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
     for structure in run["structures"]:
-        measured, overrides = VARIANTS.get(structure, (structure, {}))
+        measured, _ = VARIANTS.get(structure, (structure, {}))
         measured = exact if structure == EXACT else measured
-        options = {**(run.get("measure") or {}), **overrides}
+        arguments = measure_arguments(structure, measured, run.get("measure") or {})
         try:
             with torch.inference_mode(False), torch.enable_grad():
                 report = measure(
@@ -182,10 +182,9 @@ def _train_and_measure(run: Mapping[str, Any]) -> dict[str, Any]:
                     train_batches,
                     lam=lam,
                     num_train_samples=n,
-                    structure=measured,
                     val_batches=val_batches,
                     seed=seed,
-                    **options,
+                    **arguments,
                 )
         except Exception as error:  # one structure failing must not lose the others
             errors[structure] = f"{type(error).__name__}: {error}"

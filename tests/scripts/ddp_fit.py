@@ -39,7 +39,7 @@ from lightning_flatness import (
     PenaltyOptions,
     SoftRankRegularizer,
 )
-from lightning_flatness.core.options import structure_options
+from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, structure_options
 
 #: the hidden width of ``wide``'s MLP: 12,010 parameters, above the P × P guard at the defaults
 WIDE = 200
@@ -47,6 +47,17 @@ WIDE = 200
 #: and above where the sketch starts, its 1,024 probe rows above a formed kernel: sketched rows
 #: measured by the runs split across the processes
 SPREAD = {"max_parameters": 1000, "sketch_from_parameters": 2000, "max_kernel_size": 512}
+
+
+def rows_options(structure: str, rows: str, small: dict | None = None):
+    """The options object of ``structure`` with Tr(F), and kfac's output rows, from ``rows``
+    (``"exact"`` or ``"sampled"``), and a matrix-free structure's ``small`` fields."""
+    values = {"trace_estimator": rows}
+    if structure == "kfac":
+        values["kfac_mode"] = rows
+    if structure in MATRIX_FREE_STRUCTURES:
+        values.update(small or {})
+    return structure_options(structure, values)
 
 
 def nan_on_rank_one(module: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
@@ -63,21 +74,19 @@ def main() -> None:
     wide = mode == "wide"
     seed_everything(0)
     # deterministic, to compare with one process exactly
-    rows = {"trace_estimator": "exact", "kfac_mode": "exact"}
-    if mode == "sampled":  # labels drawn from the model: keyed by position as well
-        rows = {"trace_estimator": "sampled", "kfac_mode": "sampled"}
+    rows = "sampled" if mode == "sampled" else "exact"  # drawn labels: keyed by position too
     small = {"probes": 2, "lanczos_steps": 4} if mode == "fail" else None
     if mode in ("defaults", "wide"):  # the monitor's defaults but the budget (the one epoch)
         monitor_kwargs = {"structure": structure, "overhead_budget": None}
     else:
         monitor_kwargs = {
-            "structure": structure_options(structure, **rows, matrix_free_options=small),
+            "structure": rows_options(structure, rows, small),
             "max_samples": 200,
             "max_val_samples": 100,
             "overhead_budget": None,  # measured at the one epoch, whatever the timing
         }
     if mode == "spread":
-        spread = structure_options("probe_kernel", kernel_options=SPREAD)
+        spread = structure_options("probe_kernel", SPREAD)
         monitor_kwargs = {"structure": spread, "overhead_budget": None}
     if mode == "regularize":
         monitor_kwargs.update(regularize=SoftRankRegularizer(strength=1.0))

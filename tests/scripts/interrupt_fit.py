@@ -6,7 +6,7 @@ from __future__ import annotations
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_flatness import FlatnessClassifier, FlatnessMonitor, MNIST7DataModule
-from lightning_flatness.core.options import structure_options
+from lightning_flatness.core.options import MatrixFreeOptions
 from lightning_flatness.lightning.monitor_measurement import Measurer
 
 _run_measure = Measurer.run
@@ -21,11 +21,8 @@ def main() -> None:
     Measurer.run = _announced
     seed_everything(0)
     monitor = FlatnessMonitor(
-        structure=structure_options(
-            "lanczos",
-            trace_estimator="probe",
-            kfac_mode="probe",
-            **{"matrix_free_options": {"probes": 50, "lanczos_steps": 400}},
+        structure=MatrixFreeOptions(
+            structure="lanczos", probes=50, lanczos_steps=400, trace_estimator="sampled"
         ),
         overhead_budget=None,
     )

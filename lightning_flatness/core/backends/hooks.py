@@ -40,6 +40,7 @@ from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.module_rules import RecurrentRule
 from lightning_flatness.core.options import DiagOptions, KernelOptions, KFACOptions
 from lightning_flatness.core.pipeline import Backend, model_device_dtype
+from lightning_flatness.core.reading import BatchReading
 from lightning_flatness.core.statistics import StatisticSums, output_sums
 
 __all__ = ["CHUNK_NUMBERS", "FIRST_CHUNK", "RECURRENT_CHUNK", "HookBackend"]
@@ -74,12 +75,13 @@ class HookBackend(Backend):
 
     Args:
         model: the wrapped model.
-        structure: ``"kfac"``, ``"diag"``, ``"diag_mc"`` or ``"probe_kernel"``.
-        options: its :class:`~lightning_flatness.core.options.KFACOptions`,
+        options: the structure's options, which name it (``options.structure``):
+            :class:`~lightning_flatness.core.options.KFACOptions` (``kfac``),
             :class:`~lightning_flatness.core.options.DiagOptions` (``diag`` uses the exact
             rows, ``diag_mc`` ``mc_samples`` sampled ones) or
-            :class:`~lightning_flatness.core.options.KernelOptions` (``probes`` probe rows).
-        loss: the likelihood's name.
+            :class:`~lightning_flatness.core.options.KernelOptions` (``probe_kernel``:
+            ``probes`` probe rows, already settled).
+        reading: how batches and outputs are read; its ``loss`` names the likelihood.
         seed: keys the sampled labels and probes (with each sample's position).
         all_reduce: sums a tensor across processes in place (data parallelism): the curvature
             state must then add up across processes.
@@ -94,10 +96,9 @@ class HookBackend(Backend):
     def __init__(
         self,
         model: LogitsModule,
-        structure: str,
         options: KFACOptions | DiagOptions | KernelOptions,
+        reading: BatchReading,
         *,
-        loss: str,
         seed: int,
         all_reduce: AllReduce | None = None,
         shard: tuple[int, int] | None = None,
@@ -105,8 +106,8 @@ class HookBackend(Backend):
     ) -> None:
         self.model = model
         self.decay = decay
-        self.structure = structure
-        self.likelihood = get_likelihood(loss)
+        self.structure = structure = options.structure
+        self.likelihood = get_likelihood(reading.loss)
         if isinstance(options, KernelOptions):
             rows, count = "probe", options.probes
         elif isinstance(options, KFACOptions):

@@ -144,7 +144,7 @@ class ReiteratedInputs(CachedInputs):
                 "train_batches yielded different samples on a later pass (shuffling, random "
                 "augmentation or a one-shot iterator). structure='lanczos' makes one pass per "
                 "Lanczos step over the same samples: pass a deterministic loader or keep "
-                "matrix_free_options['cache']=True."
+                "MatrixFreeOptions.cache=True."
             )
 
 

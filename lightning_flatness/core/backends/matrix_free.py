@@ -21,10 +21,12 @@ buffers (BatchNorm statistics untouched), every module's train/eval flag is rest
 randomness comes from private ``torch.Generator`` s seeded by ``seed`` inside
 ``torch.random.fork_rng``.
 
-Options (``matrix_free_options`` of ``measure``; unknown keys raise):
+Options (the fields of :class:`~lightning_flatness.core.options.MatrixFreeOptions`, passed to
+``measure`` as ``structure=MatrixFreeOptions(structure=..., ...)``; ``structure_options(name,
+mapping)`` builds it from a mapping and names any unknown key):
 
 ==================  ============  ===========================================================
-key                 default       meaning
+field                default       meaning
 ==================  ============  ===========================================================
 probes              10            probe vectors (Lanczos runs / Hutchinson probes per batch)
 lanczos_steps       40            Lanczos steps per probe (one pass over the data each)
@@ -60,7 +62,7 @@ preconditioner      "kfac"        ``cg``: ``"kfac"`` (damped Kronecker factors f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -73,7 +75,7 @@ from lightning_flatness.core.backends.kept_inputs import (
     fingerprint,
 )
 from lightning_flatness.core.backends.sample_probes import SampleProbes, process_rank
-from lightning_flatness.core.batches import Leaves, LogitsModule, UnpackBatch, take_rows
+from lightning_flatness.core.batches import Leaves, LogitsModule, take_rows
 from lightning_flatness.core.curvature.base import CurvatureEstimate
 from lightning_flatness.core.curvature.cg import CGFisher
 from lightning_flatness.core.curvature.fisher_products import ParameterSpaceFisher
@@ -93,6 +95,7 @@ from lightning_flatness.core.likelihoods import Likelihood, get_likelihood
 from lightning_flatness.core.model_state import left_as_found
 from lightning_flatness.core.options import MATRIX_FREE_STRUCTURES, MatrixFreeOptions
 from lightning_flatness.core.pipeline import SPLITS, Backend
+from lightning_flatness.core.reading import BatchReading
 from lightning_flatness.core.statistics import StatisticSums
 
 __all__ = ["MATRIX_FREE_STRUCTURES", "MatrixFreeBackend", "MatrixFreeOptions"]
@@ -120,15 +123,15 @@ class MatrixFreeBackend(Backend):
 
     Args:
         model: the model wrapped as a :class:`~lightning_flatness.core.batches.LogitsModule`.
-        structure: ``"lanczos"`` (SLQ of the exact F), ``"cg"`` (conjugate-gradient solves)
-            or ``"hutchinson"`` (Hutchinson diagonal, Eq. 2, with the Eq. 8 / Eq. 9 bounds).
-        loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"`` (see
-            :mod:`lightning_flatness.core.likelihoods`).
+        options: the table in the module docstring; ``options.structure`` is ``"lanczos"``
+            (SLQ of the exact F), ``"cg"`` (conjugate-gradient solves) or ``"hutchinson"``
+            (Hutchinson diagonal, Eq. 2, with the Eq. 8 / Eq. 9 bounds).
+        reading: how batches are read: ``loss`` (``"cross_entropy"``, ``"bce"`` or ``"mse"``,
+            :mod:`lightning_flatness.core.likelihoods`) and ``unpack_batch`` (for the passes
+            over ``repeatable_train_batches``).
         seed: seeds the private generators (probes, sampled traces).
         all_reduce: sums a tensor across processes in place and returns it (data parallelism):
             statistics and Hutchinson sums are reduced once, Lanczos products inside every step.
-        options: see the table in the module docstring.
-        unpack_batch: ``batch -> (inputs, targets)`` (see :mod:`lightning_flatness.core.batches`).
         repeatable_train_batches: what ``cache=False`` iterates again, for callers whose
             training batches are a one-shot iterator.
         max_samples: the training samples measured (``cache=False`` truncates its passes there).
@@ -139,27 +142,21 @@ class MatrixFreeBackend(Backend):
     def __init__(
         self,
         model: LogitsModule,
-        structure: str,
+        options: MatrixFreeOptions,
+        reading: BatchReading,
         *,
-        loss: str,
         seed: int,
         all_reduce: AllReduce | None,
-        options: MatrixFreeOptions | Mapping[str, object] | None,
-        unpack_batch: UnpackBatch | None,
         repeatable_train_batches: Iterable,
         max_samples: int | None,
         decay: ParameterDecay | None = None,
         shard: tuple[int, int] | None = None,
     ) -> None:
         self.decay, self.shard = decay, shard
-        self.model, self.structure, self.loss = model, structure, loss
+        self.model, self.structure, self.loss = model, options.structure, reading.loss
         self.seed, self.all_reduce = seed, all_reduce
-        self.settings = (
-            options
-            if isinstance(options, MatrixFreeOptions)
-            else MatrixFreeOptions.from_dict(options)
-        )
-        self.unpack_batch = unpack_batch
+        self.settings = options
+        self.unpack_batch = reading.unpack_batch
         self.repeatable_train_batches = repeatable_train_batches
         self.max_samples = max_samples
         self.classes = 0

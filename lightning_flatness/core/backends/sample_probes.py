@@ -51,7 +51,7 @@ def process_rank(explicit: int | None, all_reduce: Callable[[Tensor], Tensor] | 
         return distributed.get_rank()
     warnings.warn(
         "all_reduce is given but no torch.distributed process group is initialized: pass "
-        "matrix_free_options={'rank': <this process's rank>} so that each process draws its "
+        "MatrixFreeOptions(rank=<this process's rank>) so that each process draws its "
         "own probes (identical probes on different samples bias the Lanczos estimate).",
         stacklevel=3,
     )

@@ -39,6 +39,7 @@ from lightning_flatness.core.likelihoods import get_likelihood
 from lightning_flatness.core.model_state import rng_devices
 from lightning_flatness.core.options import DenseOptions, GramOptions
 from lightning_flatness.core.pipeline import Backend
+from lightning_flatness.core.reading import BatchReading
 from lightning_flatness.core.statistics import StatisticSums
 
 __all__ = ["BACKPACK_STRUCTURES", "BackpackBackend", "make_estimator"]
@@ -52,24 +53,23 @@ class BackpackBackend(Backend):
 
     Args:
         model: the wrapped model.
-        structure: ``"dense"`` or ``"gram"``.
-        options: its :class:`~lightning_flatness.core.options.DenseOptions` or
-            :class:`~lightning_flatness.core.options.GramOptions` (Tr(F) estimator, size guard).
-        loss: the likelihood's name.
+        options: :class:`~lightning_flatness.core.options.DenseOptions` (``dense``) or
+            :class:`~lightning_flatness.core.options.GramOptions` (``gram``): Tr(F) estimator,
+            size guard.
+        reading: how batches and outputs are read; its ``loss`` names the likelihood.
         seed: seeds the forked RNG of the Monte-Carlo extensions (the sampled trace).
     """
 
     def __init__(
         self,
         model: LogitsModule,
-        structure: str,
         options: DenseOptions | GramOptions,
+        reading: BatchReading,
         *,
-        loss: str,
         seed: int,
         decay: ParameterDecay | None = None,
     ) -> None:
-        trace_estimator = options.trace_estimator
+        trace_estimator, structure, loss = options.trace_estimator, options.structure, reading.loss
         self.decay = decay
         self.model = model
         self.loss = loss

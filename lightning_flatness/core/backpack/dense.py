@@ -67,9 +67,10 @@ class DenseFisher(CurvatureEstimator):
         if num_parameters > self.max_parameters:
             raise StructureTooLargeError(
                 f"structure='dense' builds a P × P matrix, and this model has P = "
-                f"{num_parameters:,} parameters (guard: dense_max_parameters="
+                f"{num_parameters:,} parameters (guard: DenseOptions.max_parameters="
                 f"{self.max_parameters:,}). Use structure='gram' (exact, any P, bounded by "
-                "samples × classes), 'kfac' or 'diag', or raise dense_max_parameters."
+                "samples × classes), 'kfac' or 'diag', or raise the guard with "
+                "structure=DenseOptions(max_parameters=...)."
             )
 
     def extensions(self) -> list[object]:

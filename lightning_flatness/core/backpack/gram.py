@@ -75,7 +75,7 @@ class GramFisher(CurvatureEstimator):
         if self.num_rows > self.max_kernel_size:
             raise StructureTooLargeError(
                 f"structure='gram' needs a (samples × classes)² kernel; {self.num_rows:,} rows "
-                f"exceed gram_max_kernel_size={self.max_kernel_size:,}. Pass max_samples="
+                f"exceed GramOptions.max_kernel_size={self.max_kernel_size:,}. Pass max_samples="
                 f"{self.max_kernel_size // max(1, factors.shape[0] // batch_size):,} or fewer, "
                 "use structure='dense' when P is small, 'kfac' or 'diag', or raise the guard."
             )

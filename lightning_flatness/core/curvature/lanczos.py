@@ -201,7 +201,7 @@ class LanczosFisher(CurvatureAccumulator):
                 f"× dim = {steps} × {self.probes} × {local_dim:,} numbers, more than "
                 f"max_basis_elements={self.max_basis_elements:,}. Use fewer lanczos_steps or "
                 "probes, space='samples' with fewer samples (dim = samples × classes), or raise "
-                "matrix_free_options['max_basis_elements']."
+                "MatrixFreeOptions.max_basis_elements."
             )
         model = self.model
         xi_shape = (self.probes, self.source.num_samples, classes)

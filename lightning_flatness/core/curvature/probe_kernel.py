@@ -159,7 +159,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
             raise StructureTooLargeError(
                 f"structure='probe_kernel' with {self.num_parameters:,} parameters needs the "
                 f"sample-side kernel, which cannot be summed{why} above "
-                f"kernel_options['max_parameters']={self.max_parameters:,} (P × P matrices of "
+                f"KernelOptions.max_parameters={self.max_parameters:,} (P × P matrices of "
                 f"{self.num_parameters**2 * 8 * self.groups / 2**30:.1f} GiB); raise it, "
                 "measure fewer samples on one process, or use structure='lanczos'."
             )
@@ -210,7 +210,7 @@ class ProbeKernelFisher(CurvatureAccumulator):
             raise StructureTooLargeError(
                 f"structure='probe_kernel' would form {elements:,} numbers of probe rows for one "
                 f"batch of {batch_size} samples ({self.num_parameters:,} parameters × "
-                f"{self.probes} rows), above kernel_options['max_row_elements']="
+                f"{self.probes} rows), above KernelOptions.max_row_elements="
                 f"{self.max_row_elements:,}; measure in batches of at most {fits} samples "
                 "(FlatnessMonitor(batch_size=...)), or use structure='cg'."
             )
