@@ -12,6 +12,8 @@ import torch
 from conftest import batches, probe_kernel_report, random_data, tiny_model
 
 from lightning_flatness import FlatnessMonitor
+from lightning_flatness.core.batch_terms import BatchTerms
+from lightning_flatness.core.curvature.base import CurvatureBatch
 from lightning_flatness.core.curvature.probe_kernel import ProbeKernelFisher
 from lightning_flatness.core.curvature.row_sketch import RowSketch, SketchPlan, kept_width
 from lightning_flatness.core.curvature.row_store import RowStore
@@ -126,28 +128,33 @@ def _fisher(**options) -> ProbeKernelFisher:
     return ProbeKernelFisher(600, **{**settings, **options})
 
 
+def _batch(rows: torch.Tensor) -> CurvatureBatch:
+    """One batch of probe rows ``(s, N, P)``, as the layer-hook backend hands them."""
+    return CurvatureBatch(rows.shape[1], terms=BatchTerms(rows={"w": rows}))
+
+
 def test_the_probe_kernel_sketches_once_its_rows_pass_the_formed_kernel_or_their_memory():
     """Rows are kept whole up to the formed kernel's size, then sketched (the kept ones too);
     the same once they pass their memory first; never below sketch_from_parameters, with one
     sketch group, at factor 1 or without a plan."""
     rows = torch.randn(2, 3, 600, dtype=torch.float64)
     fisher = _fisher()
-    fisher.add(rows)
+    fisher.add(_batch(rows))
     assert fisher.sketch is None and fisher.store.width == 600
-    fisher.add(rows)  # 12 rows > 8
+    fisher.add(_batch(rows))  # 12 rows > 8
     assert fisher.sketch is not None and fisher.store.width == kept_width(600, 4, 2)
     assert fisher.store.samples == 6
     assert fisher.store.squared_norms.sum() == pytest.approx(2 * float(rows.square().sum()))
-    fisher.add(rows)
+    fisher.add(_batch(rows))
     assert fisher.store.samples == 9
     by_memory = _fisher(max_kernel_size=100, max_row_elements=7 * 600)
-    by_memory.add(rows)
-    by_memory.add(rows)
+    by_memory.add(_batch(rows))
+    by_memory.add(_batch(rows))
     assert by_memory.sketch is not None
     for never in (SketchPlan(4, 2, 601), SketchPlan(1, 2, 100), SketchPlan(4, 1, 100), None):
         fisher = _fisher(sketching=never)
-        fisher.add(rows)
-        fisher.add(rows)
+        fisher.add(_batch(rows))
+        fisher.add(_batch(rows))
         assert fisher.sketch is None, never
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.layer_rules import KroneckerRule, Rule
 from lightning_flatness.core.linear_map_terms import (
     explicit_gradients_cheaper,
@@ -28,7 +29,15 @@ from lightning_flatness.core.linear_map_terms import (
 )
 from lightning_flatness.core.module_rules import LocalRule
 
-__all__ = ["BatchTerms", "FisherRows", "add_bias", "add_explicit", "add_rule", "add_weight"]
+__all__ = [
+    "BatchTerms",
+    "FisherRows",
+    "add_bias",
+    "add_explicit",
+    "add_rule",
+    "add_weight",
+    "scale_terms",
+]
 
 
 @dataclass
@@ -242,3 +251,23 @@ def add_explicit(
             terms.blocks[name] = _f64(fisher_rows.T @ fisher_rows)
         else:
             terms.diagonal[name] = _f64(fisher_rows.square().sum(0))
+
+
+def scale_terms(terms: BatchTerms, decay: ParameterDecay | None) -> BatchTerms:
+    """``terms`` scaled, in place, to those of ``D^{-1/2} F D^{-1/2}`` (per-group decay,
+    :mod:`~lightning_flatness.core.decay`): rows by ``λ_j^{-1/2}``, blocks, diagonals and the
+    Kronecker ``G`` factor by ``1/λ_j`` (and the diagonal of C alike, so the diagonal TIC
+    ``Σ C_kk/(F_kk + λ_k)`` is unchanged); as they are without ``decay``. The true-label
+    ``gradient`` is left as it is."""
+    if decay is None:
+        return terms
+    for name, rows in terms.rows.items():
+        terms.rows[name] = decay.scale_rows(name, rows)
+    for name, (g, a) in terms.kronecker.items():
+        terms.kronecker[name] = (g * decay.scale(name), a)
+    for name, (weight, multiplier) in terms.bias_factors.items():
+        terms.bias_factors[name] = (weight, multiplier * decay.scale(name) / decay.scale(weight))
+    for table in (terms.blocks, terms.diagonal, terms.cov_diagonal):
+        for name, value in table.items():
+            table[name] = value * decay.scale(name)
+    return terms

@@ -22,9 +22,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from lightning_flatness.core.batch_terms import BatchTerms
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples, take_rows
-from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.curvature.base import (
+    CurvatureAccumulator,
+    CurvatureBatch,
+    CurvatureEstimate,
+)
 from lightning_flatness.core.curvature.diag import DiagonalFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.newton_decrement import objective_gradient
@@ -153,10 +156,11 @@ class HookBackend(Backend):
             self.num_parameters = sum(params[name].numel() for name in names)
             if self.structure == "kfac":
                 self.estimator = KFACFisher(
-                    order=names, precision=model_device_dtype(self.model)[1]
+                    order=names, precision=model_device_dtype(self.model)[1], decay=self.decay
                 )
             elif self.structure in ("diag", "diag_mc"):
-                self.estimator = DiagonalFisher(names, sampled=self.structure == "diag_mc")
+                sampled = self.structure == "diag_mc"
+                self.estimator = DiagonalFisher(names, sampled=sampled, decay=self.decay)
             elif not self.options.summary_only:  # the Newton decrement's gradient
                 device = model_device_dtype(self.model)[0]
                 self.gradient_sum = torch.zeros(
@@ -216,14 +220,11 @@ class HookBackend(Backend):
             self.estimator.check_batch(logits.shape[0])
         terms = hooked.terms(logits, targets, inputs, curvature=training)
         sums.grad_norm_sq, sums.fisher_trace = terms.grad_norm_sq, terms.fisher_trace
-        if training and self.decay is not None:
-            _scale_terms(terms, self.decay)
-        if training and isinstance(self.estimator, ProbeKernelFisher):
-            self.estimator.add([terms.rows[n] for n in self.hooked.names])
-            if self.gradient_sum is not None:
-                self.gradient_sum += torch.cat([terms.gradient[n] for n in self.hooked.names])
-        elif training:
-            self.estimator.add(terms)
+        if not training:
+            return sums
+        if self.gradient_sum is not None:
+            self.gradient_sum += torch.cat([terms.gradient[n] for n in self.hooked.names])
+        self.estimator.add(CurvatureBatch(int(logits.shape[0]), self.num_outputs, terms=terms))
         return sums
 
     def _probe_kernel(self, num_outputs: int) -> ProbeKernelFisher:
@@ -248,6 +249,8 @@ class HookBackend(Backend):
             ),
             "sketching": options.sketching,
             "spectrum": not options.summary_only,
+            "order": self.hooked.names,
+            "decay": self.decay,
         }
         above = self.num_parameters > options.max_parameters
         if self.all_reduce is not None and above and options.side != "parameters":
@@ -292,18 +295,3 @@ class HookBackend(Backend):
         if isinstance(self.estimator, ProbeKernelFisher):
             return None
         return self.hooked.coverage()
-
-
-def _scale_terms(terms: BatchTerms, decay: ParameterDecay) -> None:
-    """Scale one batch's Fisher terms to those of ``D^{-1/2} F D^{-1/2}``: rows by
-    ``λ_j^{-1/2}``, blocks, diagonals and the Kronecker ``G`` factor by ``1/λ_j`` (and the
-    diagonal of C alike, so the diagonal TIC ``Σ C_kk/(F_kk + λ_k)`` is unchanged)."""
-    for name, rows in terms.rows.items():
-        terms.rows[name] = decay.scale_rows(name, rows)
-    for name, (g, a) in terms.kronecker.items():
-        terms.kronecker[name] = (g * decay.scale(name), a)
-    for name, (weight, multiplier) in terms.bias_factors.items():
-        terms.bias_factors[name] = (weight, multiplier * decay.scale(name) / decay.scale(weight))
-    for table in (terms.blocks, terms.diagonal, terms.cov_diagonal):
-        for name, value in table.items():
-            table[name] = value * decay.scale(name)

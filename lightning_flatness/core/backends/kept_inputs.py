@@ -116,7 +116,8 @@ class CachedInputs:
 
 class ReiteratedInputs(CachedInputs):
     """Iterates ``train_batches`` again for every pass (``cache=False``), checking each pass
-    yields the same samples in the same order (count and per-batch input sums)."""
+    yields the same samples in the same order (count and per-batch input sums): :meth:`add`
+    keeps only each batch's fingerprint."""
 
     def __init__(
         self,
@@ -125,13 +126,15 @@ class ReiteratedInputs(CachedInputs):
         max_samples: int | None,
         model: FunctionalModel,
         unpack_batch: UnpackBatch | None,
-        fingerprints: list[tuple[int, float]],
     ) -> None:
         super().__init__(chunker)
         self.source, self.max_samples, self.model = batches, max_samples, model
         self.unpack_batch = unpack_batch
-        self.fingerprints = fingerprints
-        self.num_samples = sum(size for size, _ in fingerprints)
+        self.fingerprints: list[tuple[int, float]] = []
+
+    def add(self, inputs: Leaves) -> None:
+        self.fingerprints.append(fingerprint(inputs))
+        self.num_samples += num_samples(inputs)
 
     def _batches(self) -> Iterator[Leaves]:
         seen = []

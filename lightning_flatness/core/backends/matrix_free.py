@@ -68,19 +68,13 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.backends.kept_inputs import (
-    CachedInputs,
-    Chunker,
-    ReiteratedInputs,
-    fingerprint,
-)
+from lightning_flatness.core.backends.kept_inputs import CachedInputs, Chunker, ReiteratedInputs
 from lightning_flatness.core.backends.sample_probes import SampleProbes, process_rank
-from lightning_flatness.core.batches import Leaves, LogitsModule, take_rows
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.batch_terms import BatchTerms
+from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples, take_rows
+from lightning_flatness.core.curvature.base import CurvatureBatch, CurvatureEstimate
 from lightning_flatness.core.curvature.cg import CGFisher
-from lightning_flatness.core.curvature.fisher_products import ParameterSpaceFisher
 from lightning_flatness.core.curvature.hutchinson import VARIANTS, HutchinsonFisher
-from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.curvature.lanczos import LanczosFisher
 from lightning_flatness.core.curvature.newton_decrement import objective_gradient
 from lightning_flatness.core.decay import ParameterDecay
@@ -117,9 +111,12 @@ def _num_outputs(model: FunctionalModel, inputs: Leaves) -> int:
 class MatrixFreeBackend(Backend):
     """``lanczos``, ``cg`` and ``hutchinson`` through ``torch.func`` (module docstring).
 
-    The first pass computes every batch's statistics (:func:`batch_statistics`); ``hutchinson``
-    adds its probes' gradients on the way, ``lanczos`` and ``cg`` keep the inputs
-    (``cache=True``) or their fingerprints and make their passes in :meth:`estimate`.
+    The first pass computes every batch's statistics (:func:`batch_statistics`) and hands the
+    structure's accumulator each training batch's inputs
+    (:meth:`~lightning_flatness.core.curvature.base.CurvatureAccumulator.add`): ``hutchinson``
+    adds its probes' gradients, chunk by chunk; ``lanczos`` and ``cg`` keep the inputs
+    (``cache=True``) or their fingerprints (and ``cg`` its preconditioner's layer-hook terms)
+    and make their passes in :meth:`estimate`.
 
     Args:
         model: the model wrapped as a :class:`~lightning_flatness.core.batches.LogitsModule`.
@@ -182,16 +179,12 @@ class MatrixFreeBackend(Backend):
             self.shared = _generator(functional.device, self.seed)
             variants = 1 if self.keeps_inputs else (len(VARIANTS) if settings.bounds else 1)
             self.chunker = Chunker(functional, settings, settings.probes * variants)
-            self.cache = CachedInputs(self.chunker)
-            self.fingerprints: list[tuple[int, float]] = []
-            self.hutchinson = self.grad_sq_sum = self.gradient_sum = None
-            self.hooked = self.kfac = None
+            self.gradient_sum = self.grad_sq_sum = self.hooked = None
             if self.structure == "cg":  # Σ_i ∇ℓ_i, for the Newton decrement
                 self.gradient_sum = torch.zeros(
                     functional.num_parameters, dtype=torch.float64, device=functional.device
                 )
             if self.structure == "cg" and settings.preconditioner == "kfac":
-                self.kfac = KFACFisher()
                 self.hooked = HookedPass(
                     self.model,
                     get_likelihood(self.loss),
@@ -204,17 +197,7 @@ class MatrixFreeBackend(Backend):
                 self.grad_sq_sum = torch.zeros(
                     functional.num_parameters, dtype=functional.dtype, device=functional.device
                 )
-                self.hutchinson = HutchinsonFisher(
-                    functional,
-                    loss=self.loss,
-                    probes=settings.probes,
-                    distribution=settings.distribution,
-                    draw_sample_probes=self.draws.hutchinson,
-                    power_iterations=settings.power_iterations,
-                    bounds=settings.bounds,
-                    grad_sq_sum=self.grad_sq_sum,
-                    decay=self.decay,
-                )
+            self.estimator = self._estimator()
             try:
                 yield
             finally:
@@ -249,31 +232,27 @@ class MatrixFreeBackend(Backend):
         check_finite_loss(sums.loss, split, index)
         if training:
             self.classes = logits.shape[1]
-            if self.hooked is not None:
-                self._add_kronecker_factors(inputs, targets)
-            if self.hutchinson is not None:
-                for piece in self.chunker.split(inputs):
-                    self.hutchinson.update(piece)
-            elif self.settings.cache:
-                self.cache.add(inputs)
+            if self.keeps_inputs:
+                terms = self._kronecker_terms(inputs, targets) if self.hooked else None
+                batch = CurvatureBatch(num_samples(inputs), self.classes, terms, inputs=inputs)
+                self.estimator.add(batch)
             else:
-                self.fingerprints.append(fingerprint(inputs))
+                for piece in self.chunker.split(inputs):
+                    self.estimator.add(
+                        CurvatureBatch(num_samples(piece), self.classes, inputs=piece)
+                    )
         return sums
 
-    def _add_kronecker_factors(self, inputs: Leaves, targets: Tensor) -> None:
-        """The preconditioner's Kronecker factors of one batch (one probe row per sample)."""
+    def _kronecker_terms(self, inputs: Leaves, targets: Tensor) -> BatchTerms:
+        """The preconditioner's layer-hook terms of one batch (one probe row per sample)."""
         with torch.enable_grad():
             logits = self.hooked.forward(inputs)
             prepared = get_likelihood(self.loss).prepare_targets(targets, logits)
-            self.kfac.add(self.hooked.terms(logits, prepared, inputs, curvature=True))
+            return self.hooked.terms(logits, prepared, inputs, curvature=True)
 
     def summable_states(self) -> list[Tensor]:
-        states = self.kfac.summable_states() if self.kfac is not None else []
-        if self.gradient_sum is not None:
-            states.append(self.gradient_sum)
-        if self.hutchinson is None:
-            return states
-        return [*states, *self.hutchinson.summable_states()]
+        states = self.estimator.summable_states()
+        return states if self.gradient_sum is None else [*states, self.gradient_sum]
 
     @property
     def likelihood(self) -> Likelihood:
@@ -281,7 +260,12 @@ class MatrixFreeBackend(Backend):
 
     def curvature(self, num_samples: int, lam: float) -> CurvatureEstimate:
         # every process has measured samples (the pipeline refuses otherwise), so knows C
-        return self._curvature(num_samples, self.classes, lam)
+        if self.structure == "cg":
+            decay = self.decay if self.decay is not None else lam
+            self.estimator.gradient = _own_coordinates_gradient(
+                self.functional, self.gradient_sum, num_samples, decay
+            )
+        return self.estimator.estimate(num_samples, lam)
 
     def rank_shape(self) -> tuple[int, int]:
         return self.functional.num_parameters, self.classes
@@ -290,61 +274,55 @@ class MatrixFreeBackend(Backend):
         """``D^{-1/2} F D^{-1/2}`` at λ = 1, except ``cg`` (it solves with ``F + D``)."""
         return self.decay is not None and self.structure != "cg"
 
-    def _curvature(self, num_samples: int, classes: int, lam: float) -> CurvatureEstimate:
-        if self.hutchinson is not None:
-            return self.hutchinson.estimate(num_samples, lam)
-        source = self.cache
-        if not self.settings.cache:
+    def _estimator(self) -> HutchinsonFisher | LanczosFisher | CGFisher:
+        """The structure's accumulator; ``lanczos`` and ``cg`` keep the inputs their
+        :meth:`add` is given in memory (``cache=True``) or by fingerprint, to read the training
+        batches again for every pass."""
+        functional, settings = self.functional, self.settings
+        if not self.keeps_inputs:
+            return HutchinsonFisher(
+                functional,
+                loss=self.loss,
+                probes=settings.probes,
+                distribution=settings.distribution,
+                draw_sample_probes=self.draws.hutchinson,
+                power_iterations=settings.power_iterations,
+                bounds=settings.bounds,
+                grad_sq_sum=self.grad_sq_sum,
+                decay=self.decay,
+            )
+        source = CachedInputs(self.chunker)
+        if not settings.cache:
             source = ReiteratedInputs(
                 self.chunker,
                 self.repeatable_train_batches,
                 self.max_samples,
-                self.functional,
+                functional,
                 self.unpack_batch,
-                self.fingerprints,
             )
-        settings = self.settings
         if self.structure == "cg":
-            solver = self._solver(source, num_samples, classes)
-            decay = self.decay if self.decay is not None else lam
-            solver.gradient = _own_coordinates_gradient(
-                self.functional, self.gradient_sum, num_samples, decay
+            return CGFisher(
+                functional,
+                source,
+                loss=self.loss,
+                probes=settings.probes,
+                draw_sample_probes=self.draws.cg,
+                all_reduce=self.all_reduce,
+                preconditioned=self.hooked is not None,
+                max_steps=settings.cg_steps,
+                tol=settings.cg_tol,
+                decay=self.decay,
+                transposed=self.hooked.transposed_weights() if self.hooked else frozenset(),
             )
-            return solver.estimate(num_samples, lam)
-        estimator = LanczosFisher(
-            self.functional,
+        return LanczosFisher(
+            functional,
             source,
             loss=self.loss,
-            classes=classes,
             settings=settings,
             draw_sample_probes=self.draws.lanczos,
             shared_generator=self.shared,
             all_reduce=self.all_reduce,
             decay=self.decay,
-        )
-        return estimator.estimate(num_samples, lam)
-
-    def _solver(self, source, num_samples: int, classes: int) -> CGFisher:
-        """``cg``'s accumulator over the kept inputs, with this backend's preconditioner sums
-        (:mod:`lightning_flatness.core.curvature.cg`)."""
-        functional, settings = self.functional, self.settings
-        fisher = ParameterSpaceFisher(functional, source, self.loss, num_samples, self.all_reduce)
-        shape = (settings.probes, source.num_samples, classes)
-
-        def draw_probes() -> Tensor:
-            return fisher.range_start(self.draws.cg(shape))
-
-        return CGFisher(
-            fisher,
-            draw_probes,
-            functional.names,
-            [functional.params[name].shape for name in functional.names],
-            kfac=self.kfac,
-            max_steps=settings.cg_steps,
-            tol=settings.cg_tol,
-            dtype=functional.dtype,
-            decay=self.decay,
-            transposed=self.hooked.transposed_weights() if self.hooked else frozenset(),
         )
 
 

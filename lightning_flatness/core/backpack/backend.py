@@ -31,7 +31,7 @@ from lightning_flatness.core.backpack.gram import DEFAULT_MAX_KERNEL_SIZE as GRA
 from lightning_flatness.core.backpack.gram import GramFisher
 from lightning_flatness.core.backpack.statistics import SampleStatistics
 from lightning_flatness.core.batches import Leaves, LogitsModule, num_samples
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureBatch, CurvatureEstimate
 from lightning_flatness.core.curvature.newton_decrement import objective_gradient
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import check_finite_loss
@@ -117,7 +117,7 @@ class BackpackBackend(Backend):
         check_finite_loss(float(loss.detach()), split, index)
         backward_with(model, loss, extensions, self.estimator.name if training else "statistics")
         if training:
-            self.estimator.update(model, num_samples(inputs))
+            self.estimator.add(CurvatureBatch(num_samples(inputs), self.num_outputs, model=model))
             # the summed loss's gradient: Σ_i ∇ℓ_i, times the loss's scale to the NLL's
             summed = torch.cat([p.grad.reshape(-1) for p in model.parameters])
             self.gradient_sum += summed.to(torch.float64) * self.loss_scale

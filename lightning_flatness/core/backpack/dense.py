@@ -21,8 +21,7 @@ from lightning_flatness.core.backpack.estimator import (
     batch_gradients,
     sqrt_factors,
 )
-from lightning_flatness.core.backpack.extension import ExtendedModel
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureBatch, CurvatureEstimate
 from lightning_flatness.core.curvature.newton_decrement import guarded_decrement, regularized_form
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import StructureTooLargeError
@@ -76,7 +75,8 @@ class DenseFisher(CurvatureEstimator):
     def extensions(self) -> list[object]:
         return [SqrtGGNExact(), BatchGrad()]
 
-    def update(self, model: ExtendedModel, batch_size: int) -> None:
+    def add(self, batch: CurvatureBatch) -> None:
+        model = batch.model
         factors = self.scaled(sqrt_factors(model, "sqrt_ggn_exact"), model)
         grads = self.scaled(batch_gradients(model), model)
         if self.fisher_sum is None:

@@ -15,7 +15,11 @@ import torch
 from torch import Tensor
 
 from lightning_flatness.core.backpack.extension import ExtendedModel
-from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.curvature.base import (
+    CurvatureAccumulator,
+    CurvatureBatch,
+    CurvatureEstimate,
+)
 from lightning_flatness.core.decay import ParameterDecay
 
 __all__ = ["CurvatureEstimator", "batch_gradients", "sqrt_factors"]
@@ -24,7 +28,8 @@ __all__ = ["CurvatureEstimator", "batch_gradients", "sqrt_factors"]
 class CurvatureEstimator(CurvatureAccumulator):
     """Accumulates one structure's sums over batches (the package's
     :class:`~lightning_flatness.core.curvature.base.CurvatureAccumulator`), fed by BackPACK's
-    fields after each backward pass (:meth:`update`); see the module docstring."""
+    fields after each backward pass (:meth:`add` reads ``batch.model``); see the module
+    docstring."""
 
     def __init__(self, ggn_scale: float = 1.0, decay: ParameterDecay | None = None) -> None:
         # BackPACK's GGN of the summed loss; 0.5 turns ‖y − f‖² (MSELoss) into ½‖y − f‖².
@@ -51,8 +56,9 @@ class CurvatureEstimator(CurvatureAccumulator):
         """BackPACK extensions this structure reads after each backward pass."""
 
     @abstractmethod
-    def update(self, model: ExtendedModel, batch_size: int) -> None:
-        """Add the current batch's contribution (BackPACK fields on ``model.parameters``)."""
+    def add(self, batch: CurvatureBatch) -> None:
+        """Add the current batch's contribution (BackPACK fields on
+        ``batch.model.parameters``)."""
 
     @abstractmethod
     def summable_states(self) -> list[Tensor]:

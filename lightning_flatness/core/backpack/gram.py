@@ -26,8 +26,7 @@ from lightning_flatness.core.backpack.estimator import (
     batch_gradients,
     sqrt_factors,
 )
-from lightning_flatness.core.backpack.extension import ExtendedModel
-from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.curvature.base import CurvatureBatch, CurvatureEstimate
 from lightning_flatness.core.curvature.newton_decrement import (
     guarded_decrement,
     regularized_form,
@@ -69,7 +68,8 @@ class GramFisher(CurvatureEstimator):
     def extensions(self) -> list[object]:
         return [SqrtGGNExact(), BatchGrad()]
 
-    def update(self, model: ExtendedModel, batch_size: int) -> None:
+    def add(self, batch: CurvatureBatch) -> None:
+        model, batch_size = batch.model, batch.size
         factors = self.scaled(sqrt_factors(model, "sqrt_ggn_exact"), model)
         self.num_rows += factors.shape[0]
         if self.num_rows > self.max_kernel_size:

@@ -29,9 +29,15 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.curvature.base import (
+    CurvatureAccumulator,
+    CurvatureBatch,
+    CurvatureEstimate,
+)
+from lightning_flatness.core.curvature.fisher_products import ParameterSpaceFisher
 from lightning_flatness.core.curvature.kfac import KFACFisher
 from lightning_flatness.core.decay import ParameterDecay
+from lightning_flatness.core.functional_stats import FunctionalModel
 from lightning_flatness.core.progress import progress
 from lightning_flatness.core.spectral import SpectralSummary, check_lam
 
@@ -268,17 +274,24 @@ def hutchinson_cg(
 
 
 class CGFisher(CurvatureAccumulator):
-    """``structure="cg"`` as an accumulator: the summed Kronecker factors of the preconditioner
-    (None: no preconditioner) are its only sums over batches; :meth:`estimate` draws the probes
-    and solves (module docstring).
+    """``structure="cg"`` as an accumulator: :meth:`add` keeps each batch's inputs for the
+    solves' passes and sums the preconditioner's Kronecker factors (the batch's layer-hook
+    ``terms``; its only sums over batches); :meth:`estimate` draws the probes and solves
+    (module docstring).
 
     Args:
-        fisher: ``F v`` over every sample (all processes), for a block (K, P) of vectors.
-        draw_probes: returns the probe rows ``w`` (K, P).
-        names, shapes: the flat vector's parameters, in order.
-        kfac: the preconditioner's running sums, or None.
+        model: the functional view of the classifier (its parameters, in order, are the flat
+            vector's).
+        source: where :meth:`add` keeps each batch's inputs, re-iterable for the products
+            ``F v`` over every sample (all processes;
+            :mod:`~lightning_flatness.core.backends.kept_inputs`).
+        loss: ``"cross_entropy"``, ``"bce"`` or ``"mse"``.
+        probes: K, the probe rows ``w``.
+        draw_sample_probes: ξ of a shape (K, m_local, C) on this process's samples.
+        all_reduce: sums a tensor across processes in place, or None.
+        preconditioned: sum the batches' Kronecker factors into the damped preconditioner
+            (else none).
         max_steps, tol: the solves' budget and stopping share (:func:`conjugate_gradients`).
-        dtype: the model's (the preconditioner's products, :class:`KroneckerPreconditioner`).
         decay: the per-group decays (a zero-decay group at its measured floor): the solves are
             then ``(F + D) x = w`` and the soft rank ``Tr(F(F+D)⁻¹)``; ``lam`` of
             :meth:`estimate` is ignored.
@@ -289,23 +302,37 @@ class CGFisher(CurvatureAccumulator):
 
     def __init__(
         self,
-        fisher: MatMat,
-        draw_probes: Callable[[], Tensor],
-        names: list[str],
-        shapes: list[torch.Size],
+        model: FunctionalModel,
+        source,
         *,
-        kfac: KFACFisher | None,
+        loss: str,
+        probes: int,
+        draw_sample_probes: Callable[[tuple[int, int, int]], Tensor],
+        all_reduce: MatMat | None,
+        preconditioned: bool,
         max_steps: int,
         tol: float,
-        dtype: torch.dtype = torch.float64,
         decay: ParameterDecay | None = None,
         transposed: frozenset[str] = frozenset(),
     ) -> None:
-        self.fisher, self.draw_probes = fisher, draw_probes
+        self.model, self.source, self.loss, self.probes = model, source, loss, probes
+        self.draw_sample_probes, self.all_reduce = draw_sample_probes, all_reduce
         self.decay, self.transposed = decay, transposed
-        self.dtype = dtype
-        self.names, self.shapes, self.kfac = names, shapes, kfac
+        self.dtype = model.dtype
+        self.names = model.names
+        self.shapes = [model.params[name].shape for name in self.names]
+        #: the preconditioner's running sums (unscaled: the decay damps each block instead)
+        self.kfac = KFACFisher() if preconditioned else None
         self.max_steps, self.tol = max_steps, tol
+        #: C, the number of outputs (known from the first batch)
+        self.classes = 0
+
+    def add(self, batch: CurvatureBatch) -> None:
+        """Keep one batch's ``inputs``; add its ``terms`` to the preconditioner's factors."""
+        self.source.add(batch.inputs)
+        self.classes = batch.outputs
+        if self.kfac is not None:
+            self.kfac.add(batch)
 
     def summable_states(self) -> list[Tensor]:
         return self.kfac.summable_states() if self.kfac is not None else []
@@ -328,11 +355,15 @@ class CGFisher(CurvatureAccumulator):
                 self.dtype,
                 transposed=self.transposed,
             )
-        probes = self.draw_probes().to(torch.float64)
+        fisher = ParameterSpaceFisher(
+            self.model, self.source, self.loss, num_samples, self.all_reduce
+        )
+        shape = (self.probes, self.source.num_samples, self.classes)
+        probes = fisher.range_start(self.draw_sample_probes(shape)).to(torch.float64)
         if isinstance(damping, Tensor):
             damping = damping.to(probes.device)
         return hutchinson_cg(
-            self.fisher,
+            fisher,
             probes,
             damping,
             preconditioner=preconditioner,

@@ -13,8 +13,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.batch_terms import BatchTerms
-from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.batch_terms import scale_terms
+from lightning_flatness.core.curvature.base import (
+    CurvatureAccumulator,
+    CurvatureBatch,
+    CurvatureEstimate,
+)
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.spectral import spectral_summary
 
 __all__ = ["DiagonalFisher"]
@@ -22,15 +27,21 @@ __all__ = ["DiagonalFisher"]
 
 class DiagonalFisher(CurvatureAccumulator):
     """The spectrum and diagonal TIC of ``diag F`` from the sums over samples of ``F_kk`` and
-    ``C_kk`` of every parameter (:meth:`add`), flattened in ``order``."""
+    ``C_kk`` of every parameter (:meth:`add`), flattened in ``order``; under per-group
+    ``decay`` both scaled by ``1/λ_j``, to be summarised at λ = 1."""
 
-    def __init__(self, order: list[str], sampled: bool = False) -> None:
+    def __init__(
+        self, order: list[str], sampled: bool = False, decay: ParameterDecay | None = None
+    ) -> None:
         self.name = "diag_mc" if sampled else "diag"
+        self.decay = decay
         self.order = order
         self.sums: dict[str, dict[str, Tensor]] = {"fisher": {}, "cov": {}}
 
-    def add(self, terms: BatchTerms) -> None:
-        """Add one batch's squared per-sample gradients (Fisher rows and true labels)."""
+    def add(self, batch: CurvatureBatch) -> None:
+        """Add one batch's squared per-sample gradients (Fisher rows and true labels) from its
+        layer-hook ``terms``."""
+        terms = scale_terms(batch.terms, self.decay)
         for kind, source in (("fisher", terms.diagonal), ("cov", terms.cov_diagonal)):
             store = self.sums[kind]
             for name, value in source.items():

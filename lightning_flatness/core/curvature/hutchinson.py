@@ -38,7 +38,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.curvature.base import (
+    CurvatureAccumulator,
+    CurvatureBatch,
+    CurvatureEstimate,
+)
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.functional_stats import FunctionalModel
 from lightning_flatness.core.jackknife import jackknife
@@ -109,7 +113,7 @@ class HutchinsonFisher(CurvatureAccumulator):
         grad_sq_sum: Tensor | None = None,
         decay: ParameterDecay | None = None,
     ) -> None:
-        self.grad_sq_sum = grad_sq_sum
+        self.grad_sq_sum, self.decay = grad_sq_sum, decay
         #: ``1/λ_j`` (P,) under per-group decay
         self.diagonal_scale = None if decay is None else model.decay_diagonal(decay).reciprocal()
         self.model, self.loss, self.probes = model, loss, probes
@@ -141,9 +145,10 @@ class HutchinsonFisher(CurvatureAccumulator):
             cotangents.append(direction * draw(2, (self.probes, batch, 1)))  # √λ̃_C ṽ_C ξ_x
         return torch.cat(cotangents)
 
-    def update(self, inputs: Tensor) -> None:
-        """Add one batch's (or chunk's) ``g_b∘g_b`` for every variant and probe."""
-        logits, backward = self.model.vjp(inputs)
+    def add(self, batch: CurvatureBatch) -> None:
+        """Add one batch's (or chunk's) ``g_b∘g_b`` for every variant and probe, from one
+        backward pass of the probes on its ``inputs``."""
+        logits, backward = self.model.vjp(batch.inputs)
         grads = backward(self._cotangents(logits))  # {name: (variants·probes, *shape)}
         if self.squares is None:
             first = next(iter(grads.values()))

@@ -30,8 +30,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.batch_terms import BatchTerms
-from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.batch_terms import BatchTerms, scale_terms
+from lightning_flatness.core.curvature.base import (
+    CurvatureAccumulator,
+    CurvatureBatch,
+    CurvatureEstimate,
+)
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.spectral import (
     SpectralSummary,
     clean_eigenvalues,
@@ -53,14 +58,21 @@ class KFACFisher(CurvatureAccumulator):
         order: the parameters' order of the per-parameter blocks (default: as first added).
         precision: the model's dtype (float32 eigendecompositions where accurate, module
             docstring).
+        decay: per-group decays: each batch's terms are scaled to those of
+            ``D^{-1/2} F D^{-1/2}`` (:func:`~lightning_flatness.core.batch_terms.scale_terms`),
+            to be estimated at λ = 1.
     """
 
     name = "kfac"
 
     def __init__(
-        self, order: list[str] | None = None, precision: torch.dtype = torch.float64
+        self,
+        order: list[str] | None = None,
+        precision: torch.dtype = torch.float64,
+        decay: ParameterDecay | None = None,
     ) -> None:
         self.order = order
+        self.decay = decay
         self.precision = precision
         self.kronecker: dict[str, list[Tensor]] = {}
         self.blocks: dict[str, Tensor] = {}
@@ -69,8 +81,9 @@ class KFACFisher(CurvatureAccumulator):
         #: ``weight`` (:attr:`~lightning_flatness.core.batch_terms.BatchTerms.bias_factors`)
         self.bias_factors: dict[str, tuple[str, float]] = {}
 
-    def add(self, terms: BatchTerms) -> None:
-        """Add one batch's sums."""
+    def add(self, batch: CurvatureBatch) -> None:
+        """Add one batch's sums (its layer-hook ``terms``, scaled by the decay)."""
+        terms = scale_terms(batch.terms, self.decay)
         blocks, bias_factors = self._settle_bias_blocks(terms)
         for name, factors in terms.kronecker.items():
             if name in self.kronecker:

@@ -58,7 +58,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.curvature.base import (
+    CurvatureAccumulator,
+    CurvatureBatch,
+    CurvatureEstimate,
+)
 from lightning_flatness.core.curvature.fisher_products import (
     ParameterSpaceFisher,
     SampleSpaceKernel,
@@ -127,10 +131,11 @@ class LanczosFisher(CurvatureAccumulator):
 
     Args:
         model: the functional view of the classifier.
-        source: re-iterable data with ``chunks()`` / ``chunks(with_rows=True)`` over this
-            process's cached inputs and ``num_samples`` (local sample count).
+        source: where :meth:`add` keeps each batch's inputs (``add(inputs)``), re-iterable
+            with ``chunks()`` / ``chunks(with_rows=True)`` over this process's kept inputs and
+            ``num_samples`` (local sample count)
+            (:mod:`~lightning_flatness.core.backends.kept_inputs`).
         loss: ``"cross_entropy"`` or ``"mse"``.
-        classes: C, the number of outputs.
         settings: the matrix-free options read here: ``probes`` (K ≥ 1; ≥ 2 for standard
             errors), ``lanczos_steps`` (per probe, capped at the space's dimension),
             ``space`` (``"auto"``: the smaller of P and m·C, ``"parameters"`` or
@@ -155,7 +160,6 @@ class LanczosFisher(CurvatureAccumulator):
         source,
         *,
         loss: str,
-        classes: int,
         settings: MatrixFreeOptions,
         draw_sample_probes: Callable[[tuple[int, int, int]], Tensor],
         shared_generator: torch.Generator,
@@ -166,7 +170,10 @@ class LanczosFisher(CurvatureAccumulator):
         self.column_scale = None
         if decay is not None:
             self.column_scale = model.decay_diagonal(decay).rsqrt().to(model.dtype)
-        self.model, self.source, self.loss, self.classes = model, source, loss, classes
+        self.decay = decay
+        self.model, self.source, self.loss = model, source, loss
+        #: C, the number of outputs (known from the first batch)
+        self.classes = 0
         self.probes, self.steps = settings.probes, settings.lanczos_steps
         self.space, self.start = settings.space, settings.start
         self.distribution = settings.distribution
@@ -175,6 +182,11 @@ class LanczosFisher(CurvatureAccumulator):
         self.max_basis_elements = settings.max_basis_elements
         self.max_histogram = settings.max_histogram
         self.breakdown_tol = settings.breakdown_tol
+
+    def add(self, batch: CurvatureBatch) -> None:
+        """Keep one batch's ``inputs`` for the Lanczos passes of :meth:`estimate`."""
+        self.source.add(batch.inputs)
+        self.classes = batch.outputs
 
     def _sum(self, tensor: Tensor) -> Tensor:
         return tensor if self.all_reduce is None else self.all_reduce(tensor)

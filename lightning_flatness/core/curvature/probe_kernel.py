@@ -34,7 +34,12 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_flatness.core.curvature.base import CurvatureAccumulator, CurvatureEstimate
+from lightning_flatness.core.batch_terms import scale_terms
+from lightning_flatness.core.curvature.base import (
+    CurvatureAccumulator,
+    CurvatureBatch,
+    CurvatureEstimate,
+)
 from lightning_flatness.core.curvature.lanczos_quadrature import (
     density_sample,
     gauss_quadrature,
@@ -49,6 +54,7 @@ from lightning_flatness.core.curvature.stored_rows import (
     keeps_rows,
     stored_rows_estimate,
 )
+from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.failures import StructureTooLargeError
 from lightning_flatness.core.jackknife import jackknife
 from lightning_flatness.core.memory import rows_refusal
@@ -105,6 +111,9 @@ class ProbeKernelFisher(CurvatureAccumulator):
         quadrature: the stored-row estimate's probes, steps and tolerance.
         sketching: when rows kept for the stored-row estimate are sketched, from the moment
             they pass the formed kernel's size or their memory (None: never).
+        order: the parameters' order of the rows (default: the order of each batch's terms).
+        decay: per-group decays: the rows are scaled by ``λ_j^{-1/2}``, to be estimated at
+            λ = 1 (:func:`~lightning_flatness.core.batch_terms.scale_terms`).
     """
 
     name = "probe_kernel"
@@ -124,7 +133,10 @@ class ProbeKernelFisher(CurvatureAccumulator):
         quadrature: QuadratureBudget = DEFAULT_QUADRATURE,
         sketching: SketchPlan | None = None,
         spectrum: bool = True,
+        order: list[str] | None = None,
+        decay: ParameterDecay | None = None,
     ) -> None:
+        self.order, self.decay = order, decay
         self.quadrature = quadrature
         #: False: a formed matrix's trace functions by one Cholesky factorisation, not its
         #: eigendecomposition (``KernelOptions.summary_only``)
@@ -215,9 +227,15 @@ class ProbeKernelFisher(CurvatureAccumulator):
                 "(FlatnessMonitor(batch_size=...)), or use structure='cg'."
             )
 
-    def add(self, rows: Tensor | list[Tensor]) -> None:
-        """Add one batch's probe rows ``(s, N, P)``, or their pieces ``(s, N, P_l)`` for the
-        parameters in order (written once into the kept rows' slabs,
+    def add(self, batch: CurvatureBatch) -> None:
+        """Add one batch's probe rows: the pieces ``(s, N, P_l)`` of its layer-hook ``terms``
+        for the parameters in :attr:`order`, scaled by the decay."""
+        rows = scale_terms(batch.terms, self.decay).rows
+        self._add_rows([rows[name] for name in (self.order or list(rows))])
+
+    def _add_rows(self, rows: Tensor | list[Tensor]) -> None:
+        """Add probe rows ``(s, N, P)``, or their pieces ``(s, N, P_l)`` for the parameters in
+        order (written once into the kept rows' slabs,
         :class:`~lightning_flatness.core.curvature.row_store.RowStore`)."""
         pieces = row_pieces(rows, self.probes, self.num_parameters)
         self.precision = pieces[0].dtype

@@ -86,7 +86,7 @@ class SpreadProbeKernel(ProbeKernelFisher):
             self.num_parameters, self.max_parameters
         )
 
-    def add(self, rows: Tensor | list[Tensor]) -> None:
+    def _add_rows(self, rows: Tensor | list[Tensor]) -> None:
         """Keep one batch's probe rows ``(s, N, P)`` (or their pieces per parameter), sketched
         once the rows over every process are, as far as this process can tell, too many for a
         formed kernel (its own times the processes) or its own pass the rows' memory."""
@@ -157,6 +157,6 @@ class SpreadProbeKernel(ProbeKernelFisher):
             quadrature=self.quadrature,
             spectrum=self.spectrum,
         )
-        union.add(gathered)
+        union._add_rows(gathered)  # the rows as added here: already scaled
         union.gradient = self.gradient
         return union
