@@ -125,3 +125,18 @@ def test_a_scripted_exact_measurement_is_logged_by_the_schedule(tmp_path):
     trainer.fit(FlatnessClassifier(weight_decay=1e-3), data)
     assert [r["fill_in"] for r in monitor.history] == [0.0, 0.0]
     assert monitor.schedule.budget is monitor.budget
+
+
+@pytest.mark.parametrize(
+    "structure, message",
+    [
+        ({"probes": 8}, "options are set only through its options object"),
+        ("kernel", "structure must be one of"),
+    ],
+    ids=["dict", "unknown-name"],
+)
+def test_the_monitor_refuses_a_structure_as_measure_does(structure, message):
+    """A structure the monitor cannot take is refused when it is built, with the message
+    ``measure()`` gives for the same value."""
+    with pytest.raises(ValueError, match=message):
+        FlatnessMonitor(structure=structure)

@@ -31,11 +31,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_flatness.core.checks import check_choice, check_count
+from lightning_flatness.core.checks import check_count
 from lightning_flatness.core.decay import ParameterDecay
 from lightning_flatness.core.defaults import AUTO
+from lightning_flatness.core.measure import checked_structure
 from lightning_flatness.core.options import (
-    ALL_STRUCTURES,
     OPTION_CLASSES,
     StructureOptions,
 )
@@ -67,12 +67,11 @@ DEFAULT_MAX_VAL_SAMPLES = 1024
 
 
 def _check_structure(structure: str | StructureOptions) -> StructureOptions | None:
-    """The options object passed as ``structure`` (None for a name), refusing anything else."""
-    if isinstance(structure, OPTION_CLASSES):
-        return structure
-    if structure != AUTO:
-        check_choice("structure", structure, ALL_STRUCTURES)
-    return None
+    """The options object passed as ``structure`` (None for a name: the monitor measures a name
+    with its own defaults), refusing what ``measure()`` refuses, with its message
+    (:func:`~lightning_flatness.core.measure.checked_structure`)."""
+    checked_structure(structure)
+    return structure if isinstance(structure, OPTION_CLASSES) else None
 
 
 class FlatnessMonitor(Callback):
