@@ -286,13 +286,11 @@ class Measurer:
     def arguments(self, structure: str) -> dict[str, Any]:
         """:func:`measure`'s arguments that say what to measure ``structure`` with: the options
         object passed as ``structure=`` for its structure, else :func:`monitor_options` of the
-        name with the factor "auto" chose (:func:`sketched`)."""
+        name with the sketch factor "auto" chose (which only the probe kernel takes)."""
         chosen = self.settings.structure_options
         if chosen is not None and chosen.structure == structure:
             return {"structure": chosen}
-        return {
-            "structure": monitor_options(structure, sketched(structure, self.state.sketch_factor))
-        }
+        return {"structure": monitor_options(structure, self.state.sketch_factor)}
 
     def calibration_arguments(self) -> dict[str, Any]:
         """:func:`measure`'s arguments for the fill-in's calibration on its own samples: the
@@ -391,12 +389,6 @@ class Measurer:
         """A new epoch of ``split``: the stream's batches of the last one go."""
         self.streams[split].reset()
 
-    def stream_samples(self) -> int | None:
+    def stream_samples(self) -> int:
         """The most samples of a training stream an epoch's measurement reads."""
         return self.streams["training"].max_samples
-
-
-def sketched(structure: str, factor: int | None) -> int | None:
-    """The probe kernel's ``sketch_factor`` where ``structure="auto"`` found its rows fit
-    memory only sketched shorter than the default (``factor``), else None."""
-    return factor if structure == "probe_kernel" else None
