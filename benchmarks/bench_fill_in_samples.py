@@ -5,6 +5,9 @@ n = 5,000, ``benchmarks/_ladder.py``) trained with SGD, at chosen epochs of a fi
 - the default structure's soft rank on the whole training set (the exact value), and the ratio
   exact ÷ ``kfac`` (measured as the monitor measures its fill-in) on the nested fixed subsets of
   m = 64, 128, 256, 512 and 1,024 samples the monitor reads, with the fill-in's seconds;
+- with ``--kernel-tracker``, the ratio exact ÷ the default structure itself on each of those
+  subsets (its trace functions alone, as the calibration measures them), with its seconds: a
+  candidate for the tracker between calibrations, to set against ``kfac``'s drift;
 - the calibration on the nested subsets of ``--calibration-samples`` (default 1,024: the
   probe kernel with ``--calibration-probes`` rows per sample in as many jackknife groups, for
   its trace functions alone as the monitor measures it, its first half read off its kernel,
@@ -12,6 +15,7 @@ n = 5,000, ``benchmarks/_ladder.py``) trained with SGD, at chosen epochs of a fi
 
     python benchmarks/bench_fill_in_samples.py --decays 5e-4 5e-3 --calibration-probes 1 2
     python benchmarks/bench_fill_in_samples.py --decays 5e-4 5e-3 --calibration-samples 512 768 1024
+    python benchmarks/bench_fill_in_samples.py --decays 5e-4 5e-3 --kernel-tracker
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ class FillInRatios(Callback):
         decay: float,
         probes: list[int],
         calibration_samples: list[int],
+        kernel_tracker: bool = False,
     ) -> None:
         self.loader, self.epochs, self.decay, self.probes = loader, epochs, decay, probes
         self.calibration_samples = calibration_samples
+        self.kernel_tracker = kernel_tracker
         self.rows: list[list[str]] = []
 
     def _measure(self, module: LightningModule, samples: int | None, **options) -> tuple:
@@ -72,6 +78,10 @@ class FillInRatios(Callback):
             for samples in SUBSETS:
                 kfac, seconds = self._measure(pl_module, samples, structure=monitor_options("kfac"))
                 row.append(f"{exact.soft_rank / kfac.soft_rank:.3f} ({seconds:.2f} s)")
+            for samples in SUBSETS if self.kernel_tracker else ():
+                options = lf.KernelOptions(summary_only=True)
+                kernel, seconds = self._measure(pl_module, samples, structure=options)
+                row.append(f"{exact.soft_rank / kernel.soft_rank:.3f} ({seconds:.2f} s)")
             for samples, probes in _calibrations(self.calibration_samples, self.probes):
                 options = lf.KernelOptions(
                     probes=probes, groups=probes, summary_only=True, trace_estimator="probe"
@@ -96,12 +106,15 @@ def main() -> None:
     parser.add_argument("--at", type=int, nargs="+", default=[0, 2, 5, 9, 14, 20, 29])
     parser.add_argument("--calibration-probes", type=int, nargs="*", default=[2])
     parser.add_argument("--calibration-samples", type=int, nargs="*", default=[1024])
+    parser.add_argument("--kernel-tracker", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     quiet_start(args.threads)
     x, y, _, _ = colour16(5000, 0)
     header = ["c", "epoch", "exact soft rank, n"]
     header += [f"exact ÷ kfac, m = {m:,} (its seconds)" for m in SUBSETS]
+    if args.kernel_tracker:
+        header += [f"exact ÷ default, m = {m:,} (its seconds)" for m in SUBSETS]
     calibrations = _calibrations(args.calibration_samples, args.calibration_probes)
     header += [f"calibration ÷ exact, m = {m:,}, {p} probe rows (seconds)" for m, p in calibrations]
     rows = []
@@ -114,6 +127,7 @@ def main() -> None:
             decay,
             args.calibration_probes,
             args.calibration_samples,
+            args.kernel_tracker,
         )
         module = LadderClassifier(LadderResNet((8, 16, 24)), decay)
         ladder_trainer(args.epochs, [ratios]).fit(

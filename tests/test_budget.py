@@ -35,8 +35,11 @@ from lightning_flatness.lightning.budget import (
     EXACT,
     FILL_IN_MIN_SAMPLES,
     FILL_IN_SAMPLES,
+    FILL_IN_SPREAD,
+    RECALIBRATE_DRIFT,
     SKIP,
     UNTIMED_SHARE,
+    Calibration,
     OverheadBudget,
     fill_in_record,
 )
@@ -234,6 +237,24 @@ def test_the_per_epoch_reads_still_to_come_are_kept_from_the_fill_ins():
     # the last epoch has no reads to come: its calibration may use what they were kept for
     clock.now = 10.0 + 60.0
     assert budget.fits_beside_fill_in(3.0, 30, 30, last=True)
+
+
+def test_a_calibration_taken_again_mid_fit_leaves_a_fill_in_for_every_epoch_to_come():
+    """18 s allowed, 6 spent, fill-ins of 0.2 s, 28 epochs to go: this epoch's fill-in and 28
+    more counted at FILL_IN_SPREAD = 1.5 times its cost, 0.2 + 8.4 s, leave 3.4 s. With the
+    last calibration's reserve of 2 + 0.2 s, a calibration again of 1 s fits and one of 1.5 s
+    does not (it would fit beside this epoch's fill-in alone: fill-ins come first); in a fit of
+    unknown length it never runs."""
+    assert FILL_IN_SPREAD == 1.5
+    budget, clock = _budget(0.3, allowance=0.0)
+    budget.exact_seconds, budget.cheap_seconds, budget.subset_seconds = 1e9, 0.2, 2.0
+    budget.charge(6.0)
+    clock.now = 10.0  # 4 s of training after 2 of 30 epochs: 60 s projected, 18 s allowed
+    assert budget.affords_recalibration(1.0, 2, 30)
+    assert not budget.affords_recalibration(1.5, 2, 30)
+    assert budget.fits_beside_fill_in(1.5, 2, 30, last=False)
+    assert not budget.affords_recalibration(0.1, 2, None)
+    assert OverheadBudget(None).affords_recalibration(1e9, 2, 30)  # no budget: always
 
 
 def test_the_fill_in_measures_fewer_samples_where_its_cap_costs_more_than_its_part():
@@ -579,6 +600,70 @@ def test_the_last_fill_in_is_calibrated_again_and_a_report_without_a_half_measur
     exact, half, _ = [r for r in reports if r.num_samples in (8, 16)][-3:]
     whole = extrapolated_soft_rank(half.soft_rank, exact.soft_rank, 16, 64)
     assert last["soft_rank"] == pytest.approx(min(whole, last["rank_bound"]), rel=1e-12)
+
+
+def test_a_calibration_notices_only_a_drift_beyond_its_factor():
+    """The ratio is taken again only where the fill-in's own value has moved by more than
+    RECALIBRATE_DRIFT, either way; never without a value at calibration."""
+    calibration = Calibration(0.5, 0.0, 16, fill_in=100.0)
+    assert not calibration.drifted(100.0 * RECALIBRATE_DRIFT)
+    assert calibration.drifted(100.0 * RECALIBRATE_DRIFT * 1.01)
+    assert not calibration.drifted(100.0 / RECALIBRATE_DRIFT)
+    assert calibration.drifted(100.0 / RECALIBRATE_DRIFT / 1.01)
+    assert not calibration.drifted(math.nan)
+    assert not Calibration(0.5, 0.0, 16).drifted(1e6)  # no fill-in value recorded
+
+
+@pytest.mark.parametrize("moved", [1.1, 2.0])
+def test_a_fill_in_that_drifted_is_calibrated_again_with_its_own_record(
+    tmp_path, monkeypatch, moved
+):
+    """The fill-in's own soft rank at epoch 1 is made ``moved`` times its value at the
+    calibration of epoch 0: by 2 (beyond RECALIBRATE_DRIFT) the exact structure is measured on
+    the subset again at epoch 1 and the ratio is taken with that epoch's fill-in record, not a
+    second fill-in; by 1.1 epoch 1 keeps epoch 0's ratio."""
+    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
+        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
+    script = [CHEAP, CHEAP, EXACT]
+    monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
+    monitor.budget.fits_beside_fill_in = lambda *args: True  # a calibration always fits
+    monitor.budget.affords_recalibration = lambda *args: True
+    schedule = monitor.schedule
+    cheap_record = schedule._cheap_record
+    measured = []
+
+    def drifting(trainer, pl_module):
+        record = cheap_record(trainer, pl_module)
+        if trainer.current_epoch == 1:
+            record["soft_rank"] = schedule.calibration.fill_in * moved
+        measured.append((trainer.current_epoch, "kfac", record["soft_rank"]))
+        return record
+
+    original = monitor.measurer.call
+
+    def recording(pl_module, train_batches, *args, **kwargs):
+        report = original(pl_module, train_batches, *args, **kwargs)
+        if report.structure == "probe_kernel" and report.num_samples == 16:
+            measured.append((pl_module.trainer.current_epoch, "exact", report.soft_rank))
+        return report
+
+    monkeypatch.setattr(schedule, "_cheap_record", drifting)
+    monitor.measurer.call = recording
+    _fit(tmp_path, [monitor])
+    first, second, _ = monitor.history
+    assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 0.0]
+    kinds = [(epoch, kind) for epoch, kind, _ in measured]
+    if moved > RECALIBRATE_DRIFT:
+        assert kinds == [(0, "exact"), (0, "kfac"), (1, "kfac"), (1, "exact")]
+        assert second["calibration"] != first["calibration"]
+        # the new ratio stands for the drifted fill-in: its scaled value is the subset's
+        # extrapolated exact value, whatever the fill-in moved to
+        scaled = min(second["calibration"] * measured[2][2], second["rank_bound"])
+        assert second["soft_rank"] == pytest.approx(scaled, rel=1e-12)
+    else:
+        assert kinds == [(0, "exact"), (0, "kfac"), (1, "kfac")]
+        assert second["calibration"] == first["calibration"]
 
 
 class CountingDataset(TensorDataset):

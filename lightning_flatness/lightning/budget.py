@@ -30,8 +30,10 @@ scheduled epoch it runs, in this order of preference, whatever keeps
    on a subset of :data:`FILL_IN_SAMPLES` (the exact structure on it and on its first half,
    extrapolated to the whole set: the soft rank grows with the samples measured,
    :mod:`~lightning_flatness.core.sample_growth`) whenever that fits, and taken again so at the
-   last epoch (the ratio drifts over a fit); the reserve for the fit-end measurement counts
-   against a fill-in only while that measurement can still fit (once it cannot, the reserve is
+   last epoch and, where it fits, wherever the fill-in's own value has moved by more than
+   :data:`RECALIBRATE_DRIFT` since its ratio was taken (the ratio drifts over a fit); the
+   reserve for the fit-end measurement counts against a fill-in only while that measurement can
+   still fit (once it cannot, the reserve is
    that last calibration's while it fits: once a calibration has run, within the untimed part
    of the budget too, where the last one may then run), so that a fit whose one exact
    measurement alone
@@ -67,15 +69,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
-
-from lightning_flatness.core.options import (
-    MATRIX_FREE_STRUCTURES,
-    MatrixFreeOptions,
-    structure_options,
-)
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 __all__ = [
     "ALLOWANCE_SECONDS",
@@ -89,11 +84,10 @@ __all__ = [
     "SCALED_FIELDS",
     "SKIP",
     "OverheadBudget",
-    "TRIAL_SAMPLES",
+    "RECALIBRATE_DRIFT",
     "UNTIMED_SHARE",
     "fill_in_record",
     "fills_in",
-    "trial_settings",
 ]
 
 #: the structure that fills in between exact-quality measurements
@@ -114,6 +108,18 @@ FILL_IN_MIN_SAMPLES = 128
 #: extrapolated value 0.97–1.03 of the dense Fisher's against 1.02–1.07; docs/RESULTS.md, "The
 #: budget counted in the fit's time")
 CALIBRATION_PROBES = 2
+#: the fill-in's own soft rank moved by more than this factor since its calibration (either
+#: way): the ratio is taken again where that leaves a fill-in for every epoch still to come
+#: (:meth:`OverheadBudget.affords_recalibration`). On the ladder's ResNet at c = 2.5 the ratio
+#: exact ÷ fill-in falls by a third over the first epochs of a fit while the fill-in falls by
+#: 25–35%; at c = 25 the fill-in grows by 60% with its ratio unchanged: a drift is a reason to
+#: look again, not a measure of the ratio's (docs/RESULTS.md, "The fill-in's ratio taken again
+#: where it drifts")
+RECALIBRATE_DRIFT = 1.5
+#: the fill-ins still to come are counted at this many times the last one's cost when a
+#: calibration is taken again mid-fit (:meth:`OverheadBudget.affords_recalibration`): a fill-in
+#: of the ladder's ResNet on 128 samples took 0.10–0.15 s from one epoch to the next of one fit
+FILL_IN_SPREAD = 1.5
 #: the part of the budget the decisions leave unspent. The monitor times its own work, but a fit
 #: with it also pays for what that clock does not see: Lightning calling its hooks at every step,
 #: its set-up before the training clock starts, training epochs a few percent slower for a while
@@ -131,10 +137,6 @@ UNTIMED_SHARE = 0.2
 ALLOWANCE_SECONDS = 20.0
 #: the decisions of :meth:`OverheadBudget.decide`
 EXACT, CHEAP, SKIP = "exact", "cheap", "skip"
-#: the fit-start trial measures at most this many samples, and a matrix-free structure with
-#: these options: it checks that the structure runs on the model, not its numbers
-TRIAL_SAMPLES = 32
-TRIAL_MATRIX_FREE = {"probes": 2, "cg_steps": 2, "lanczos_steps": 2, "power_iterations": 2}
 #: the record fields proportional to the soft rank (scaled in a fill-in record)
 SCALED_FIELDS = ("soft_rank", "soft_rank_stderr", "predicted_gap", "predicted_gap_val")
 
@@ -290,6 +292,25 @@ class OverheadBudget:
         reserve = self._live_reserve(reserve, upcoming, projected)
         return self._fits(cost, reserve, projected, untimed_too=last and self.calibrated)
 
+    def affords_recalibration(
+        self, seconds: float, epochs_done: int, max_epochs: int | None
+    ) -> bool:
+        """Whether the fill-in's calibration taken again mid-fit (``seconds``, where the
+        fill-in has drifted) fits with this epoch's fill-in (already run) and one at every epoch
+        still to come, counted at :data:`FILL_IN_SPREAD` times its cost, and the reserve
+        :meth:`fits_beside_fill_in` keeps: values at every epoch come first, a fresher ratio
+        second. Never in a fit of unknown length."""
+        if self.share is None:
+            return True
+        if max_epochs is None:
+            return False
+        projected, reserve, upcoming = self._horizon(epochs_done, max_epochs, False)
+        remaining = max(max_epochs - epochs_done, 0)
+        fill_in = self._fill_in_seconds(epochs_done)
+        cost = fill_in * (1 + FILL_IN_SPREAD * remaining) + seconds
+        reserve = self._live_reserve(reserve, upcoming, projected)
+        return self._fits(cost, reserve, projected)
+
     def _last_within_allowance(self) -> bool:
         """The fit's last exact measurement runs whenever it alone fits in what the allowance
         leaves beside the training and the fit has spent no more than that before it: a short
@@ -420,6 +441,18 @@ class Calibration:
     rank_bound: float | None = None
     #: the samples the subset's soft rank was extrapolated to (None: not extrapolated)
     target_samples: int | None = None
+    #: the fill-in's own (unscaled) soft rank when the ratio was taken
+    fill_in: float = math.nan
+
+    def drifted(self, fill_in: float) -> bool:
+        """Whether the fill-in's own soft rank has moved by more than a factor
+        :data:`RECALIBRATE_DRIFT` (either way) since the ratio was taken: its ratio to the
+        exact value is then no longer to be relied on."""
+        if not (math.isfinite(fill_in) and math.isfinite(self.fill_in)):
+            return False
+        if fill_in <= 0 or self.fill_in <= 0:
+            return False
+        return max(fill_in / self.fill_in, self.fill_in / fill_in) > RECALIBRATE_DRIFT
 
     def describe(self) -> str:
         """How a fill-in value is made, for the per-epoch line and the summary."""
@@ -431,25 +464,3 @@ class Calibration:
             if self.target_samples is not None and self.target_samples > self.samples:
                 where += f", extrapolated to {self.target_samples:,}"
         return f"{FILL_IN} × {self.ratio:.3g}, the exact ÷ {FILL_IN} ratio {where}"
-
-
-def trial_settings(arguments: Mapping[str, Any]) -> tuple[dict, float]:
-    """The fit-start trial's :func:`~lightning_flatness.core.measure` keyword arguments, from
-    the ``structure`` (a name or an options object) a real measurement passes: at most
-    :data:`TRIAL_SAMPLES` samples, and a matrix-free structure with :data:`TRIAL_MATRIX_FREE`'s
-    few probes and steps, since its full run on one batch can cost minutes. Also how many times
-    more work a real measurement does per sample (the ratio of steps for the matrix-free ones,
-    whose probes run as one block; 1 for the others): the factor that predicts the first exact
-    measurement's cost."""
-    kwargs = {**arguments, "max_samples": TRIAL_SAMPLES}
-    structure = arguments["structure"]
-    if isinstance(structure, str) and structure not in MATRIX_FREE_STRUCTURES:
-        return kwargs, 1.0  # "auto" before it is resolved, or a structure without steps
-    full = structure_options(structure) if isinstance(structure, str) else structure
-    if not isinstance(full, MatrixFreeOptions):
-        return kwargs, 1.0
-    kwargs = {"structure": replace(full, **TRIAL_MATRIX_FREE), "max_samples": TRIAL_SAMPLES}
-    key = {"cg": "cg_steps", "lanczos": "lanczos_steps"}.get(full.structure)
-    if key is None:  # hutchinson: no steps
-        return kwargs, 1.0
-    return kwargs, getattr(full, key) / TRIAL_MATRIX_FREE[key]  # probes run as one block

@@ -31,10 +31,8 @@ from lightning_flatness.core.report import FlatnessReport
 from lightning_flatness.lightning.budget import (
     FILL_IN,
     FILL_IN_SAMPLES,
-    TRIAL_SAMPLES,
     OverheadBudget,
     fills_in,
-    trial_settings,
 )
 from lightning_flatness.lightning.monitor_measurement import (
     Measurer,
@@ -51,6 +49,7 @@ from lightning_flatness.lightning.trainer_facts import (
     is_sized,
     resolve_missing,
 )
+from lightning_flatness.lightning.trial import TRIAL_SAMPLES, trial_settings
 
 __all__ = ["FitStart", "cost_line", "predicted_exact_seconds"]
 

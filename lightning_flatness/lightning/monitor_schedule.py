@@ -258,8 +258,9 @@ class Schedule:
         horizon: tuple[int, int | None, bool],
     ) -> dict[str, float] | None:
         """The record ``decision`` asks for: the exact measurement's, the fill-in's (scaled by
-        the last exact ratio, or before any by the ratio on its own samples when that fits), or
-        None (skipped, or the fill-in cannot measure this model)."""
+        the last exact ratio, or by the ratio on its own samples, taken when there is none yet,
+        at the last epoch and where the fill-in has drifted, if that fits), or None (skipped,
+        or the fill-in cannot measure this model)."""
         if decision == EXACT:
             announce(self.budget.exact_seconds, self.state.active_structure, epoch)
             with reporting_progress(
@@ -277,6 +278,9 @@ class Schedule:
             cheap = self._cheap_record(trainer, pl_module)
             if cheap is None:
                 return None
+            # the ratio taken again where the fill-in has moved far from where it was taken
+            if self._recalibrates(trainer, horizon, cheap["soft_rank"]):
+                return self._calibrate_on_subset(trainer, pl_module, cheap)
             return fill_in_record(cheap, self.calibration.ratio, self.calibration.rank_bound)
         return None
 
@@ -300,13 +304,28 @@ class Schedule:
         fits = self.budget.fits_beside_fill_in(self._subset_seconds(), *horizon)
         return bool(rank_zeros(trainer, fits))
 
+    def _recalibrates(
+        self, trainer: Trainer, horizon: tuple[int, int | None, bool], fill_in: float
+    ) -> bool:
+        """Whether this epoch's fill-in (its own soft rank ``fill_in``) has drifted from where
+        its ratio was taken (:meth:`Calibration.drifted`) and the calibration taken again
+        leaves a fill-in for every epoch still to come (rank 0's answer on every process)."""
+        wanted = not self._subset_failed and not horizon[2] and self.calibration.drifted(fill_in)
+        if wanted:
+            wanted = self.budget.affords_recalibration(self._subset_seconds(), *horizon[:2])
+        return bool(rank_zeros(trainer, wanted))  # on every process, whatever it found
+
     def _calibrate_on_subset(
-        self, trainer: Trainer, pl_module: LightningModule
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        cheap: dict[str, float] | None = None,
     ) -> dict[str, float] | None:
-        """Before any exact measurement of the whole set, and again at the last epoch: the exact
-        structure and the fill-in on the fill-in's own samples, the exact soft rank
-        extrapolated to the whole set (:meth:`_whole_set_soft_rank`), their ratio the
-        calibration, and the fill-in's record scaled by it."""
+        """Before any exact measurement of the whole set, again at the last epoch, and where
+        the fill-in has drifted (:meth:`Calibration.drifted`): the exact structure and the
+        fill-in on the fill-in's own samples (its record ``cheap`` when this epoch's has run),
+        the exact soft rank extrapolated to the whole set (:meth:`_whole_set_soft_rank`), their
+        ratio the calibration, and the fill-in's record scaled by it."""
         started = time.perf_counter()
         try:
             exact = self.measurer.run(trainer, pl_module, limit=FILL_IN_SAMPLES, calibration=True)
@@ -320,7 +339,7 @@ class Schedule:
             exact = None
         seconds = time.perf_counter() - started
         self.budget.subset_seconds = rank_zeros(trainer, seconds)
-        cheap = self._cheap_record(trainer, pl_module)
+        cheap = cheap if cheap is not None else self._cheap_record(trainer, pl_module)
         if cheap is None:
             return None
         if exact is not None and cheap["soft_rank"] > 0 and math.isfinite(whole[0]):
@@ -331,6 +350,7 @@ class Schedule:
                 samples=exact.num_samples,
                 rank_bound=whole[1],
                 target_samples=whole[2],
+                fill_in=cheap["soft_rank"],
             )
         record = fill_in_record(cheap, self.calibration.ratio, self.calibration.rank_bound)
         record["seconds"] += seconds
@@ -378,7 +398,9 @@ class Schedule:
             exact = self.state.history[-1]
             ratio = exact["soft_rank"] / cheap["soft_rank"] if cheap["soft_rank"] else math.nan
             bound = exact.get("rank_bound", math.inf)
-            self.calibration = Calibration(ratio, float(trainer.current_epoch), None, bound)
+            self.calibration = Calibration(
+                ratio, float(trainer.current_epoch), None, bound, fill_in=cheap["soft_rank"]
+            )
 
     def finish_fit(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """At fit end: the last epoch measured if it was not, the gap figure, and what was
