@@ -403,6 +403,41 @@ def test_a_fill_in_is_never_above_its_rank_bound():
     assert capped["soft_rank"] == 1000.0 and capped["predicted_gap"] == pytest.approx(1.0)
 
 
+def test_a_first_fill_in_dearer_than_its_part_moves_the_fill_in_to_its_fewest_samples():
+    """The part is 0.12 s (as above: 7.2 s allowed over 30 epochs, halved). A first fill-in on
+    1,024 samples that took 0.13 s is too dear, one of 0.11 s is not; the check is made once per
+    fit, never on the fewest samples already, in a fit of unknown length or without a budget.
+    Moved to 128 samples, its cost until measured is scaled along the trial's line (or by the
+    samples without one)."""
+    for seconds, dear in ((0.13, True), (0.11, False)):
+        budget, clock = _budget(0.3, allowance=0.0)
+        clock.now = 0.8
+        budget.fill_in_samples = FILL_IN_SAMPLES
+        assert budget.fill_in_too_dear(seconds, 1, 30) is dear
+        assert not budget.fill_in_too_dear(10.0, 1, 30)  # once per fit
+        clock.now = 0.0
+        budget.start()
+        clock.now = 0.8
+        budget.fill_in_samples = FILL_IN_SAMPLES
+        assert budget.fill_in_too_dear(seconds, 1, 30) is dear  # a new fit checks again
+    budget, clock = _budget(0.3, allowance=0.0)
+    clock.now = 0.8
+    budget.fill_in_samples = FILL_IN_MIN_SAMPLES
+    assert not budget.fill_in_too_dear(10.0, 1, 30)
+    budget.fill_in_samples = FILL_IN_SAMPLES
+    assert not budget.fill_in_too_dear(10.0, 1, None)
+    assert not OverheadBudget(None).fill_in_too_dear(10.0, 1, 30)
+
+    budget.fill_in_line = (0.02, 0.00045)
+    budget.use_fewest_fill_in_samples(0.5)
+    assert budget.fill_in_samples == FILL_IN_MIN_SAMPLES
+    line = [0.02 + 0.00045 * samples for samples in (FILL_IN_MIN_SAMPLES, FILL_IN_SAMPLES)]
+    assert budget.cheap_seconds == pytest.approx(0.5 * line[0] / line[1])
+    budget.fill_in_samples, budget.fill_in_line = FILL_IN_SAMPLES, None
+    budget.use_fewest_fill_in_samples(0.5)
+    assert budget.cheap_seconds == pytest.approx(0.5 * FILL_IN_MIN_SAMPLES / FILL_IN_SAMPLES)
+
+
 class WeightsAtEpochEnd(Callback):
     """A copy of the model after each training epoch (after the monitor measured it)."""
 
@@ -522,6 +557,49 @@ def test_a_fill_in_on_fewer_samples_is_calibrated_on_the_calibrations_subset(tmp
     half = exact.blocks[FIRST_HALF]
     whole = extrapolated_soft_rank(half.soft_rank, exact.soft_rank, 16, 64)
     assert monitor.history[0]["calibration"] == pytest.approx(whole / kfac.soft_rank, rel=1e-12)
+
+
+def test_a_first_fill_in_that_cost_too_much_is_measured_again_on_fewer_samples(
+    tmp_path, monkeypatch
+):
+    """The fill-in's part is made 0 s, so its first measurement (on the cap of 16) costs too
+    much: it is measured again at once on the fewest samples (8), the calibration's ratio is
+    the extrapolated exact value ÷ the fill-in on those 8, and every later fill-in measures the
+    same 8."""
+    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
+        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    monkeypatch.setattr("lightning_flatness.lightning.budget.FILL_IN_MIN_SAMPLES", 8)
+    monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
+    script = [CHEAP, CHEAP, CHEAP]
+    monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
+    monitor.budget.fits_beside_fill_in = lambda *args: True  # the calibrations always fit
+    monitor.budget.choose_fill_in_samples = lambda *args: 16
+    monitor.budget._fill_in_part = lambda *args: 0.0
+    reports, measured = [], []
+    original = monitor.measurer.call
+
+    def recording(pl_module, train_batches, *args, **kwargs):
+        batches = list(train_batches)
+        report = original(pl_module, batches, *args, **kwargs)
+        reports.append(report)
+        measured.append((report.structure, torch.cat([x for x, _ in batches])))
+        return report
+
+    monitor.measurer.call = recording
+    _fit(tmp_path, [monitor])
+    assert monitor.budget.fill_in_samples == 8
+    kfac = [len(x) for structure, x in measured if structure == "kfac"]
+    assert kfac[-4:] == [16, 8, 8, 8] and kfac.count(16) == 1  # epoch 0 twice, then 1 and 2
+    eights = [x for structure, x in measured if structure == "kfac" and len(x) == 8]
+    assert all(torch.equal(x, eights[0]) for x in eights)
+    at = next(
+        i for i, r in enumerate(reports) if (r.structure, r.num_samples) == ("probe_kernel", 16)
+    )
+    exact = reports[at]
+    fewer = next(r for r in reports[at:] if (r.structure, r.num_samples) == ("kfac", 8))
+    whole = extrapolated_soft_rank(exact.blocks[FIRST_HALF].soft_rank, exact.soft_rank, 16, 64)
+    assert monitor.history[0]["calibration"] == pytest.approx(whole / fewer.soft_rank, rel=1e-12)
+    assert monitor.history[0]["num_samples"] == 8.0
 
 
 def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_samples(

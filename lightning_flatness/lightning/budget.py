@@ -24,7 +24,8 @@ scheduled epoch it runs, in this order of preference, whatever keeps
    :data:`FILL_IN_SAMPLES` training samples — :data:`FILL_IN_MIN_SAMPLES` where a fill-in on
    those at every epoch would take more than half of what the fit may spend per epoch
    (:meth:`OverheadBudget.choose_fill_in_samples`): 1–4 training epochs of its samples,
-   its cost predicted at fit start), its soft rank scaled by the ratio
+   its cost predicted at fit start and checked once against the first fill-in's,
+   :meth:`OverheadBudget.fill_in_too_dear`), its soft rank scaled by the ratio
    exact ÷ cheap of the last exact measurement (both are measured then) and logged with
    ``fill_in = 1``. Before any exact measurement of the whole set has run, the ratio is taken
    on a subset of :data:`FILL_IN_SAMPLES` (the exact structure on it and on its first half,
@@ -59,10 +60,10 @@ a large model can cost a hundred epochs of a short fit — the last value is the
 monitor says so once, with the cost and the two ways to get the exact number
 (``overhead_budget=None``, or :func:`~lightning_flatness.core.measure` on the trained model);
 only a measured structure without a fill-in can leave the last epoch with nothing, and that is
-said too. Before the
-first exact measurement its cost is predicted from the fit-start trial
-(:func:`trial_settings`: a few samples, and few steps for the matrix-free structures), timed on
-two sample counts); afterwards it is the last one's. This module has no Lightning import.
+said too. Before the first exact measurement its cost is predicted from the fit-start trial
+(:func:`~lightning_flatness.lightning.trial.trial_settings`: a few samples, and few steps for
+the matrix-free structures, timed on two sample counts); afterwards it is the last one's. This
+module has no Lightning import.
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ class OverheadBudget:
     fill_in_line: tuple[float, float] | None = None
     #: the samples the fill-in measures in this fit (None: not chosen yet)
     fill_in_samples: int | None = None
+    #: whether the first fill-in's cost was set against its part (:meth:`fill_in_too_dear`)
+    fill_in_checked: bool = False
     #: whether the fill-in has been calibrated on its subset in this fit (then the last
     #: epoch's calibration keeps its reserve within the untimed part too: :meth:`_live_reserve`)
     calibrated: bool = False
@@ -193,6 +196,7 @@ class OverheadBudget:
         self.started = self.clock()
         self.spent = 0.0
         self.fill_in_samples = None
+        self.fill_in_checked = False
         self.calibrated = False
 
     def charge(self, seconds: float) -> None:
@@ -270,13 +274,42 @@ class OverheadBudget:
         chosen = cap
         if self.share is not None and self.fill_in_line is not None and max_epochs:
             fixed, per_sample = self.fill_in_line
-            projected = self._projected_training(epochs_done, max_epochs)
-            per_epoch = self.allowed(projected) / max_epochs / 2
-            if fixed + per_sample * cap > per_epoch:
+            if fixed + per_sample * cap > self._fill_in_part(epochs_done, max_epochs):
                 chosen = min(FILL_IN_MIN_SAMPLES, cap)
             self.cheap_seconds = fixed + per_sample * chosen
         self.fill_in_samples = chosen
         return chosen
+
+    def _fill_in_part(self, epochs_done: int, max_epochs: int) -> float:
+        """A fill-in's part: half of what the fit may spend per epoch (half for the rest)."""
+        projected = self._projected_training(epochs_done, max_epochs)
+        return self.allowed(projected) / max_epochs / 2
+
+    def fill_in_too_dear(self, seconds: float, epochs_done: int, max_epochs: int | None) -> bool:
+        """Once per fit, after the first fill-in has run (in ``seconds``): whether it measured
+        more than :data:`FILL_IN_MIN_SAMPLES` and cost more than its part (the rule of
+        :meth:`choose_fill_in_samples` on the measured cost: the trial's line, timed on a few
+        samples, can predict it several times too low). Not without a budget or a length."""
+        if self.fill_in_checked:
+            return False
+        self.fill_in_checked = True
+        fewest = (self.fill_in_samples or FILL_IN_SAMPLES) <= FILL_IN_MIN_SAMPLES
+        if self.share is None or not max_epochs or fewest:
+            return False
+        return seconds > self._fill_in_part(epochs_done, max_epochs)
+
+    def use_fewest_fill_in_samples(self, seconds: float) -> None:
+        """The fill-in measures :data:`FILL_IN_MIN_SAMPLES` from now on; until measured on
+        them, its cost is ``seconds`` (on its samples so far) scaled along the trial's line."""
+        before = self.fill_in_samples or FILL_IN_SAMPLES
+        after = min(FILL_IN_MIN_SAMPLES, before)
+        if self.fill_in_line is not None:
+            fixed, per_sample = self.fill_in_line
+            share = (fixed + per_sample * after) / (fixed + per_sample * before)
+        else:
+            share = after / before
+        self.fill_in_samples = after
+        self.cheap_seconds = seconds * share
 
     def fits_beside_fill_in(
         self, seconds: float, epochs_done: int, max_epochs: int | None, last: bool

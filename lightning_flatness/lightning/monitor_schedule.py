@@ -113,6 +113,11 @@ def rank_zeros(trainer: Trainer, value: object) -> object:
     return value
 
 
+def fit_length(trainer: Trainer) -> int | None:
+    """The fit's ``max_epochs``, or None for a fit of unknown length."""
+    return trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
+
+
 class Schedule:
     """When :class:`~lightning_flatness.lightning.monitor.FlatnessMonitor` measures, and with
     what: a plain object that owns the fill-in's calibration and what it found the fill-in and
@@ -180,7 +185,7 @@ class Schedule:
         """A scheduled measurement: exact, the cheap fill-in or none, as the budget allows
         (the same decision on every process)."""
         epochs_done = trainer.current_epoch + 1
-        max_epochs = trainer.max_epochs if trainer.max_epochs and trainer.max_epochs > 0 else None
+        max_epochs = fit_length(trainer)
         last = max_epochs is not None and epochs_done >= max_epochs
         horizon = (epochs_done, max_epochs, last)
         decision = self._decide(trainer, *horizon)
@@ -375,7 +380,20 @@ class Schedule:
 
     def _cheap_record(self, trainer: Trainer, pl_module: LightningModule) -> dict | None:
         """The fill-in structure's record, or None (it cannot measure this model: said once,
-        and the fill-in is off for the fit)."""
+        and the fill-in is off for the fit); the first one measured again on fewer samples
+        where it cost more than its part (:meth:`OverheadBudget.fill_in_too_dear`)."""
+        record = self._fill_in_once(trainer, pl_module)
+        if record is None or self.budget.fill_in_checked:
+            return record
+        seconds = float(self.budget.cheap_seconds or 0.0)
+        dear = self.budget.fill_in_too_dear(seconds, trainer.current_epoch + 1, fit_length(trainer))
+        if not rank_zeros(trainer, dear):  # once per fit; the same samples on every process
+            return record
+        self.budget.use_fewest_fill_in_samples(rank_zeros(trainer, seconds))
+        return self._fill_in_once(trainer, pl_module)
+
+    def _fill_in_once(self, trainer: Trainer, pl_module: LightningModule) -> dict | None:
+        """One measurement of the fill-in structure on its samples (:meth:`_cheap_record`)."""
         started = time.perf_counter()
         try:
             with quiet_fill_in():
