@@ -462,6 +462,29 @@ def _kfac_soft_rank(model, data) -> float:
     return measure(model, [(x, y)], lam=1e-3, num_train_samples=64, structure="kfac").soft_rank
 
 
+def _cap_fill_in(monkeypatch, samples: int) -> None:
+    """The fill-in's sample cap FILL_IN_SAMPLES set to ``samples`` wherever it is read."""
+    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
+        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", samples)
+
+
+def _record_measurements(monitor: FlatnessMonitor) -> tuple[list, list]:
+    """Every report the monitor's measurements return, and each one's structure with the
+    training inputs it measured, in order (filled as the fit runs)."""
+    reports, measured = [], []
+    original = monitor.measurer.call
+
+    def recording(pl_module, train_batches, *args, **kwargs):
+        batches = list(train_batches)
+        report = original(pl_module, batches, *args, **kwargs)
+        reports.append(report)
+        measured.append((report.structure, torch.cat([x for x, _ in batches])))
+        return report
+
+    monitor.measurer.call = recording
+    return reports, measured
+
+
 def _fill_in_without_probes(monkeypatch) -> None:
     """``kfac`` by name measured with the exact output rows (Tr(F) still from probes): a
     fill-in whose factors a plain ``measure()`` reproduces."""
@@ -498,8 +521,7 @@ def test_exact_then_fill_in_then_exact_and_training_is_unchanged(tmp_path, monke
 def test_the_fill_in_measures_a_fixed_subset_of_at_most_its_sample_cap(tmp_path, monkeypatch):
     """The fill-in's cost stops growing with n: it measures FILL_IN_SAMPLES training samples
     (16 here, of 64), the same ones at every epoch, and its calibration is taken on them."""
-    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
-        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    _cap_fill_in(monkeypatch, 16)
     _fill_in_without_probes(monkeypatch)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [EXACT, CHEAP, CHEAP]
@@ -525,23 +547,12 @@ def test_a_fill_in_on_fewer_samples_is_calibrated_on_the_calibrations_subset(tmp
     """The budget chose 8 fill-in samples (of a cap of 16): every fill-in measures the same 8,
     the calibration's exact structure the 16 of its subset, and the ratio is the whole set's
     extrapolated exact value ÷ the fill-in on its 8."""
-    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
-        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    _cap_fill_in(monkeypatch, 16)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [CHEAP, CHEAP, CHEAP]
     monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
     monitor.budget.choose_fill_in_samples = lambda *args: 8
-    reports, measured = [], []
-    original = monitor.measurer.call
-
-    def recording(pl_module, train_batches, *args, **kwargs):
-        batches = list(train_batches)
-        report = original(pl_module, batches, *args, **kwargs)
-        reports.append(report)
-        measured.append((report.structure, torch.cat([x for x, _ in batches])))
-        return report
-
-    monitor.measurer.call = recording
+    reports, measured = _record_measurements(monitor)
     _fit(tmp_path, [monitor])
     assert monitor.budget.fill_in_samples == 8
     assert monitor.budget.calibrated  # the last epoch's calibration is now reserved
@@ -566,8 +577,7 @@ def test_a_first_fill_in_that_cost_too_much_is_measured_again_on_fewer_samples(
     much: it is measured again at once on the fewest samples (8), the calibration's ratio is
     the extrapolated exact value ÷ the fill-in on those 8, and every later fill-in measures the
     same 8."""
-    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
-        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    _cap_fill_in(monkeypatch, 16)
     monkeypatch.setattr("lightning_flatness.lightning.budget.FILL_IN_MIN_SAMPLES", 8)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [CHEAP, CHEAP, CHEAP]
@@ -575,17 +585,7 @@ def test_a_first_fill_in_that_cost_too_much_is_measured_again_on_fewer_samples(
     monitor.budget.fits_beside_fill_in = lambda *args: True  # the calibrations always fit
     monitor.budget.choose_fill_in_samples = lambda *args: 16
     monitor.budget._fill_in_part = lambda *args: 0.0
-    reports, measured = [], []
-    original = monitor.measurer.call
-
-    def recording(pl_module, train_batches, *args, **kwargs):
-        batches = list(train_batches)
-        report = original(pl_module, batches, *args, **kwargs)
-        reports.append(report)
-        measured.append((report.structure, torch.cat([x for x, _ in batches])))
-        return report
-
-    monitor.measurer.call = recording
+    reports, measured = _record_measurements(monitor)
     _fit(tmp_path, [monitor])
     assert monitor.budget.fill_in_samples == 8
     kfac = [len(x) for structure, x in measured if structure == "kfac"]
@@ -609,8 +609,7 @@ def test_before_any_exact_measurement_the_fill_in_is_calibrated_on_its_own_sampl
     fill-in's 16 samples does: the fill-ins are scaled by exact ÷ kfac on those samples, the
     exact value extrapolated to the whole set's 64 samples from it and its first 8 samples'
     (said so), taken once, not the unscaled kfac."""
-    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
-        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    _cap_fill_in(monkeypatch, 16)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [CHEAP, CHEAP, EXACT]
     monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
@@ -651,8 +650,7 @@ def test_the_last_fill_in_is_calibrated_again_and_a_report_without_a_half_measur
     whole set fitting) calibrates it again on the subset; where the exact structure's report
     has no first half of its own (the P × P side sums over samples: simulated here), the first
     half of the subset is measured on its own."""
-    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
-        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    _cap_fill_in(monkeypatch, 16)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [CHEAP, CHEAP, CHEAP]
     monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
@@ -700,8 +698,7 @@ def test_a_fill_in_that_drifted_is_calibrated_again_with_its_own_record(
     calibration of epoch 0: by 2 (beyond RECALIBRATE_DRIFT) the exact structure is measured on
     the subset again at epoch 1 and the ratio is taken with that epoch's fill-in record, not a
     second fill-in; by 1.1 epoch 1 keeps epoch 0's ratio."""
-    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
-        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    _cap_fill_in(monkeypatch, 16)
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     script = [CHEAP, CHEAP, EXACT]
     monitor.budget.decide = lambda *args, **kwargs: script.pop(0)
@@ -759,8 +756,7 @@ class CountingDataset(TensorDataset):
 def _fill_in_fit(tmp_path, monkeypatch, kept: bool) -> tuple[FlatnessMonitor, int]:
     """Three epochs with a fill-in at each (of 16 training and 16 held-out samples); the
     monitor's history and the samples read from both datasets."""
-    for module in ("budget", "monitor_measurement", "monitor_checks", "monitor_schedule"):
-        monkeypatch.setattr(f"lightning_flatness.lightning.{module}.FILL_IN_SAMPLES", 16)
+    _cap_fill_in(monkeypatch, 16)
     if not kept:
         monkeypatch.setattr(
             "lightning_flatness.lightning.monitor_measurement.KEPT_SUBSET_NUMBERS", -1
