@@ -36,13 +36,11 @@ from lightning_flatness.lightning.budget import (
     FILL_IN_MIN_SAMPLES,
     FILL_IN_SAMPLES,
     FILL_IN_SPREAD,
-    RECALIBRATE_DRIFT,
     SKIP,
     UNTIMED_SHARE,
-    Calibration,
     OverheadBudget,
-    fill_in_record,
 )
+from lightning_flatness.lightning.calibration import RECALIBRATE_DRIFT, Calibration, fill_in_record
 from lightning_flatness.lightning.log_options import LogOptions
 from lightning_flatness.lightning.monitor_checks import cost_line, predicted_exact_seconds
 from lightning_flatness.lightning.monitor_measurement import tensor_numbers
@@ -211,7 +209,7 @@ def test_fill_ins_are_paced_over_the_fit_and_the_last_one_always_runs():
     budget.cheap_seconds = 0.2  # now 39 affordable: one at every epoch
     assert budget.decide(2, 30, last=False, cheap=True, since_last=1) == CHEAP
     # a fit of unknown length is not paced
-    assert budget._paced(1.0, 1.0, 60.0, (2, None), since_last=1)
+    assert budget._paced(1.0, 1.0, (2, None), since_last=1)
     budget.cheap_seconds = 1.0
     budget.charge(7.5)  # 17.5 spent: 17.5 + 1 > 18
     clock.now = 21.5
@@ -344,25 +342,47 @@ def test_where_the_exact_number_cannot_fit_the_fill_in_keeps_room_for_its_calibr
 @pytest.mark.parametrize("calibrated", [False, True])
 def test_once_calibrated_the_last_calibration_is_kept_within_the_untimed_part(calibrated):
     """90 s of training after 9 of 10 epochs (100 s projected): 0.8 · 0.3 · 100 = 24 s allowed,
-    30 s with the untimed part; 20 s spent, the calibration again costs 4 + 1 s (with its
-    fill-in). 25 > 24: before any calibration in this fit its reserve is dropped and the fill-in
-    runs. Once calibrated (the ratio drifts: the last calibration decides the last value), the
-    reserve is kept while it fits within the untimed part (25 ≤ 30): the fill-in waits, and the
-    last epoch's calibration runs there."""
+    30 s with the untimed part; 20 s spent, fill-ins of 1 s. Before any calibration in this fit,
+    a calibration again of 8.5 + 1 s (with its fill-in) is dropped from the reserve
+    (29.5 > 24) and the fill-in runs. Once calibrated (the ratio drifts: the last calibration
+    decides the last value), the reserve is kept while it fits within the untimed part
+    (29.5 ≤ 30), and a fill-in runs only where it fits beside it there: at 8.5 s it waits
+    (30.5 > 30) and the last epoch's calibration runs there; beside one of 4 + 1 s it runs
+    (21 ≤ 24 without the reserve, 26 ≤ 30 with it)."""
     budget, clock = _budget(0.3, untimed=0.2)
-    budget.exact_seconds, budget.cheap_seconds, budget.subset_seconds = 300.0, 1.0, 4.0
+    budget.exact_seconds, budget.cheap_seconds, budget.subset_seconds = 300.0, 1.0, 8.5
     budget.calibrated = calibrated
     budget.charge(20.0)
     clock.now = 110.0
-    expected = SKIP if calibrated else CHEAP
-    assert budget.decide(9, 10, last=False, cheap=True) == expected
+    assert budget.decide(9, 10, last=False, cheap=True) == (SKIP if calibrated else CHEAP)
     clock.now = 120.0  # the last epoch: 100 s of training
-    assert budget.fits_beside_fill_in(4.0, 10, 10, last=True) is calibrated  # 25 ≤ 30, > 24
-    budget.subset_seconds = 10.0  # 20 + 11 > 30: past even the untimed part, the curve goes on
+    assert budget.fits_beside_fill_in(8.5, 10, 10, last=True) is calibrated  # 29.5 ≤ 30, > 24
     clock.now = 110.0
+    budget.subset_seconds = 4.0
+    assert budget.decide(9, 10, last=False, cheap=True) == CHEAP
+    budget.subset_seconds = 10.0  # 20 + 11 > 30: past even the untimed part, the curve goes on
     assert budget.decide(9, 10, last=False, cheap=True) == CHEAP  # 20 + 1 ≤ 24
     budget.start()
     assert budget.calibrated is False  # a new fit has not been calibrated
+
+
+def test_a_calibration_again_mid_fit_leaves_the_last_one_to_the_untimed_part():
+    """60 s of training projected after 2 of 30 epochs: 0.8 · 0.3 · 60 = 14.4 s allowed, 18 s
+    with the untimed part; 4 s spent, fill-ins of 0.2 s, 28 epochs to go (0.2 + 8.4 s counted
+    at FILL_IN_SPREAD), the last calibration's reserve 2 + 0.2 s. In a fit calibrated before,
+    that reserve lies within the untimed part: a calibration again of 1.5 s fits
+    (4 + 8.6 + 1.5 ≤ 14.4; + 2.2 ≤ 18), one of 2 s does not (14.6 > 14.4); where the reserve
+    counted in the 14.4 s, neither would (4 + 8.6 + 2.2 + 1.5 > 14.4)."""
+    budget, clock = _budget(0.3, untimed=0.2, allowance=0.0)
+    budget.exact_seconds, budget.cheap_seconds, budget.subset_seconds = 1e9, 0.2, 2.0
+    budget.calibrated = True
+    budget.charge(4.0)
+    clock.now = 8.0  # 4 s of training after 2 of 30 epochs: 60 s projected
+    assert budget.allowed(60.0) == pytest.approx(14.4)
+    assert budget.affords_recalibration(1.5, 2, 30)
+    assert not budget.affords_recalibration(2.0, 2, 30)
+    budget.calibrated = False
+    assert not budget.affords_recalibration(1.5, 2, 30)
 
 
 def test_the_calibration_on_the_subset_measures_two_probe_rows_per_sample():

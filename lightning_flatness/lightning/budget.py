@@ -32,24 +32,25 @@ scheduled epoch it runs, in this order of preference, whatever keeps
    extrapolated to the whole set: the soft rank grows with the samples measured,
    :mod:`~lightning_flatness.core.sample_growth`) whenever that fits, and taken again so at the
    last epoch and, where it fits, wherever the fill-in's own value has moved by more than
-   :data:`RECALIBRATE_DRIFT` since its ratio was taken (the ratio drifts over a fit); the
-   reserve for the fit-end measurement counts against a fill-in only while that measurement can
-   still fit (once it cannot, the reserve is
-   that last calibration's while it fits: once a calibration has run, within the untimed part
-   of the budget too, where the last one may then run), so that a fit whose one exact
-   measurement alone
-   exceeds what it may spend still gets its curves. Fill-ins are paced: when what is left
-   (after the reserve) pays for fewer fill-ins than epochs remain, one runs only once as many
-   epochs have passed since the last value as the remaining epochs per affordable fill-in, so
-   the values spread evenly over the fit instead of stopping where the money runs out; the
-   last epoch's fill-in runs even over the budget (one fill-in: the summary's number is never
-   missing);
+   :data:`~lightning_flatness.lightning.calibration.RECALIBRATE_DRIFT` since its ratio was
+   taken (the ratio drifts over a fit). The reserve for the fit-end measurement counts against
+   a fill-in only while that measurement can still fit; once it cannot, the reserve is that
+   last calibration's while it fits, and once a calibration has run, it may lie within the
+   untimed part of the budget, where the last one may then run, while the fill-ins and the
+   calibrations before it are paid from the rest (:meth:`OverheadBudget._room`). So a fit whose
+   one exact measurement alone exceeds what it may spend still gets its curves. Fill-ins are
+   paced: when what is left (after the reserve) pays for fewer fill-ins than epochs remain, one
+   runs only once as many epochs have passed since the last value as the remaining epochs per
+   affordable fill-in, so the values spread evenly over the fit instead of stopping where the
+   money runs out; the last epoch's fill-in runs even over the budget (one fill-in: the
+   summary's number is never missing);
 3. else nothing — unless another callback reads the values every scheduled epoch
    (``EarlyStopping`` or ``ModelCheckpoint`` monitoring one of them): then the cheapest one runs,
    over the budget if need be.
 
-A fill-in is never logged above its rank bound (:func:`fill_in_record`). The fit's last epoch
-(or the fit end) gets the exact-quality measurement whenever what the fit may spend allows it,
+A fill-in is never logged above its rank bound
+(:func:`~lightning_flatness.lightning.calibration.fill_in_record`). The fit's last epoch (or the
+fit end) gets the exact-quality measurement whenever what the fit may spend allows it,
 and whenever that measurement alone costs at most what A leaves beside the training, A − T, in a
 fit that has spent at most that (so a measurement earlier in the fit that took longer than
 predicted does not take the last number's place; a fit spends at most 2(A − T) beyond its
@@ -77,17 +78,13 @@ __all__ = [
     "ALLOWANCE_SECONDS",
     "CALIBRATION_PROBES",
     "CHEAP",
-    "Calibration",
     "EXACT",
     "FILL_IN",
     "FILL_IN_MIN_SAMPLES",
     "FILL_IN_SAMPLES",
-    "SCALED_FIELDS",
     "SKIP",
     "OverheadBudget",
-    "RECALIBRATE_DRIFT",
     "UNTIMED_SHARE",
-    "fill_in_record",
     "fills_in",
 ]
 
@@ -109,14 +106,6 @@ FILL_IN_MIN_SAMPLES = 128
 #: extrapolated value 0.97–1.03 of the dense Fisher's against 1.02–1.07; docs/RESULTS.md, "The
 #: budget counted in the fit's time")
 CALIBRATION_PROBES = 2
-#: the fill-in's own soft rank moved by more than this factor since its calibration (either
-#: way): the ratio is taken again where that leaves a fill-in for every epoch still to come
-#: (:meth:`OverheadBudget.affords_recalibration`). On the ladder's ResNet at c = 2.5 the ratio
-#: exact ÷ fill-in falls by a third over the first epochs of a fit while the fill-in falls by
-#: 25–35%; at c = 25 the fill-in grows by 60% with its ratio unchanged: a drift is a reason to
-#: look again, not a measure of the ratio's (docs/RESULTS.md, "The fill-in's ratio taken again
-#: where it drifts")
-RECALIBRATE_DRIFT = 1.5
 #: the fill-ins still to come are counted at this many times the last one's cost when a
 #: calibration is taken again mid-fit (:meth:`OverheadBudget.affords_recalibration`): a fill-in
 #: of the ladder's ResNet on 128 samples took 0.10–0.15 s from one epoch to the next of one fit
@@ -138,8 +127,6 @@ UNTIMED_SHARE = 0.2
 ALLOWANCE_SECONDS = 20.0
 #: the decisions of :meth:`OverheadBudget.decide`
 EXACT, CHEAP, SKIP = "exact", "cheap", "skip"
-#: the record fields proportional to the soft rank (scaled in a fill-in record)
-SCALED_FIELDS = ("soft_rank", "soft_rank_stderr", "predicted_gap", "predicted_gap_val")
 
 
 @dataclass
@@ -322,8 +309,10 @@ class OverheadBudget:
             return True
         projected, reserve, upcoming = self._horizon(epochs_done, max_epochs, last)
         cost = self._fill_in_seconds(epochs_done) + seconds
-        reserve = self._live_reserve(reserve, upcoming, projected)
-        return self._fits(cost, reserve, projected, untimed_too=last and self.calibrated)
+        if last:
+            live, _ = self._live_reserve(reserve, upcoming, projected)
+            return self._fits(cost, live, projected, untimed_too=self.calibrated)
+        return cost <= self._room(projected, reserve, upcoming)
 
     def affords_recalibration(
         self, seconds: float, epochs_done: int, max_epochs: int | None
@@ -341,8 +330,7 @@ class OverheadBudget:
         remaining = max(max_epochs - epochs_done, 0)
         fill_in = self._fill_in_seconds(epochs_done)
         cost = fill_in * (1 + FILL_IN_SPREAD * remaining) + seconds
-        reserve = self._live_reserve(reserve, upcoming, projected)
-        return self._fits(cost, reserve, projected)
+        return cost <= self._room(projected, reserve, upcoming)
 
     def _last_within_allowance(self) -> bool:
         """The fit's last exact measurement runs whenever it alone fits in what the allowance
@@ -353,24 +341,39 @@ class OverheadBudget:
         exact = self.exact_seconds or 0.0
         return exact <= left and self.spent <= left
 
-    def _live_reserve(self, reserve: float, upcoming: float, projected: float) -> float:
+    def _live_reserve(
+        self, reserve: float, upcoming: float, projected: float
+    ) -> tuple[float, bool]:
         """The fit-end reserve while the exact measurement can still fit; else the cost of
         the fill-in's calibration on its own samples (the last value is calibrated again) while
         it can still fit — once one has run, within the untimed part too (the ratio drifts over
-        a fit, so the last calibration decides the last value: a fit near the edge keeps it
-        rather than spend it on fill-ins, and it may then run in that part); else none (so that
-        a fit whose one exact measurement or calibration exceeds what it may spend still gets
-        fill-ins); each with the ``upcoming`` per-epoch work, which is spent whatever is
-        decided."""
+        a fit, so the last calibration decides the last value: a fit near the edge keeps it,
+        and it may then run in that part); else none (so that a fit whose one exact
+        measurement or calibration exceeds what it may spend still gets fill-ins); each with
+        the ``upcoming`` per-epoch work, which is spent whatever is decided. And whether the
+        reserve is that last calibration's, kept within the untimed part (:meth:`_room`)."""
         if self._fits(reserve, upcoming, projected):
-            return reserve + upcoming
+            return reserve + upcoming, False
         if not self.subset_seconds:
-            return upcoming
+            return upcoming, False
         again = self.subset_seconds + (self.cheap_seconds or 0.0)  # it runs the fill-in too
         # once calibrated, a calibration that fits only within the untimed part is still kept
         if self._fits(again, upcoming, projected, untimed_too=self.calibrated):
-            return again + upcoming
-        return upcoming
+            return again + upcoming, self.calibrated
+        return upcoming, False
+
+    def _room(self, projected: float, reserve: float, upcoming: float) -> float:
+        """The seconds left for this epoch's work and the fill-ins and calibrations before the
+        fit's end: what the fit may spend less what it has spent and the live reserve
+        (:meth:`_live_reserve`); where that reserve is the last calibration's of a fit
+        calibrated before, it may lie within the untimed part (where it may run), and the
+        timed part keeps only the per-epoch work."""
+        live, untimed_too = self._live_reserve(reserve, upcoming, projected)
+        room = self.allowed(projected) - self.spent - live
+        if untimed_too:
+            whole = self.allowed(projected, untimed_too=True) - self.spent - live
+            room = min(self.allowed(projected) - self.spent - upcoming, whole)
+        return room
 
     def decide(
         self,
@@ -399,23 +402,21 @@ class OverheadBudget:
         if cheap and (required or last):  # the summary's number is never missing
             return CHEAP
         fill_in = self._fill_in_seconds(epochs_done)
-        reserve = self._live_reserve(reserve, upcoming, projected)
+        room = self._room(projected, reserve, upcoming)
         horizon = (epochs_done, max_epochs)
-        fits = self._fits(fill_in, reserve, projected)
-        if cheap and fits and self._paced(fill_in, reserve, projected, horizon, since_last):
+        if cheap and fill_in <= room and self._paced(fill_in, room, horizon, since_last):
             return CHEAP
         return EXACT if required else SKIP
 
     def _paced(
         self,
         fill_in: float,
-        reserve: float,
-        projected: float,
+        room: float,
         horizon: tuple[int, int | None],
         since_last: int | None,
     ) -> bool:
         """Whether a fill-in that fits runs now: always for the fit's first value, in a fit of
-        unknown length (no ``max_epochs``), or while what is left after ``reserve`` pays for
+        unknown length (no ``max_epochs``), or while the ``room`` left (:meth:`_room`) pays for
         one at every epoch still to come before the last (this one included); else once
         ``since_last`` epochs since the last value reach the spacing that spreads the
         affordable ones evenly over those epochs."""
@@ -423,7 +424,7 @@ class OverheadBudget:
         if since_last is None or max_epochs is None or fill_in <= 0:
             return True
         remaining = max(max_epochs - epochs_done, 1)
-        affordable = (self.allowed(projected) - self.spent - reserve) // fill_in
+        affordable = room // fill_in
         return affordable >= remaining or since_last * max(affordable, 1.0) >= remaining
 
 
@@ -431,69 +432,3 @@ def fills_in(structure: str) -> bool:
     """Whether the fill-in stands in for ``structure`` between its measurements (not for
     itself, nor for the diagonals, which cost less than it)."""
     return structure not in (FILL_IN, "diag", "diag_mc")
-
-
-def fill_in_record(
-    record: dict[str, float], calibration: float, rank_bound: float | None = None
-) -> dict[str, float]:
-    """A fill-in measurement's record: the soft rank and the gaps it predicts (Eq. 13 is linear
-    in it) times ``calibration``, the ratio exact ÷ fill-in of the last exact measurement;
-    before the first one (``calibration`` NaN) the fill-in's own values, unscaled. The soft
-    rank is then capped at its rank bound, the gaps with it: ``rank_bound`` (that of the
-    measurement whose soft rank the calibrated value stands for), else the record's own (the
-    largest rank the Fisher of the fill-in's samples can have). Marked ``fill_in = 1``; its
-    ``trusted`` is the fill-in structure's own (0: it is not of exact quality)."""
-    scaled = dict(record)
-    factor = calibration if math.isfinite(calibration) else 1.0
-    bound = scaled.get("rank_bound", math.inf) if rank_bound is None else rank_bound
-    soft_rank = scaled.get("soft_rank", math.nan) * factor
-    if math.isfinite(soft_rank) and soft_rank > bound > 0:
-        factor *= bound / soft_rank
-    for name in SCALED_FIELDS:
-        if name in scaled:
-            scaled[name] = scaled[name] * factor
-    scaled.update(fill_in=1.0, calibration=calibration)
-    if math.isfinite(bound):
-        scaled["rank_bound"] = bound
-    return scaled
-
-
-@dataclass
-class Calibration:
-    """The ratio exact ÷ fill-in soft rank that scales the fill-in, and where it was taken: at
-    an exact measurement of the whole measured set (``samples`` None), or, before any, the
-    exact structure on the fill-in's own ``samples``, extrapolated to the ``target_samples`` of
-    the whole set from its first half's value
-    (:func:`~lightning_flatness.core.sample_growth.extrapolated_soft_rank`: the soft rank grows
-    with the samples measured)."""
-
-    ratio: float = math.nan
-    epoch: float = math.nan
-    samples: int | None = None
-    #: the rank bound of the measurement the ratio stands for (caps the scaled values)
-    rank_bound: float | None = None
-    #: the samples the subset's soft rank was extrapolated to (None: not extrapolated)
-    target_samples: int | None = None
-    #: the fill-in's own (unscaled) soft rank when the ratio was taken
-    fill_in: float = math.nan
-
-    def drifted(self, fill_in: float) -> bool:
-        """Whether the fill-in's own soft rank has moved by more than a factor
-        :data:`RECALIBRATE_DRIFT` (either way) since the ratio was taken: its ratio to the
-        exact value is then no longer to be relied on."""
-        if not (math.isfinite(fill_in) and math.isfinite(self.fill_in)):
-            return False
-        if fill_in <= 0 or self.fill_in <= 0:
-            return False
-        return max(fill_in / self.fill_in, self.fill_in / fill_in) > RECALIBRATE_DRIFT
-
-    def describe(self) -> str:
-        """How a fill-in value is made, for the per-epoch line and the summary."""
-        if not math.isfinite(self.ratio):
-            return f"{FILL_IN}, unscaled: an upper estimate"
-        where = f"at epoch {int(self.epoch)}"
-        if self.samples is not None:
-            where = f"at epoch {int(self.epoch)}, exact on {self.samples:,} samples"
-            if self.target_samples is not None and self.target_samples > self.samples:
-                where += f", extrapolated to {self.target_samples:,}"
-        return f"{FILL_IN} × {self.ratio:.3g}, the exact ÷ {FILL_IN} ratio {where}"

@@ -7,7 +7,8 @@ Lightning import.
 
 from __future__ import annotations
 
-from lightning_flatness.lightning.budget import FILL_IN, Calibration, OverheadBudget
+from lightning_flatness.lightning.budget import FILL_IN, OverheadBudget
+from lightning_flatness.lightning.calibration import Calibration
 
 __all__ = ["cost_message", "measured_line", "not_exact_message"]
 

@@ -28,9 +28,7 @@ from lightning_flatness.lightning.budget import (
     FILL_IN,
     FILL_IN_SAMPLES,
     SKIP,
-    Calibration,
     OverheadBudget,
-    fill_in_record,
     fills_in,
 )
 from lightning_flatness.lightning.budget_messages import (
@@ -38,6 +36,7 @@ from lightning_flatness.lightning.budget_messages import (
     measured_line,
     not_exact_message,
 )
+from lightning_flatness.lightning.calibration import Calibration, fill_in_record
 from lightning_flatness.lightning.figures import summary_table
 from lightning_flatness.lightning.monitor_logging import MonitorLog
 from lightning_flatness.lightning.monitor_measurement import Measurer, all_reduce_of
