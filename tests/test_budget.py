@@ -38,6 +38,7 @@ from lightning_flatness.lightning.budget import (
     FILL_IN_SPREAD,
     SKIP,
     UNTIMED_SHARE,
+    YIELD_SHARE,
     OverheadBudget,
 )
 from lightning_flatness.lightning.calibration import RECALIBRATE_DRIFT, Calibration, fill_in_record
@@ -68,10 +69,15 @@ def test_the_budget_prefers_exact_then_the_fill_in_then_nothing():
     budget, clock = _budget(0.3)  # the monitor may add 30% to the training time
     clock.now = 10.0  # 10 s of training after 1 of 10 epochs: 100 s projected, 30 s allowed
     budget.exact_seconds, budget.cheap_seconds = 10.0, 1.0
-    assert budget.decide(1, 10, last=False, cheap=True) == EXACT  # 10 + 10 (reserve) ≤ 30
+    # 10 + 10 (reserve) ≤ 30, with the fill-in it runs for its ratio and one at each of the 8
+    # later epochs before the last: 10 + 1 + 10 + 8 ≤ 30
+    assert budget.decide(1, 10, last=False, cheap=True) == EXACT
     budget.charge(10.0)
     clock.now = 30.0  # 20 s of training after 2 epochs: still 100 s projected
-    assert budget.decide(2, 10, last=False, cheap=True) == EXACT  # 10 + 10 + 10 ≤ 30
+    # 10 + 10 + 10 ≤ 30, but 10 + 11 + 10 + 7 > 30: an exact one now would leave later epochs
+    # without a value; with no fill-in to keep room for, it runs
+    assert budget.decide(2, 10, last=False, cheap=True) == CHEAP
+    assert budget.decide(2, 10, last=False, cheap=False) == EXACT
     budget.charge(10.0)
     clock.now = 50.0  # 30 s of training after 3 epochs
     # 20 + 10 + 10 > 30; the fill-in would leave no room for the fit-end one: 20 + 1 + 10 > 30
@@ -128,9 +134,10 @@ def test_no_budget_measures_exactly_and_bad_shares_are_refused():
 
 
 def test_the_first_exact_cost_is_predicted_from_the_trial_and_kept_until_measured():
-    # the smaller run's cost per sample, scaled; never below the larger run's own time
+    # the lower run's cost per sample, scaled; never below the larger run's own time
     assert predicted_exact_seconds({8: 0.16, 32: 1.3}, 400) == pytest.approx(8.0)
     assert predicted_exact_seconds({8: 0.16, 32: 1.3}, 40) == pytest.approx(1.3)
+    assert predicted_exact_seconds({8: 0.16, 32: 0.32}, 400) == pytest.approx(4.0)
     assert predicted_exact_seconds({1: 0.5}, 100) == pytest.approx(50.0)
     assert cost_line({8: 0.2, 32: 0.5}) == pytest.approx((0.1, 0.0125))
     budget, _ = _budget()
@@ -317,6 +324,33 @@ def test_the_fill_in_keeps_room_for_the_last_exact_measurement_while_it_can_fit(
     assert budget.decide(2, 10, last=False, cheap=True) == CHEAP
     assert budget.fits_beside_fill_in(11.5, 2, 10, last=False)  # 3 + 3 + 11.5 ≤ 17.5
     assert not budget.fits_beside_fill_in(12.0, 2, 10, last=False)
+
+
+def test_where_the_allowance_decides_the_exact_reserve_gives_way_to_cheap_fill_ins():
+    """0.5 s of training after 2 of 10 epochs (2.5 s projected): the allowance leaves 17.5 s;
+    3 s spent, the fit-end exact measurement predicted at 14 s. A fill-in at this and every
+    later epoch, 9 × 0.3 = 2.7 s, does not fit beside that reserve (3 + 14 + 2.7 > 17.5) but
+    costs at most YIELD_SHARE of the 17.5 s: the reserve gives way and the fill-ins run at
+    every epoch, and the last epoch still takes the exact measurement (14 ≤ 17.5, and the
+    5.4 s spent by then too). At 0.6 s (5.4 s to come, over a quarter) the reserve stands and
+    the fill-in waits (3 + 0.6 + 14 > 17.5); so it does where the share decides the fit."""
+    assert YIELD_SHARE == 0.25
+    budget, clock = _budget(0.3, allowance=20.0)
+    budget.exact_seconds, budget.cheap_seconds = 14.0, 0.3
+    budget.charge(3.0)
+    clock.now = 3.5
+    assert budget.decide(2, 10, last=False, cheap=True, since_last=1) == CHEAP
+    budget.cheap_seconds = 0.6
+    assert budget.decide(2, 10, last=False, cheap=True, since_last=1) == SKIP
+    budget.cheap_seconds = 0.3
+    budget.charge(2.4)  # eight more fill-ins; the fit's 2.5 s of training at its last epoch
+    clock.now = 2.5 + budget.spent
+    assert budget.decide(10, 10, last=True, cheap=True) == EXACT
+    shared, clock = _budget(0.3, allowance=0.0)  # the share decides: 0.3 · 60 = 18 s
+    shared.exact_seconds, shared.cheap_seconds = 14.0, 0.3
+    shared.charge(3.0)
+    clock.now = 7.0  # 4 s of training after 2 of 30 epochs: 60 s projected
+    assert shared.decide(2, 30, last=False, cheap=True, since_last=1) == SKIP  # paced
 
 
 def test_where_the_exact_number_cannot_fit_the_fill_in_keeps_room_for_its_calibration():
@@ -899,9 +933,9 @@ def test_the_fit_start_prediction_is_of_each_process_share(world, monkeypatch):
     monkeypatch.setattr(monitor.fit_start, "quadrature_seconds", lambda *args: 0.0)
     trainer = SimpleNamespace(world_size=world)
     monitor.fit_start.timed_trial(trainer, None, None)
-    # 0.1 s a sample from the 8-sample run; the fill-in's line: 0.4 s + 0.05 s a sample over
-    # its 1,024 training and 1,024 held-out samples
-    assert monitor.budget.exact_seconds == pytest.approx(0.1 * 4000 / world)
+    # 0.0625 s a sample from the 32-sample run (the lower); the fill-in's line: 0.4 s + 0.05 s
+    # a sample over its 1,024 training and 1,024 held-out samples
+    assert monitor.budget.exact_seconds == pytest.approx(0.0625 * 4000 / world)
     assert monitor.budget.cheap_seconds == pytest.approx(0.4 + 0.05 * 2048 / world)
     # per sample of the fill-in's subset, its held-out samples and the process's share in it
     assert monitor.budget.fill_in_line == pytest.approx((0.4, 0.1 / world))
