@@ -406,7 +406,8 @@ def test_a_calibration_again_mid_fit_leaves_the_last_one_to_the_untimed_part():
     at FILL_IN_SPREAD), the last calibration's reserve 2 + 0.2 s. In a fit calibrated before,
     that reserve lies within the untimed part: a calibration again of 1.5 s fits
     (4 + 8.6 + 1.5 ≤ 14.4; + 2.2 ≤ 18), one of 2 s does not (14.6 > 14.4); where the reserve
-    counted in the 14.4 s, neither would (4 + 8.6 + 2.2 + 1.5 > 14.4)."""
+    counted in the 14.4 s (a second calibration again in the fit, or a fit not calibrated),
+    neither would (4 + 8.6 + 2.2 + 1.5 > 14.4)."""
     budget, clock = _budget(0.3, untimed=0.2, allowance=0.0)
     budget.exact_seconds, budget.cheap_seconds, budget.subset_seconds = 1e9, 0.2, 2.0
     budget.calibrated = True
@@ -415,8 +416,12 @@ def test_a_calibration_again_mid_fit_leaves_the_last_one_to_the_untimed_part():
     assert budget.allowed(60.0) == pytest.approx(14.4)
     assert budget.affords_recalibration(1.5, 2, 30)
     assert not budget.affords_recalibration(2.0, 2, 30)
-    budget.calibrated = False
+    budget.recalibrated = True  # once taken again in this fit, the reserve is in the 14.4 s
     assert not budget.affords_recalibration(1.5, 2, 30)
+    budget.recalibrated, budget.calibrated = False, False
+    assert not budget.affords_recalibration(1.5, 2, 30)
+    budget.start()
+    assert budget.recalibrated is False
 
 
 def test_the_calibration_on_the_subset_measures_two_probe_rows_per_sample():

@@ -317,7 +317,9 @@ class Schedule:
         wanted = not self._subset_failed and not horizon[2] and self.calibration.drifted(fill_in)
         if wanted:
             wanted = self.budget.affords_recalibration(self._subset_seconds(), *horizon[:2])
-        return bool(rank_zeros(trainer, wanted))  # on every process, whatever it found
+        wanted = bool(rank_zeros(trainer, wanted))  # on every process, whatever it found
+        self.budget.recalibrated = self.budget.recalibrated or wanted
+        return wanted
 
     def _calibrate_on_subset(
         self,
