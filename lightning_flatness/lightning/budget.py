@@ -130,9 +130,9 @@ ALLOWANCE_SECONDS = 20.0
 #: at every epoch still to come when those cost at most this share of what the allowance leaves
 #: beside the training (:meth:`OverheadBudget._yields`): the last epoch still takes that
 #: measurement, and a fit whose reserve was predicted right then lasts at most this share of
-#: the allowance's seconds longer. Paced around a prediction several times too high, the zoo's
-#: LSTM skipped 4 of 10 epochs to keep 16 s for a measurement of about 3 s
-#: (docs/RESULTS.md, "The trial's prediction of the exact cost")
+#: the allowance's seconds longer. Paced around a predicted reserve several times the
+#: measurement's cost, the zoo's ResNet skipped up to 7 of its 10 epochs (docs/RESULTS.md, "The
+#: trial's prediction of the exact cost, and values at every epoch")
 YIELD_SHARE = 0.25
 #: the decisions of :meth:`OverheadBudget.decide`
 EXACT, CHEAP, SKIP = "exact", "cheap", "skip"
