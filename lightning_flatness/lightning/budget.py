@@ -445,8 +445,9 @@ class OverheadBudget:
         to_come = fill_in * _epochs_to_come(epochs_done, max_epochs)
         # mid-fit, an exact measurement runs the fill-in too (for its ratio) and leaves one for
         # every later epoch before the last: values at every epoch come first
-        later = max(to_come - 2 * fill_in, 0.0) if cheap and not last else 0.0
-        with_fill_in = exact + (fill_in if cheap and not last else 0.0)
+        mid_fit = cheap and not last
+        later = max(to_come - 2 * fill_in, 0.0) if mid_fit else 0.0
+        with_fill_in = exact + (fill_in if mid_fit else 0.0)
         fits_exact = self._fits(with_fill_in, reserve + upcoming + later, projected)
         if fits_exact or (last and self._last_within_allowance()):
             return EXACT

@@ -318,7 +318,8 @@ class Schedule:
         if wanted:
             wanted = self.budget.affords_recalibration(self._subset_seconds(), *horizon[:2])
         wanted = bool(rank_zeros(trainer, wanted))  # on every process, whatever it found
-        self.budget.recalibrated = self.budget.recalibrated or wanted
+        if wanted:
+            self.budget.recalibrated = True
         return wanted
 
     def _calibrate_on_subset(
