@@ -126,6 +126,9 @@ GRIDS = {
              (40,), 8),
         Grid("widemlp7", "held out", 7, (("mlp", 120),), (1500, 3000), (0.01, 1, 100),
              (1e-3, 3e-3), (120,), 9),
+        # held out from every choice: first run with the draws (benchmarks/study_trust_draws.py)
+        Grid("bigmlp14", "held out", 14, (("bigmlp", 40),), (1500, 3000), (0.01, 1, 100),
+             (1e-3,), (100,), 12),
         # the settings of the trusted misses, each trained on six draws of its data: is the
         # miss the predictor's or the one observed gap's (its noise about the expected gap)?
         Grid("repeat7", "repeats", 7, (("mlp", 120), ("bigmlp", 40)), (1500,), (100,), (1e-3,),
