@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -142,7 +143,12 @@ def summary_table(record: Mapping[str, float], structure: str) -> str:
     verdict = record.get("trusted", math.nan)
     if math.isfinite(verdict):
         advice = _trust_advice(record, structure)
-        lines.append(f"  {'predicted gap trusted':<{width}}  {advice}")
+        label = f"  {'predicted gap trusted':<{width}}  "
+        lines.append(
+            textwrap.fill(
+                advice, width=100, initial_indent=label, subsequent_indent=" " * len(label)
+            )
+        )
     return "\n".join(lines)
 
 
@@ -151,7 +157,7 @@ def _trust_advice(record: Mapping[str, float], structure: str) -> str:
     (:func:`~lightning_flatness.core.trust.verdict`, and in a monitor's record
     :func:`~lightning_flatness.core.trust.settled_verdict`)."""
     if record.get("trusted"):
-        return f"yes (within 2× of the observed gap for {TRUSTED_WITHIN_2X})"
+        return f"yes: {TRUSTED_WITHIN_2X}"
     if above_rank_bound(record.get("soft_rank", math.nan), record.get("rank_bound", math.inf)):
         return (
             f"no — the soft rank is above {record['rank_bound']:,.0f}, the largest rank the "
