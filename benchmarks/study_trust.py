@@ -566,21 +566,12 @@ def collect(
 ) -> None:
     """Run every grid's runs not yet in ``output`` (those at ``cs`` only, when given) and
     append their records."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if output.exists():
-        for line in output.read_text().splitlines():
-            record = json.loads(line)
-            done.add(run_key(record))
+    done = recorded_keys(output)
     for name in grids:
         for run in GRIDS[name].runs():
             if run_key(run) in done or (cs is not None and run["c"] not in cs):
                 continue
-            start = time.perf_counter()
-            record = one_run(run, tic=tic)
-            record["total_seconds"] = time.perf_counter() - start
-            with output.open("a") as handle:
-                handle.write(json.dumps(record) + "\n")
+            record = record_run(run, output, tic=tic)
             print(
                 f"{name} {run['architecture']} n={run['n']} c={run['c']} lr={run['lr']} "
                 f"ep={run['epochs']}: pred val {record['predicted_gap_val']:.4f} train "
@@ -589,6 +580,25 @@ def collect(
                 f" ({record['total_seconds']:.0f} s)",
                 flush=True,
             )
+
+
+def recorded_keys(output: Path) -> set[tuple]:
+    """The :func:`run_key` of every run already recorded in ``output`` (none if it is new)."""
+    if not output.exists():
+        return set()
+    return {run_key(json.loads(line)) for line in output.read_text().splitlines()}
+
+
+def record_run(run: dict, output: Path, tic: bool = True) -> dict:
+    """Train and measure one run (:func:`one_run`), append its record, with the seconds it
+    took, to ``output`` and return it."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    record = one_run(run, tic=tic)
+    record["total_seconds"] = time.perf_counter() - start
+    with output.open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+    return record
 
 
 def run_key(run: dict) -> tuple:

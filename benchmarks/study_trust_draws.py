@@ -25,7 +25,6 @@ import dataclasses
 import json
 import math
 import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -62,18 +61,11 @@ def draw_runs(
 
 def collect(runs: list[dict], output: Path) -> None:
     """Run every run not yet in ``output`` and append its record."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    done = set()
-    if output.exists():
-        done = {study_trust.run_key(json.loads(line)) for line in output.read_text().splitlines()}
+    done = study_trust.recorded_keys(output)
     for run in runs:
         if study_trust.run_key(run) in done:
             continue
-        start = time.perf_counter()
-        record = study_trust.one_run(run, tic=False)
-        record["total_seconds"] = time.perf_counter() - start
-        with output.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        record = study_trust.record_run(run, output, tic=False)
         print(
             f"{run['grid']} {run['architecture']} n={run['n']} c={run['c']} lr={run['lr']} "
             f"seed={run['seed']}: pred {record['predicted_gap_train']:.4f} obs "
