@@ -70,7 +70,8 @@ def main() -> None:
         logger=TensorBoardLogger("lightning_logs", name="my_model"),
         callbacks=[
             FlatnessMonitor(),  # the one line this library asks for
-            ModelCheckpoint(monitor="flatness/predicted_gap", mode="min"),
+            # keep the epoch with the lowest predicted test loss (training NLL + predicted gap)
+            ModelCheckpoint(monitor="flatness/predicted_test_nll", mode="min"),
         ],
         enable_progress_bar=False,
     )

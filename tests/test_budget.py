@@ -146,11 +146,26 @@ def test_the_first_exact_cost_is_predicted_from_the_trial_and_kept_until_measure
     assert budget.exact_seconds == pytest.approx(21.5)
 
 
+def _gap_record(soft_rank: float, **fields: float) -> dict[str, float]:
+    """A record of n = 100 samples, trace ratios 0.4 (training) and 0.8 (held-out)."""
+    record = {"soft_rank": soft_rank, "num_train_samples": 100.0, "trace_ratio_train": 0.4}
+    record.update(trace_ratio_val=0.8, train_nll=0.3, tic=3.0, **fields)
+    record.update(
+        predicted_gap_train=0.4 * soft_rank / 100,
+        predicted_gap_val=0.8 * soft_rank / 100,
+        predicted_gap=0.8 * soft_rank / (100 + soft_rank),
+    )
+    return record
+
+
 def test_a_fill_in_scales_the_soft_rank_and_the_gaps_by_the_last_exact_ratio():
-    record = {"soft_rank": 100.0, "predicted_gap": 0.2, "predicted_gap_val": 0.1, "tic": 3.0}
+    record = _gap_record(100.0)
     scaled = fill_in_record(record, 0.5)
-    assert scaled["soft_rank"] == 50.0 and scaled["predicted_gap"] == 0.1
-    assert scaled["predicted_gap_val"] == 0.05 and scaled["tic"] == 3.0
+    assert scaled["soft_rank"] == 50.0 and scaled["predicted_gap_train"] == pytest.approx(0.2)
+    assert scaled["predicted_gap_val"] == pytest.approx(0.4) and scaled["tic"] == 3.0
+    # the headline follows the scaled soft rank: 0.8 · 50 / (100 + 50), not half of 0.4
+    assert scaled["predicted_gap"] == pytest.approx(0.8 * 50 / 150)
+    assert scaled["predicted_test_nll"] == pytest.approx(0.3 + 0.8 * 50 / 150)
     assert scaled["fill_in"] == 1.0 and scaled["calibration"] == 0.5
     raw = fill_in_record(record, math.nan)  # before any exact measurement: unscaled
     assert raw["soft_rank"] == 100.0 and math.isnan(raw["calibration"])
@@ -452,14 +467,14 @@ def test_the_calibration_on_the_subset_measures_two_probe_rows_per_sample():
 
 
 def test_a_fill_in_is_never_above_its_rank_bound():
-    record = {"soft_rank": 900.0, "predicted_gap": 0.9, "rank_bound": 576.0, "tic": 1.0}
+    record = _gap_record(900.0, rank_bound=576.0)
     raw = fill_in_record(record, math.nan)  # unscaled: capped at its own samples' bound
-    assert raw["soft_rank"] == 576.0 and raw["predicted_gap"] == pytest.approx(0.576)
-    assert raw["tic"] == 1.0
+    assert raw["soft_rank"] == 576.0 and raw["predicted_gap_train"] == pytest.approx(0.4 * 5.76)
+    assert raw["predicted_gap"] == pytest.approx(0.8 * 576 / 676) and raw["tic"] == 3.0
     scaled = fill_in_record(record, 2.0, rank_bound=5000.0)  # stands for the whole set's
     assert scaled["soft_rank"] == 1800.0 and scaled["rank_bound"] == 5000.0
     capped = fill_in_record(record, 2.0, rank_bound=1000.0)
-    assert capped["soft_rank"] == 1000.0 and capped["predicted_gap"] == pytest.approx(1.0)
+    assert capped["soft_rank"] == 1000.0 and capped["predicted_gap_val"] == pytest.approx(8.0)
 
 
 def test_a_first_fill_in_dearer_than_its_part_moves_the_fill_in_to_its_fewest_samples():
@@ -855,7 +870,7 @@ def test_an_early_stopping_on_a_flatness_value_gets_one_every_epoch(tmp_path, ca
     unscaled, and the monitor says at fit end that the last values are not exact."""
     monitor = FlatnessMonitor(log_options=LogOptions(summary=False))
     monitor.budget.exact_seconds = 1e9
-    stopping = EarlyStopping(monitor="flatness/predicted_gap", patience=10)
+    stopping = EarlyStopping(monitor="flatness/predicted_test_nll", patience=10)
     with caplog.at_level("INFO"):
         _fit(tmp_path, [monitor, stopping])
     assert [r["fill_in"] for r in monitor.history] == [1.0, 1.0, 1.0]

@@ -103,11 +103,11 @@ def test_adamw_fit_fails_before_training_with_the_fix(tmp_path):
 
 def test_metrics_are_logged_and_monitorable(tmp_path):
     monitor = FlatnessMonitor(structure="kfac")
-    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="flatness/predicted_gap")
-    stopping = EarlyStopping(monitor="flatness/predicted_gap", patience=5)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="flatness/predicted_test_nll")
+    stopping = EarlyStopping(monitor="flatness/predicted_test_nll", patience=5)
     trainer, _, _ = fit(tmp_path, [monitor, checkpoint, stopping])
     metrics = trainer.callback_metrics
-    for name in ("soft_rank", "predicted_gap", "trace_ratio_val", "observed_gap", "tic"):
+    for name in ("soft_rank", "predicted_gap", "predicted_test_nll", "observed_gap", "tic"):
         assert f"flatness/{name}" in metrics
     assert len(monitor.history) == 2
     last = monitor.history[-1]

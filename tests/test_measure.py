@@ -89,12 +89,15 @@ def test_exact_structures_match_reference(cases, architecture, structure, batch_
     ratio = ref["trace_cov"] / ref["trace_fisher"]
     assert report.trace_ratio_train == pytest.approx(ratio, rel=1e-9)
     assert report.thomas_gap == pytest.approx(ratio / N_TRAIN, rel=1e-9)
-    assert report.predicted_gap == pytest.approx(
-        ratio * ref["summary"].soft_rank / N_TRAIN, rel=1e-7
-    )
-    # No validation data: validation fields and the held-out prediction are undefined.
+    rank = ref["summary"].soft_rank
+    assert report.predicted_gap_train == pytest.approx(ratio * rank / N_TRAIN, rel=1e-7)
+    # No validation data: validation fields and the held-out prediction are undefined, and the
+    # headline reads the training ratio (and says so).
     assert math.isnan(report.val_nll) and math.isnan(report.trace_ratio_val)
     assert math.isnan(report.predicted_gap_val)
+    assert report.predicted_gap == pytest.approx(ratio * rank / (N_TRAIN + rank), rel=1e-7)
+    assert report.predicted_gap_held_out == 0.0
+    assert report.predicted_test_nll == pytest.approx(ref["loss"] + report.predicted_gap)
 
 
 @pytest.mark.parametrize("batch_size", [1, 7, 64])
@@ -237,13 +240,17 @@ def test_validation_fields_and_predicted_gap(cases):
     assert report.trace_ratio_val == pytest.approx(val_ratio, rel=1e-9)
     assert report.error_uncertainty_val == pytest.approx(val_ref["error_uncertainty"], rel=1e-10)
     assert report.observed_gap == pytest.approx(val_ref["loss"] - ref["loss"], rel=1e-9)
-    # Eq. (13) with the held-out trace ratio and the training soft rank; the headline keeps the
-    # training ratio.
-    expected = val_ratio * ref["summary"].soft_rank / N_TRAIN
-    assert report.predicted_gap_val == pytest.approx(expected, rel=1e-7)
+    # Eq. (13) with the held-out trace ratio and the training soft rank, and with the training
+    # ratio; the headline: the held-out ratio times rank / (n + rank).
+    rank = ref["summary"].soft_rank
+    assert report.predicted_gap_val == pytest.approx(val_ratio * rank / N_TRAIN, rel=1e-7)
     train_ratio = ref["trace_cov"] / ref["trace_fisher"]
-    expected_train = train_ratio * ref["summary"].soft_rank / N_TRAIN
-    assert report.predicted_gap == pytest.approx(expected_train, rel=1e-7)
+    assert report.predicted_gap_train == pytest.approx(train_ratio * rank / N_TRAIN, rel=1e-7)
+    assert report.predicted_gap == pytest.approx(val_ratio * rank / (N_TRAIN + rank), rel=1e-7)
+    assert report.predicted_gap_held_out == 1.0
+    assert report.predicted_test_nll == pytest.approx(
+        ref["loss"] + val_ratio * rank / (N_TRAIN + rank), rel=1e-7
+    )
 
 
 @pytest.mark.parametrize("structure", ["probe_kernel", "kfac", "gram", "cg"])
@@ -381,6 +388,7 @@ def test_as_dict_has_every_documented_field(cases):
     required = {
         *("soft_rank", "soft_rank2", "logdet", "trace_fisher", "max_eig", "trace_cov"),
         *("trace_ratio_train", "trace_ratio_val", "predicted_gap", "predicted_gap_val"),
+        *("predicted_gap_train", "predicted_gap_held_out", "predicted_test_nll"),
         *("thomas_gap", "tic", "train_nll", "val_nll", "observed_gap", "relative_flatness"),
         "observed_gap_stderr",
         *("error_uncertainty_train", "error_uncertainty_val", "num_samples", "lam", "structure"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -146,7 +147,11 @@ def test_sweep_end_to_end_resume_failures_and_determinism(tmp_path):
         assert set(record["measures"]) == {"exact", "kfac", "diag"}
         # P = 49·8 + 8 + 8·10 + 10 = 490: the Gram kernel (n·C = 300) for n = 30, dense for 50.
         assert record["exact_structure"] == ("dense" if record["n"] == 50 else "gram")
-        assert record["gap"] == pytest.approx(record["val_nll"] - record["train_nll"])
+        # the gap is the test half's; the predictions read only the validation half
+        assert record["gap"] == pytest.approx(record["test_nll"] - record["train_nll"])
+        assert record["gap"] != pytest.approx(record["val_nll"] - record["train_nll"])
+        held_out = raw["data"]["init_args"]["val_size"]
+        assert record["measures"]["exact"]["num_val_samples"] == (held_out + 1) // 2
         assert record["measures"]["exact"]["num_samples"] == record["n"]  # whole training set
         assert record["global_step"] == 3
 
@@ -180,7 +185,7 @@ def test_users_own_module_and_datamodule(tmp_path):
     assert ok["exact_structure"] == "dense"  # P = 8·6 + 6 + 6·3 + 3 = 75 ≤ n·C = 90
     assert ok["num_parameters"] == 75
     assert math.isfinite(ok["measures"]["exact"]["soft_rank"])
-    assert ok["measures"]["exact"]["num_val_samples"] == 20
+    assert ok["measures"]["exact"]["num_val_samples"] == 10  # the validation half of 20
     assert "fails on purpose" in failed["error"] and "Traceback" in failed["traceback"]
 
 
@@ -198,6 +203,22 @@ def test_a_crashing_worker_is_recorded_and_the_pool_restarted(tmp_path):
 
 
 # ---------------------------------------------------------------------------- report
+def test_the_command_line_picks_another_sample_of_the_grid(tmp_path, capsys):
+    """``--sample-seed`` runs another seeded subset of the config's grid (its dry run lists the
+    runs ``sample_seed`` lists in the config)."""
+    raw = {**tiny_mnist_config(), "sample": 2}
+    config_path = tmp_path / "sweep.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    listed = {}
+    for seed in (0, 3):
+        assert cli.main(["sweep", "--config", str(config_path), "--dry-run", "--sample-seed",
+                         str(seed)]) == 0  # fmt: skip
+        listed[seed] = [line.split()[0] for line in capsys.readouterr().out.splitlines()[:-1]]
+        expected = dataclasses.replace(load_config(config_path), sample_seed=seed).runs()
+        assert listed[seed] == [r["key"] for r in expected]
+    assert listed[0] != listed[3]
+
+
 def test_report_kendall_matches_hand_computed_example(tmp_path):
     # Five runs with soft ranks 1..5 and gaps 3 1 2 5 4: τ = 0.4 (see test_kendall.py).
     # Divided by n = 1 1 1 2 2 the soft ranks are 1 2 3 2 2.5. Pairs (i<j) with the gaps:
@@ -207,6 +228,7 @@ def test_report_kendall_matches_hand_computed_example(tmp_path):
     lines = []
     for i, (rank, gap, n) in enumerate(zip(soft_ranks, gaps, sizes, strict=True)):
         measures = {"soft_rank": float(rank), "predicted_gap": float(rank) / n, "seconds": 0.1}
+        measures["predicted_gap_train"] = float(gap)  # a headline recorded with both forms
         record = {
             "key": f"k{i}",
             "status": "ok",
@@ -228,10 +250,34 @@ def test_report_kendall_matches_hand_computed_example(tmp_path):
     assert tau[("soft_rank", False)]["diag"] is None  # no values: NaN, written as null
     report = (tmp_path / "report.md").read_text()
     assert "| rank_λ(F) | kfac | 0.78 | +0.40 | -0.11 |" in report
+    # the report leads with the headline's τ, its interval and the paper's 0.84 beside it
+    first_section = report.split("\n## ")[1]
+    assert first_section.startswith("The headline")
+    assert "| predicted gap (headline" in first_section and "| kfac | -0.11 |" in first_section
+    assert "| Eq. 13, training trace ratio (training data only) | kfac | +1.00 |" in first_section
+    assert "| the paper's Table 4: rank_λ(F), exact | exact | +0.84 |" in first_section
+    headline = json.loads((tmp_path / "kendall.json").read_text())["headline"]
+    assert headline[0]["low"] <= headline[0]["tau"] <= headline[0]["high"]
     assert "| k9 | boom |" in report
     # √(2(2·5+5) / (9·5·4)) = √(30/180)
     assert null_standard_deviation(5) == pytest.approx(math.sqrt(1 / 6))
     assert "standard deviation of 0.41" in report
+
+
+def test_a_run_recorded_before_the_headline_changed_has_no_headline(tmp_path):
+    """A record without ``predicted_gap_train`` holds Eq. 13 with the training ratio under
+    ``predicted_gap``: the report leaves it out of the headline rather than mislabel it."""
+    measures = {"soft_rank": 2.0, "predicted_gap": 0.5, "seconds": 0.1}
+    records = [
+        {"key": f"k{i}", "status": "ok", "params": {}, "n": 10, "gap": float(i), "c": 1.0,
+         "measures": {"probe_kernel": dict(measures, soft_rank=float(i))}}
+        for i in range(1, 4)
+    ]  # fmt: skip
+    (tmp_path / "runs.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    write_report(tmp_path)
+    headline = json.loads((tmp_path / "kendall.json").read_text())["headline"]
+    assert headline[0]["measure"] == "predicted_gap" and headline[0]["count"] == 0
+    assert headline[1]["measure"] == "soft_rank" and headline[1]["tau"] == pytest.approx(1.0)
 
 
 # ---------------------------------------------------------------------------- config

@@ -46,6 +46,7 @@ def _record(epoch, score, **extra):
         "epoch": float(epoch),
         "observed_gap": 0.1,
         "predicted_gap": 0.2,
+        "predicted_gap_train": 0.25,
         "predicted_gap_val": 0.15,
         "soft_rank": 100.0,
         "trust_score": score,
@@ -66,6 +67,24 @@ def test_summary_names_the_structure_and_says_when_not_to_trust():
     assert describe_structure("kfac").startswith("kfac (Kronecker")
 
 
+def test_summary_says_when_the_two_trace_ratios_disagree():
+    record = _record(49, 0.57, trace_ratio_val=0.97, trace_ratio_train=0.56, nll_drop=0.016)
+    record["trusted"] = 0.0
+    advice = " ".join(summary_table(record, "probe_kernel").split())
+    assert "the held-out trace ratio is 1.73× the training one (above 1.5)" in advice
+
+
+def test_summary_says_what_the_headline_read():
+    """The headline line names its trace ratio: the held-out one, or the training one with the
+    warning that it cannot rank over-fit runs."""
+    held_out = summary_table(_record(3, 0.8, predicted_gap_held_out=1.0), "probe_kernel")
+    line = next(row for row in held_out.splitlines() if row.strip().startswith("predicted gap "))
+    assert "held-out ratio × rank/(n + rank)" in line
+    alone = summary_table(_record(3, 0.8, predicted_gap_held_out=0.0), "probe_kernel")
+    line = next(row for row in alone.splitlines() if row.strip().startswith("predicted gap "))
+    assert "no held-out data, cannot rank over-fit runs" in line
+
+
 def test_gap_figure_shades_untrusted_epochs_and_shows_error_bars():
     history = [_record(e, s, soft_rank_stderr=5.0) for e, s in enumerate((0.9, 0.5, 0.1, 0.05))]
     figure = gap_figure(history, "lanczos")
@@ -73,7 +92,7 @@ def test_gap_figure_shades_untrusted_epochs_and_shows_error_bars():
     shaded = [p for p in axis.patches if p.get_facecolor()[:3] == pytest.approx((0.85,) * 3)]
     assert len(shaded) == 2  # epochs 2 and 3
     assert any("not to be trusted" in text.get_text() for text in axis.get_legend().get_texts())
-    assert len(axis.containers) == 2  # error bars on both predicted gaps
+    assert len(axis.containers) == 2  # error bars on both predicted gaps (headline, training)
     assert "lanczos" in axis.get_title()
 
 
@@ -101,8 +120,9 @@ def test_threshold_is_the_studied_one():
     ("disagreement", "expected"),
     [
         (1.05, 1.0),  # an MLP of the study trained at c = 100: the two ratios agree
-        (1.71, 1.0),  # the main job: Eq. 13 at 1.8× the observed gap
+        (1.31, 1.0),  # the most apart of the study's trusted runs
         (RATIO_DISAGREEMENT_LIMIT, 1.0),
+        (1.71, 0.0),  # the main job: its headline at 1.95× the expected gap
         (4.16, 0.0),  # trained at c = 1, α_train 0.34: Eq. 13 at 0.56× the gap
         (5.89, 0.0),  # trained at c = 1, α_train 0.55: Eq. 13 at 0.21× the gap
         (math.nan, 1.0),  # no held-out data: not read

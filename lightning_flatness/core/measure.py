@@ -15,10 +15,12 @@ is measured as the module it compiles.
 
 The report combines (docs/math.md, "Generalization gap"):
 
-- ``predicted_gap`` = Eq. (13): ``(1/n) · Tr(C)/Tr(F) · rank_λ(F)`` with the training trace
-  ratio, within 2× of the observed gap far more often than with the held-out one, which grows
-  with over-confident wrong answers on held-out data (docs/RESULTS.md, "Predictor and trust
-  rule"); ``predicted_gap_val`` uses the held-out ratio (NaN without validation batches);
+- ``predicted_gap``, the headline: ``Tr(C)/Tr(F) · rank_λ(F)/(n + rank_λ(F))`` with the
+  held-out trace ratio (the training one without validation batches), the form that orders runs
+  as their gaps (:mod:`~lightning_flatness.core.predicted_gap`; docs/RESULTS.md, "The headline
+  that ranks"), and ``predicted_test_nll`` = ``train_nll + predicted_gap``;
+- ``predicted_gap_train``, ``predicted_gap_val`` = Eq. (13): ``(1/n) · Tr(C)/Tr(F) ·
+  rank_λ(F)`` with the training and the held-out trace ratio (NaN without validation batches);
 - ``thomas_gap`` = Eq. (11): ``(1/n) · Tr(C)/Tr(F)`` (training data);
 - ``tic`` = ``(1/n) · Tr(C (F+λI)⁻¹)`` where the structure supports it (dense, gram: exact;
   diag/diag_mc/hutchinson: the diagonal formula; kfac, lanczos: NaN);

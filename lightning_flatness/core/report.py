@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from torch import Tensor
 
 from lightning_flatness.core.curvature.base import CurvatureEstimate
+from lightning_flatness.core.predicted_gap import eq13, headline_gap, predicted_test_nll
 from lightning_flatness.core.spectral import SpectralSummary
 from lightning_flatness.core.statistics import StatisticSums
 from lightning_flatness.core.trust import above_rank_bound, verdict
@@ -31,9 +32,14 @@ class FlatnessReport:
     does; docs/math.md, "Generalization gap").
     ``eigenvalues`` (the structure's spectrum, float64) and ``blocks`` (per-parameter summaries
     of block-structured approximations, e.g. ``kfac``) are not part of :meth:`as_dict`.
-    ``predicted_gap`` is Eq. 13 with the training trace ratio and ``predicted_gap_val`` with the
-    held-out one (NaN without validation data; it over-estimates the gap when the model is
-    confidently wrong on held-out data: docs/RESULTS.md, "Predictor and trust rule").
+    ``predicted_gap`` is the headline (:func:`~lightning_flatness.core.predicted_gap.headline_gap`):
+    the held-out trace ratio times ``rank_λ(F)/(n + rank_λ(F))``, the value that orders runs as
+    their gaps; without validation data the training trace ratio stands in
+    (``predicted_gap_held_out`` 0, else 1), and it cannot order over-fit runs (Prop. 5.4).
+    ``predicted_gap_train`` and ``predicted_gap_val`` are Eq. 13 as the paper writes it, with
+    the training and the held-out trace ratio (NaN without validation data; the held-out one
+    over-estimates the gap of a model confidently wrong on held-out data).
+    ``predicted_test_nll`` is ``train_nll + predicted_gap``, the value to select a checkpoint by.
     ``newton_decrement`` is ``½ gᵀ(F+λI)⁻¹g`` (nat; ``½ gᵀ(F+D)⁻¹g`` under per-group decay),
     g the gradient of the objective ``mean NLL + ½λ‖θ‖²`` over the measured training samples:
     what one Newton step would still take off it, about 0 at a minimum (docs/math.md, "The
@@ -59,7 +65,10 @@ class FlatnessReport:
     trace_ratio_train: float
     trace_ratio_val: float
     predicted_gap: float
+    predicted_gap_held_out: float
+    predicted_gap_train: float
     predicted_gap_val: float
+    predicted_test_nll: float
     thomas_gap: float
     tic: float
     train_nll: float
@@ -183,8 +192,7 @@ def build_report(
     ratio_train = _ratio(trace_cov, trace_fisher)
     held_out = held_out_fields(val)
     ratio_val = held_out["trace_ratio_val"]
-    predicted = ratio_train * summary.soft_rank / n
-    predicted_val = ratio_val * summary.soft_rank / n
+    headline = headline_gap(ratio_val, ratio_train, summary.soft_rank, n)
     train_nll, val_nll = train.mean("loss"), held_out["val_nll"]
     alpha_train = _ratio(train.mean("error"), train.mean("uncertainty"))
     return FlatnessReport(
@@ -195,8 +203,11 @@ def build_report(
         max_eig=summary.max_eig,
         trace_cov=trace_cov,
         trace_ratio_train=ratio_train,
-        predicted_gap=predicted,
-        predicted_gap_val=predicted_val,
+        predicted_gap=headline,
+        predicted_gap_held_out=1.0 if math.isfinite(ratio_val) else 0.0,
+        predicted_gap_train=eq13(ratio_train, summary.soft_rank, n),
+        predicted_gap_val=eq13(ratio_val, summary.soft_rank, n),
+        predicted_test_nll=predicted_test_nll(train_nll, headline),
         thomas_gap=ratio_train / n,
         tic=curvature.tic_trace / n,
         train_nll=train_nll,

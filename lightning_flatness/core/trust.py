@@ -1,10 +1,12 @@
 """When the predicted gap can be trusted: the training error/uncertainty ratio.
 
-Eq. 13 predicts the gap from ``Tr(C)/Tr(F) · rank_λ(F) / n`` (``predicted_gap``: the training
-trace ratio). Its derivation assumes the model is not over-confident on its training data: as a
-model fits its training samples better than its own predictive uncertainty says (over-fitting),
-the training trace ratio — an error/uncertainty ratio α* (docs/math.md, "Generalization gap") —
-goes to 0 (Prop. 5.4 of the paper) and Eq. 13 under-estimates the gap. The trust score is that
+Eq. 13 predicts the gap from ``Tr(C)/Tr(F) · rank_λ(F) / n``; the headline ``predicted_gap``
+takes the held-out trace ratio and ``rank_λ(F)/(n + rank_λ(F))`` for ``rank_λ(F)/n``
+(:mod:`~lightning_flatness.core.predicted_gap`). Its derivation assumes the model is not
+over-confident on its training data: as a model fits its training samples better than its own
+predictive uncertainty says (over-fitting), the training trace ratio — an error/uncertainty
+ratio α* (docs/math.md, "Generalization gap") — goes to 0 (Prop. 5.4 of the paper) and Eq. 13
+with it under-estimates the gap. The trust score is that
 ratio on the training data,
 
     trust score = α*_train = E‖e(y) − E_p e(ỹ)‖² / E_ỹ∼p ‖e(ỹ) − E_p e(ỹ)‖²,
@@ -14,7 +16,7 @@ ratio on the training data,
 (:data:`EXACT_QUALITY`) and its soft rank is not above the rank the Fisher can have.
 
 The threshold, 0.3, was chosen with ``benchmarks/study_trust.py`` (docs/RESULTS.md, "Predictor
-and trust rule"); under the whole rule the training-ratio Eq. 13 of a trusted model was
+and trust rule"); under the whole rule the headline of a trusted model was
 :data:`TRUSTED_WITHIN_2X`.
 
 A model far from a minimum (one to three epochs into training) is not over-confident, so
@@ -62,18 +64,20 @@ __all__ = [
 #: the training error/uncertainty ratio below which the predicted gap is flagged untrusted
 TRUST_THRESHOLD = 0.3
 
-#: how close a trusted ``predicted_gap`` lands, as the summary says it. Eq. 13 predicts the
-#: expected gap over training sets; ``benchmarks/study_trust_draws.py`` (docs/RESULTS.md,
-#: "Predictor and trust rule", the re-run against the expected gap) trained every setting of
-#: eight grids on 8 draws of its data (cnn14 at c = 100 on 24): all 28 trusted settings had
-#: Eq. 13 at 0.69–1.31 of their mean observed gap, and each of their 248 trusted draws' own
-#: prediction was within 2× of it. One run's observed gap scatters about the expected one by
-#: its ``observed_gap_stderr`` (the training and held-out means' sampling errors, on those
-#: runs as large as the gap): judged against their own gap, 75% of those draws were within 2×.
+#: how close a trusted ``predicted_gap`` (the headline) lands, as the summary says it. It
+#: predicts the expected gap over training sets; ``benchmarks/study_headline.py``
+#: (docs/RESULTS.md, "The headline that ranks") trained every setting of five checking grids on
+#: 4 draws of its data and measured each gap on held-out samples no prediction read: all 14
+#: trusted settings whose mean gap was resolved from 0 had the headline at 0.74–1.82 of it (two
+#: CNN settings at c = 100 with gaps of 0.006 ± 0.005 and −0.008 ± 0.012 were not resolved), and
+#: 53 of their 60 trusted draws' own prediction was within 2× of it. Eq. 13 with the training
+#: ratio, the headline before, was within 2× of the expected gap on all 28 trusted settings of
+#: eight grids (``benchmarks/study_trust_draws.py``); on the study's trusted settings the two
+#: agree within 15%.
 TRUSTED_WITHIN_2X = (
-    "on the study's grids, within 2× of the expected gap (the mean over 8–24 training sets) for "
-    "all 28 trusted settings; the observed gap above is one training set's, ± its noise about "
-    "the expected one (docs/RESULTS.md, Predictor and trust rule)"
+    "on the study's grids, within 2× of the expected gap (the mean over 4–24 training sets) for "
+    "every trusted setting whose gap was resolved from 0; the observed gap above is one training "
+    "set's, ± its noise about the expected one (docs/RESULTS.md, The headline that ranks)"
 )
 
 #: the largest relative drop of the training NLL over the last epoch at which the model counts
@@ -94,15 +98,16 @@ SETTLED_DROP = 0.05
 DECREMENT_LIMIT = 0.1
 
 #: the largest ratio of the held-out trace ratio to the training one at which the prediction is
-#: trusted. Eq. 13 takes the training trace ratio for the population's; where the held-out one
-#: is more than twice it, the model is more confident on its training data than its held-out
-#: answers bear out, and no prediction from either ratio can claim to be within 2×. From
-#: ``benchmarks/study_trust.py`` (docs/RESULTS.md, "Predictor and trust rule"): the trusted
-#: runs it untrusts are the c = 1 runs whose Eq. 13 was 0.21–0.95 of the observed gap (3 of 8
-#: outside 2×, all low; ratios 3.3–5.9 apart); every trusted run it keeps has them within 1.3,
-#: and the main job (1.7 apart, Eq. 13 at 1.8× the gap) keeps its trust. Without held-out data
-#: it is not read.
-RATIO_DISAGREEMENT_LIMIT = 2.0
+#: trusted. The two are the same quantity on two samples of data; the headline reads the
+#: held-out one, so where it is r times the training one the headline is about r times Eq. 13
+#: with the training ratio. From ``benchmarks/study_trust.py`` (docs/RESULTS.md, "Predictor and
+#: trust rule"): the runs a limit of 2 untrusted were trained at c = 1, ratios 3.3–5.9 apart;
+#: with the headline (docs/RESULTS.md, "The headline that ranks") every trusted run of the
+#: study had them within 1.31, while the main job's setting (``configs/mlp.yaml`` on 10
+#: training sets, the grid ``mainjob``) had them 1.47–1.89 apart and its headline at 1.95× the
+#: expected gap (0.212 against 0.109 ± 0.010): 1.5 untrusts 9 of its 10 draws and no trusted
+#: run of the study. Without held-out data it is not read.
+RATIO_DISAGREEMENT_LIMIT = 1.5
 
 #: the structures whose soft rank is measured to be within 10% of the exact one (docs/RESULTS.md,
 #: "Error against cost"): the others are structured approximations or upper bounds (``kfac``

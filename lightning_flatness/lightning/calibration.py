@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from lightning_flatness.core.predicted_gap import headline_gap, predicted_test_nll
 from lightning_flatness.lightning.budget import FILL_IN
 
 __all__ = ["Calibration", "RECALIBRATE_DRIFT", "SCALED_FIELDS", "fill_in_record"]
@@ -22,19 +23,22 @@ __all__ = ["Calibration", "RECALIBRATE_DRIFT", "SCALED_FIELDS", "fill_in_record"
 #: look again, not a measure of the ratio's (docs/RESULTS.md, "The fill-in's ratio taken again
 #: where it drifts")
 RECALIBRATE_DRIFT = 1.5
-#: the record fields proportional to the soft rank (scaled in a fill-in record)
-SCALED_FIELDS = ("soft_rank", "soft_rank_stderr", "predicted_gap", "predicted_gap_val")
+#: the record fields proportional to the soft rank (scaled in a fill-in record; the headline
+#: ``predicted_gap`` and ``predicted_test_nll`` are computed again from the scaled soft rank)
+SCALED_FIELDS = ("soft_rank", "soft_rank_stderr", "predicted_gap_train", "predicted_gap_val")
 
 
 def fill_in_record(
     record: dict[str, float], calibration: float, rank_bound: float | None = None
 ) -> dict[str, float]:
-    """A fill-in measurement's record: the soft rank and the gaps it predicts (Eq. 13 is linear
-    in it) times ``calibration``, the ratio exact ÷ fill-in of the last exact measurement;
-    before the first one (``calibration`` NaN) the fill-in's own values, unscaled. The soft
-    rank is then capped at its rank bound, the gaps with it: ``rank_bound`` (that of the
-    measurement whose soft rank the calibrated value stands for), else the record's own (the
-    largest rank the Fisher of the fill-in's samples can have). Marked ``fill_in = 1``; its
+    """A fill-in measurement's record: the soft rank and the Eq. 13 gaps (linear in it) times
+    ``calibration``, the ratio exact ÷ fill-in of the last exact measurement; before the first
+    one (``calibration`` NaN) the fill-in's own values, unscaled. The soft rank is then capped
+    at its rank bound, the gaps with it: ``rank_bound`` (that of the measurement whose soft
+    rank the calibrated value stands for), else the record's own (the largest rank the Fisher
+    of the fill-in's samples can have). The headline ``predicted_gap`` and
+    ``predicted_test_nll`` follow from the scaled soft rank
+    (:func:`~lightning_flatness.core.predicted_gap.headline_gap`). Marked ``fill_in = 1``; its
     ``trusted`` is the fill-in structure's own (0: it is not of exact quality)."""
     scaled = dict(record)
     factor = calibration if math.isfinite(calibration) else 1.0
@@ -45,6 +49,16 @@ def fill_in_record(
     for name in SCALED_FIELDS:
         if name in scaled:
             scaled[name] = scaled[name] * factor
+    if "predicted_gap" in scaled:
+        scaled["predicted_gap"] = headline_gap(
+            scaled.get("trace_ratio_val", math.nan),
+            scaled.get("trace_ratio_train", math.nan),
+            scaled.get("soft_rank", math.nan),
+            scaled.get("num_train_samples", math.nan),
+        )
+        scaled["predicted_test_nll"] = predicted_test_nll(
+            scaled.get("train_nll", math.nan), scaled["predicted_gap"]
+        )
     scaled.update(fill_in=1.0, calibration=calibration)
     if math.isfinite(bound):
         scaled["rank_bound"] = bound

@@ -12,13 +12,21 @@ from torch import Tensor
 from lightning_flatness.core.trust import (
     DECREMENT_LIMIT,
     EXACT_QUALITY,
+    RATIO_DISAGREEMENT_LIMIT,
     SETTLED_DROP,
     TRUST_THRESHOLD,
     TRUSTED_WITHIN_2X,
     above_rank_bound,
 )
 
-__all__ = ["STRUCTURE_KINDS", "describe_structure", "gap_figure", "log10_spectrum", "summary_table"]
+__all__ = [
+    "STRUCTURE_KINDS",
+    "describe_structure",
+    "gap_figure",
+    "headline_source",
+    "log10_spectrum",
+    "summary_table",
+]
 
 
 def log10_spectrum(eigenvalues: Tensor, floor: float = 1e-30) -> Tensor:
@@ -52,7 +60,8 @@ def _untrusted_epochs(history: Sequence[Mapping[str, float]]) -> list[float]:
 
 
 def gap_figure(history: Sequence[Mapping[str, float]], structure: str = ""):
-    """Matplotlib figure: predicted (held-out and training trace ratio) vs observed gap.
+    """Matplotlib figure: the predicted gaps (the headline and Eq. 13 with the training trace
+    ratio) against the observed gap.
 
     Epochs whose estimate is not to be trusted (``trusted == 0``: the training
     error/uncertainty ratio below :data:`~lightning_flatness.core.trust.TRUST_THRESHOLD`, or the
@@ -71,8 +80,8 @@ def gap_figure(history: Sequence[Mapping[str, float]], structure: str = ""):
         axis.axvspan(epoch - 0.5, epoch + 0.5, color="0.85", zorder=0, label=label)
     series = (
         ("observed_gap", "observed gap (val − train loss)", "k-o"),
-        ("predicted_gap", "predicted gap, Eq. 13", "C0-s"),
-        ("predicted_gap_val", "predicted gap, held-out trace ratio", "C1--^"),
+        ("predicted_gap", "predicted gap (headline)", "C0-s"),
+        ("predicted_gap_train", "Eq. 13, training trace ratio", "C1--^"),
     )
     for key, label, style in series:
         values = [record.get(key, math.nan) for record in history]
@@ -97,21 +106,29 @@ def gap_figure(history: Sequence[Mapping[str, float]], structure: str = ""):
 
 
 def _predicted_gap_errors(history: Sequence[Mapping[str, float]], key: str) -> list[float] | None:
-    """Standard errors of a predicted gap from the soft rank's (random structures only)."""
+    """Standard errors of a predicted gap from the soft rank's (random structures only): Eq. 13
+    is linear in the soft rank; the headline's ``rank/(n + rank)`` has the relative derivative
+    ``n/(n + rank)`` times the soft rank's."""
     if key == "observed_gap" or not any("soft_rank_stderr" in r for r in history):
         return None
     errors = []
     for record in history:
         rank, stderr = record.get("soft_rank", math.nan), record.get("soft_rank_stderr", math.nan)
         value = record.get(key, math.nan)
-        errors.append(abs(value) * stderr / rank if rank and math.isfinite(stderr) else 0.0)
+        relative = stderr / rank if rank and math.isfinite(stderr) else 0.0
+        n = record.get("num_train_samples", math.nan)
+        if key == "predicted_gap" and math.isfinite(n) and n + rank > 0:
+            relative *= n / (n + rank)
+        errors.append(abs(value) * relative)
     return errors
 
 
 SUMMARY_ROWS = (
-    ("predicted_gap", "predicted gap (Eq. 13)"),
+    ("predicted_gap", "predicted gap"),
     ("observed_gap", "observed gap"),
-    ("predicted_gap_val", "predicted gap, held-out ratio"),
+    ("predicted_test_nll", "predicted test NLL"),
+    ("predicted_gap_train", "Eq. 13, training ratio"),
+    ("predicted_gap_val", "Eq. 13, held-out ratio"),
     ("soft_rank", "soft rank rank_λ(F)"),
     ("trace_ratio_val", "trace ratio Tr(C)/Tr(F), val"),
     ("trace_ratio_train", "trace ratio Tr(C)/Tr(F), train"),
@@ -136,6 +153,8 @@ def summary_table(record: Mapping[str, float], structure: str) -> str:
             continue
         value = record.get(key, math.nan)
         line = f"  {label:<{width}}  {value:.6g}"
+        if key == "predicted_gap":
+            line += f" ({headline_source(record)})"
         stderr = record.get(f"{key}_stderr")
         if stderr is not None and math.isfinite(stderr):
             line += f" ± {stderr:.3g}"
@@ -150,6 +169,14 @@ def summary_table(record: Mapping[str, float], structure: str) -> str:
             )
         )
     return "\n".join(lines)
+
+
+def headline_source(record: Mapping[str, float]) -> str:
+    """What the headline ``predicted_gap`` of ``record`` read: the held-out trace ratio, or the
+    training one where there was no held-out data."""
+    if record.get("predicted_gap_held_out", 1.0) == 0.0:
+        return "training ratio: no held-out data, cannot rank over-fit runs"
+    return "held-out ratio × rank/(n + rank)"
 
 
 def _trust_advice(record: Mapping[str, float], structure: str) -> str:
@@ -180,6 +207,13 @@ def _trust_advice(record: Mapping[str, float], structure: str) -> str:
             f"no — the Newton decrement is {decrement:.3g} nat (above {DECREMENT_LIMIT:g}): "
             "the model is not at a minimum yet, and Eq. 13 over-estimates a gap that has not "
             "opened"
+        )
+    apart = record.get("trace_ratio_val", math.nan) / record.get("trace_ratio_train", math.nan)
+    if apart > RATIO_DISAGREEMENT_LIMIT and not drop > SETTLED_DROP:
+        return (
+            f"no — the held-out trace ratio is {apart:.2f}× the training one (above "
+            f"{RATIO_DISAGREEMENT_LIMIT:g}): the model is more confident on its training data "
+            "than its held-out answers bear out, and the predicted gap is an upper estimate"
         )
     return _settled_advice(drop)
 

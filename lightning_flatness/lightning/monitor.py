@@ -3,8 +3,10 @@
 At the end of every ``every_n_epochs``-th training epoch the callback calls
 :func:`lightning_flatness.core.measure` on a fixed, deterministic subset of the training set (and of
 the validation set), logs every :class:`~lightning_flatness.FlatnessReport` field through
-``pl_module.log`` under ``log_prefix`` — so every logger, ``EarlyStopping`` and
-``ModelCheckpoint`` see e.g. ``flatness/predicted_gap`` — and, with a ``TensorBoardLogger``,
+``pl_module.log`` under ``log_options.prefix`` — so every logger, ``EarlyStopping`` and
+``ModelCheckpoint`` see them: ``ModelCheckpoint(monitor="flatness/predicted_test_nll",
+mode="min")`` keeps the epoch with the lowest predicted test loss (never the smallest
+``predicted_gap``: an under-fit epoch has a small gap) — and, with a ``TensorBoardLogger``,
 draws the Fisher spectrum and a predicted-vs-observed gap figure.
 
 The monitor watches and does not change training: it measures on the live model in eval mode

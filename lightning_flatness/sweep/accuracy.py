@@ -5,11 +5,11 @@ Per structure, over the finished runs of a sweep:
 - ``soft rank ÷ exact``: its soft rank divided by the exact full-training-set soft rank of the
   same run (``exact``: the dense or Gram Fisher of every training sample), median and the
   10th–90th percentile range;
-- ``predicted ÷ measured gap``: Eq. 13 (``predicted_gap``, the training trace ratio) divided by
-  the measured gap
-  (held-out − training loss), median and the share of runs within a factor 2
-  (``0.5 ≤ ratio ≤ 2``); a run whose measured gap is ≤ 0 counts as outside;
-- Kendall τ of Eq. 13 with the measured gap, and the median measurement time.
+- ``predicted ÷ measured gap``: the headline predicted gap (``predicted_gap``: the held-out
+  trace ratio times ``rank_λ(F)/(n + rank_λ(F))``) divided by the measured gap (test −
+  training loss), median and the share of runs within a factor 2 (``0.5 ≤ ratio ≤ 2``); a run
+  whose measured gap is ≤ 0 counts as outside;
+- Kendall τ of the headline with the measured gap, and the median measurement time.
 
 :func:`trust_rows` splits the same calibration by the trust diagnostic
 (:mod:`lightning_flatness.core.trust`), which is how its threshold was chosen.
@@ -56,7 +56,7 @@ def _measure(record: Mapping[str, Any], structure: str, field: str) -> float:
 
 
 def gap_ratio(record: Mapping[str, Any], structure: str) -> float:
-    """Eq. 13 (training trace ratio) ÷ measured gap; NaN without a positive measured gap."""
+    """The headline predicted gap ÷ measured gap; NaN without a positive measured gap."""
     gap = record.get("gap")
     if gap is None or not float(gap) > 0:
         return math.nan
@@ -116,7 +116,7 @@ def accuracy_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """The rows of :func:`accuracy_rows` as a markdown table."""
     lines = [
         "| structure | runs | soft rank ÷ exact, median [p10, p90] | predicted ÷ measured gap, "
-        "median | runs within 2× | τ (Eq. 13) | s / measurement |",
+        "median | runs within 2× | τ (headline) | s / measurement |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -140,8 +140,9 @@ def trust_rows(
     structure: str,
     thresholds: Sequence[float] = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7),
 ) -> list[dict[str, Any]]:
-    """Calibration of ``structure``'s Eq. 13 among the runs whose trust score (the training
-    error/uncertainty ratio) is at or above each threshold, and among those below it."""
+    """Calibration of ``structure``'s headline predicted gap among the runs whose trust score
+    (the training error/uncertainty ratio) is at or above each threshold, and among those below
+    it."""
     scored = [
         (_measure(r, structure, "error_uncertainty_train"), gap_ratio(r, structure))
         for r in records

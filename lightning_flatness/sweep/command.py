@@ -51,6 +51,12 @@ def _run_parser() -> argparse.ArgumentParser:
         "else a local Ray instance)",
     )
     parser.add_argument(
+        "--sample-seed",
+        type=int,
+        help="with the config's sample: which seeded subset of the grid (default: the config's "
+        "sample_seed)",
+    )
+    parser.add_argument(
         "--skip-failed", action="store_true", help="do not rerun runs recorded as failed"
     )
     parser.add_argument("--no-report", action="store_true", help="do not write the report")
@@ -79,6 +85,7 @@ def main(args: Sequence[str] | None = None) -> int:
     Returns:
         0 when every run finished, 1 when some failed (they are recorded and skipped).
     """
+    import dataclasses
     import sys
 
     argv = list(sys.argv[2:] if args is None else args)
@@ -99,6 +106,8 @@ def main(args: Sequence[str] | None = None) -> int:
         config = load_config(options.config)
     except (OSError, ValueError) as error:
         raise SystemExit(f"lightning-flatness sweep: {error}") from error
+    if options.sample_seed is not None:
+        config = dataclasses.replace(config, sample_seed=options.sample_seed)
     if options.dry_run:
         for run in config.runs():
             print(f"{run['key']}  {run['label']}")

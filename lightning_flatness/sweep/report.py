@@ -2,16 +2,18 @@
 
 Written into the sweep's folder by :func:`write_report`:
 
-- ``report.md``: τ per measure (rows) and structure (columns) as in Table 4 of "Flatness After
-  All?", each measure as is and divided by ``n`` (the gap scales as ``rank_λ(F)/n``, Eq. 13, so
-  across training-set sizes the ratio is the comparable quantity); the paper's numbers next to
-  ours; each structure's soft rank against the exact one and its Eq. 13 against the measured
-  gap (:mod:`lightning_flatness.sweep.accuracy`), split by the trust diagnostic; run costs;
-  failed runs;
+- ``report.md``: first the headline's τ (``predicted_gap``, the value users compare) with a
+  bootstrap 90% interval, beside soft rank ÷ n, Eq. 13 with the training trace ratio and the
+  paper's 0.84; then τ per measure (rows) and structure (columns) as in Table 4 of "Flatness
+  After All?", each measure as is and divided by ``n`` (the gap scales as ``rank_λ(F)/n``,
+  Eq. 13, so across training-set sizes the ratio is the comparable quantity); the paper's
+  numbers next to ours; each structure's soft rank against the exact one and its headline
+  predicted gap against the measured gap (:mod:`lightning_flatness.sweep.accuracy`), split by
+  the trust diagnostic; run costs; failed runs;
 - ``kendall.json``: the same numbers, machine-readable;
 - ``scatter_<structure>.png``: predicted vs measured gap per structure, one panel per estimator
-  (regularized TIC, Thomas et al., Eq. 13 with the held-out and with the training trace ratio),
-  like the paper's Figure 1; ``scatter_overview.png``: Thomas et al. and Eq. 13 with the
+  (the headline, regularized TIC, Thomas et al., Eq. 13 with the training trace ratio), like
+  the paper's Figure 1; ``scatter_overview.png``: Thomas et al. and the headline with the
   diagonal, KFAC and exact Fisher side by side, like its Figure 3.
 
 Only the latest record of each run key counts, and only runs with ``status="ok"``.
@@ -27,27 +29,34 @@ from pathlib import Path
 from typing import Any
 
 from lightning_flatness.sweep.accuracy import accuracy_rows, accuracy_table, trust_rows, trust_table
-from lightning_flatness.sweep.config import EXACT, MONITOR_DEFAULT, SWEEP_STRUCTURES
-from lightning_flatness.sweep.kendall import kendall_tau_b
+from lightning_flatness.sweep.config import EXACT, MONITOR_DEFAULT
+from lightning_flatness.sweep.headline import headline_rows, headline_table
+from lightning_flatness.sweep.kendall import format_tau, kendall_tau_b
 from lightning_flatness.sweep.records import INVOCATIONS_FILE, RESULTS_FILE, json_safe, read_records
+from lightning_flatness.sweep.run_values import (
+    latest_records,
+    measure_value,
+    measured_gap,
+    structures_of,
+)
 
 __all__ = [
     "MEASURES",
     "PAPER_TABLE4",
     "kendall_rows",
-    "latest_records",
     "null_standard_deviation",
     "write_report",
 ]
 
 #: ``(field of FlatnessReport, label, also divided by n)``. The gap estimators already carry 1/n.
 MEASURES: tuple[tuple[str, str, bool], ...] = (
+    ("predicted_gap", "predicted gap (headline)", False),
     ("soft_rank", "rank_λ(F)", True),
     ("logdet", "½ log det(F/λ + I)", True),
     ("soft_rank2", "rank⁽²⁾_λ(F)", True),
     ("trace_fisher", "Tr(F)", True),
     ("max_eig", "‖F‖₂", True),
-    ("predicted_gap", "Eq. 13, training Tr(C)/Tr(F)", False),
+    ("predicted_gap_train", "Eq. 13, training Tr(C)/Tr(F)", False),
     ("predicted_gap_val", "Eq. 13, held-out Tr(C)/Tr(F)", False),
     ("thomas_gap", "Thomas et al. (1/n)·Tr(C)/Tr(F)", False),
     ("tic", "TIC (1/n)·Tr(C(F+λI)⁻¹)", False),
@@ -69,32 +78,6 @@ _LABELS = dict((key, label) for key, label, _ in MEASURES)
 _NAN = float("nan")
 
 
-def latest_records(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The last record of each run key, in order of first appearance, ``status="ok"`` only."""
-    latest: dict[str, Mapping[str, Any]] = {}
-    for record in records:
-        if "key" in record:
-            latest.pop(record["key"], None)  # keep first-appearance order of the survivors
-            latest[record["key"]] = record
-    return [dict(r) for r in latest.values() if r.get("status") == "ok"]
-
-
-def _structures(records: Sequence[Mapping[str, Any]]) -> list[str]:
-    present = {s for r in records for s in r.get("measures", {})}
-    return [s for s in SWEEP_STRUCTURES if s in present]
-
-
-def _value(record: Mapping[str, Any], structure: str, measure: str, scaled: bool) -> float:
-    value = record.get("measures", {}).get(structure, {}).get(measure)
-    if value is None:
-        return _NAN
-    return float(value) / float(record["n"]) if scaled else float(value)
-
-
-def _gap(record: Mapping[str, Any]) -> float:
-    return _NAN if record.get("gap") is None else float(record["gap"])
-
-
 def kendall_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Kendall τ-b of every measure (as is and ÷ n) per structure with the measured gap.
 
@@ -106,8 +89,8 @@ def kendall_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         "count": {structure: runs used}}``; a structure whose measure is NaN in every run gets
         τ = NaN.
     """
-    structures = _structures(records)
-    gaps = [_gap(r) for r in records]
+    structures = structures_of(records)
+    gaps = [measured_gap(r) for r in records]
     rows = []
     for measure, label, divisible in MEASURES:
         for scaled in (False, True) if divisible else (False,):
@@ -119,20 +102,21 @@ def kendall_rows(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "count": {},
             }
             for structure in structures:
-                values = [_value(r, structure, measure, scaled) for r in records]
+                values = [measure_value(r, structure, measure, scaled) for r in records]
                 tau, count = kendall_tau_b(values, gaps)
                 row["tau"][structure], row["count"][structure] = tau, count
             rows.append(row)
     return rows
 
 
+def _paper_soft_rank() -> float:
+    """The paper's τ for the exact soft rank (Table 4), the number the headline is set beside."""
+    return next(tau for m, structure, tau in PAPER_TABLE4 if (m, structure) == ("soft_rank", EXACT))
+
+
 def _reference_structure(structures: Sequence[str]) -> str | None:
     """The column standing for the paper's full Fisher: exact, dense, gram or lanczos."""
     return next((s for s in (EXACT, "dense", "gram", "lanczos") if s in structures), None)
-
-
-def _fmt(tau: float) -> str:
-    return "—" if tau is None or math.isnan(tau) else f"{tau:+.2f}"
 
 
 def _column_label(structure: str, records: Sequence[Mapping[str, Any]]) -> str:
@@ -150,7 +134,7 @@ def _tau_table(rows: Sequence[Mapping[str, Any]], structures: Sequence[str], rec
         cells = []
         for structure in structures:
             tau, count = row["tau"][structure], row["count"][structure]
-            cell = _fmt(tau)
+            cell = format_tau(tau)
             if not math.isnan(tau) and count < total:
                 cell += f" ({count})"
             cells.append(cell)
@@ -170,8 +154,8 @@ def _paper_table(rows: Sequence[Mapping[str, Any]], structures: Sequence[str]) -
         as_is = lookup[(measure, False)].get(column, _NAN) if column else _NAN
         scaled = lookup[(measure, True)].get(column, _NAN) if column else _NAN
         lines.append(
-            f"| {_LABELS[measure]} | {column or structure} | {paper:.2f} | {_fmt(as_is)} | "
-            f"{_fmt(scaled)} |"
+            f"| {_LABELS[measure]} | {column or structure} | {paper:.2f} | {format_tau(as_is)} | "
+            f"{format_tau(scaled)} |"
         )
     return "\n".join(lines)
 
@@ -230,10 +214,10 @@ def _category_key(records: Sequence[Mapping[str, Any]]) -> str | None:
 
 
 _PANELS = (
+    ("predicted_gap", "predicted gap (headline)"),
     ("tic", "regularized TIC (training)"),
     ("thomas_gap", "Thomas et al., Eq. 11 (training)"),
-    ("predicted_gap", "Eq. 13, training trace ratio"),
-    ("predicted_gap_val", "Eq. 13, held-out trace ratio"),
+    ("predicted_gap_train", "Eq. 13, training trace ratio"),
 )
 _MARKERS = "osD^vP*X<>"
 
@@ -252,7 +236,9 @@ def _scatter(
     from matplotlib.lines import Line2D
 
     panels = [
-        p for p in panels if any(math.isfinite(_value(r, p[0], p[1], False)) for r in records)
+        p
+        for p in panels
+        if any(math.isfinite(measure_value(r, p[0], p[1], False)) for r in records)
     ]
     if not panels:
         return False
@@ -268,7 +254,7 @@ def _scatter(
         shown = hidden = 0
         lows, highs = [], []
         for record in records:
-            x, y = _gap(record), _value(record, structure, measure, False)
+            x, y = measured_gap(record), measure_value(record, structure, measure, False)
             if not (math.isfinite(x) and math.isfinite(y) and x > 0 and y > 0):
                 hidden += 1
                 continue
@@ -285,10 +271,11 @@ def _scatter(
         axis.set_xscale("log")
         axis.set_yscale("log")
         tau, _ = kendall_tau_b(
-            [_value(r, structure, measure, False) for r in records], [_gap(r) for r in records]
+            [measure_value(r, structure, measure, False) for r in records],
+            [measured_gap(r) for r in records],
         )
-        axis.set_title(f"{panel_title}\nτ = {_fmt(tau)}", fontsize=9)
-        axis.set_xlabel("measured gap (held-out − training loss)")
+        axis.set_title(f"{panel_title}\nτ = {format_tau(tau)}", fontsize=9)
+        axis.set_xlabel("measured gap (test − training loss)")
         axis.set_ylabel("predicted gap")
         axis.grid(alpha=0.3, which="both")
         if hidden:
@@ -317,7 +304,7 @@ def _scatter(
 
 
 def _scatter_plots(records: Sequence[Mapping[str, Any]], out: Path) -> list[str]:
-    structures = _structures(records)
+    structures = structures_of(records)
     written = []
     for structure in structures:
         name = f"scatter_{structure}.png"
@@ -331,7 +318,7 @@ def _scatter_plots(records: Sequence[Mapping[str, Any]], out: Path) -> list[str]
     reference = _reference_structure(structures)
     for structure in ("diag", "kfac", reference):
         if structure in structures:
-            title = f"Eq. 13, {_column_label(structure, records)}"
+            title = f"predicted gap, {_column_label(structure, records)}"
             overview.append((structure, "predicted_gap", title))
     if _scatter(records, overview, out / "scatter_overview.png", "Cheap gap estimates"):
         written.append("scatter_overview.png")
@@ -362,8 +349,9 @@ def write_report(output_dir: str | Path) -> Path:
     ok_keys = {r["key"] for r in records}
     failed = {r["key"]: r for r in all_records if r.get("status") == "failed"}
     failed = [r for key, r in failed.items() if key not in ok_keys]
-    structures = _structures(records)
+    structures = structures_of(records)
     rows = kendall_rows(records)
+    headline = headline_rows(records)
     figures = _scatter_plots(records, out) if records else []
     invocations = _invocations(out)
 
@@ -374,14 +362,22 @@ def write_report(output_dir: str | Path) -> Path:
     )
     lines += [
         "",
-        "Measured gap: held-out loss − training loss (plain cross-entropy of the final model in "
-        "eval mode, over the whole training and held-out sets). Every measure comes from the "
-        "whole training set; only the Eq. 13 row with the held-out ratio also uses held-out "
-        "data. Tr(F) and the Thomas et al. estimate come from per-sample statistics, not from "
-        "the structure's approximation. A number in parentheses is the count of runs used where "
+        "Measured gap: test loss − training loss (plain cross-entropy of the final model in eval "
+        "mode, over the whole training set and the test half of the held-out set). Every measure "
+        "comes from the whole training set; the headline and the Eq. 13 row with the held-out "
+        "ratio also read the validation half of the held-out set, never the test half. Tr(F) "
+        "and the Thomas et al. estimate come from per-sample statistics, not from the "
+        "structure's approximation. A number in parentheses is the count of runs used where "
         "some runs had no value.",
         "",
         _noise_note(len(records)),
+        "",
+        "## The headline: does it order the runs as their gaps?",
+        "",
+        "Kendall τ between each predictor and the measured gap over the runs, with a bootstrap "
+        "90% interval (the runs resampled 1,000 times).",
+        "",
+        headline_table(headline, _paper_soft_rank()) if headline else "(no finished runs)",
         "",
         "## Kendall τ with the measured gap",
         "",
@@ -397,16 +393,16 @@ def write_report(output_dir: str | Path) -> Path:
         lines += [
             "## Accuracy: soft rank against the exact one, Eq. 13 against the measured gap",
             "",
-            "Soft rank ÷ the exact full-training-set soft rank of the same run, and Eq. 13 "
-            "(held-out trace ratio) ÷ the measured gap; a run with a measured gap ≤ 0 counts as "
-            "outside 2×.",
+            "Soft rank ÷ the exact full-training-set soft rank of the same run, and the headline "
+            "predicted gap ÷ the measured gap; a run with a measured gap ≤ 0 counts as outside "
+            "2×.",
             "",
             accuracy_table(accuracy),
             "",
             "## Trust diagnostic",
             "",
-            "Calibration of Eq. 13 among the runs whose training error/uncertainty ratio α_train "
-            "is at or above a threshold (trusted) and below it (untrusted).",
+            "Calibration of the headline among the runs whose training error/uncertainty ratio "
+            "α_train is at or above a threshold (trusted) and below it (untrusted).",
             "",
         ]
         kfacs = (EXACT, MONITOR_DEFAULT, "kfac", "kfac_sampled", "kfac_probe")
@@ -451,6 +447,7 @@ def write_report(output_dir: str | Path) -> Path:
         "runs": len(records),
         "failed": len(failed),
         "structures": structures,
+        "headline": headline,
         "rows": rows,
         "accuracy": accuracy,
         "paper_table4": [{"measure": m, "structure": s, "tau": t} for m, s, t in PAPER_TABLE4],

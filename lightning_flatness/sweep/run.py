@@ -5,10 +5,12 @@ failed measurement of every structure) becomes a record with ``status="failed"``
 its traceback. A structure that fails on its own (e.g. a size guard) is recorded under
 ``structure_errors`` and the others are kept.
 
-The measured gap is the held-out loss minus the training loss of the final model, both plain
-cross-entropy in eval mode over the *whole* training and held-out sets, as measured by
-:func:`~lightning_flatness.core.measure` (``observed_gap``; the regularizer cancels, docs/math.md,
-"Generalization gap").
+The held-out set is split in two halves (:func:`held_out_halves`): the *validation* half is what
+every structure's :func:`~lightning_flatness.core.measure` reads as ``val_batches`` (the held-out
+trace ratio of the headline), the *test* half measures the gap the predictions are ranked
+against — the test loss minus the training loss of the final model, both plain cross-entropy in
+eval mode over the whole training set and the test half (the regularizer cancels, docs/math.md,
+"Generalization gap"). No prediction reads the samples it is judged on.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ import torch
 
 from lightning_flatness.sweep.measured import EXACT, VARIANTS, measure_arguments
 
-__all__ = ["TRAINER_DEFAULTS", "execute_run", "instantiate", "resolve_exact", "set_threads"]
+__all__ = [
+    "TRAINER_DEFAULTS",
+    "execute_run",
+    "held_out_halves",
+    "instantiate",
+    "resolve_exact",
+    "set_threads",
+]
 
 #: Trainer arguments of every run unless the config's ``trainer`` section overrides them: a fixed
 #: step budget on one CPU device, no validation during training (the held-out set is used once,
@@ -123,6 +132,32 @@ def _num_outputs(model: torch.nn.Module, batches: Any) -> int:
         model.train(was_training)
 
 
+def held_out_halves(loader: Any, batch_size: int, seed: int) -> tuple[Any, Any]:
+    """The held-out loader's samples in two fixed halves, ``(validation, test)``: the first and
+    the second half of its dataset's indices (of its batches, for an iterable dataset), each
+    read in batches of ``batch_size`` without shuffling."""
+    from torch.utils.data import DataLoader, Subset
+
+    from lightning_flatness.lightning.trainer_facts import fixed_subset_batches, is_sized
+
+    if not is_sized(loader):
+        batches = list(fixed_subset_batches(loader, None, batch_size, seed))
+        half = (len(batches) + 1) // 2
+        return batches[:half], batches[half:]
+    size = len(loader.dataset)
+    halves = (range(0, (size + 1) // 2), range((size + 1) // 2, size))
+    return tuple(
+        DataLoader(
+            Subset(loader.dataset, list(indices)),
+            batch_size=batch_size,
+            shuffle=False,
+            collate_fn=loader.collate_fn,
+            num_workers=0,
+        )
+        for indices in halves
+    )
+
+
 def _finite(value: Any) -> Any:
     """JSON-safe number: NaN and ±inf become ``None``."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -134,6 +169,7 @@ def _train_and_measure(run: Mapping[str, Any]) -> dict[str, Any]:
     from lightning.pytorch import Trainer, seed_everything
 
     from lightning_flatness.core.measure import measure
+    from lightning_flatness.core.training_nll import mean_nll
     from lightning_flatness.lightning.trainer_facts import (
         first_dataloader,
         fixed_subset_batches,
@@ -163,8 +199,8 @@ def _train_and_measure(run: Mapping[str, Any]) -> dict[str, Any]:
     val_loader = _loader_from(datamodule or model, "val_dataloader")
     batch_size = int(run.get("measure_batch_size") or 512)
     train_batches = fixed_subset_batches(train_loader, None, batch_size, seed)
-    val_batches = (
-        None if val_loader is None else fixed_subset_batches(val_loader, None, batch_size, seed)
+    val_batches, test_batches = (
+        (None, None) if val_loader is None else held_out_halves(val_loader, batch_size, seed)
     )
     num_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     exact = resolve_exact(num_parameters, n, _num_outputs(model, train_batches))
@@ -193,6 +229,7 @@ def _train_and_measure(run: Mapping[str, Any]) -> dict[str, Any]:
     if not measures:
         raise RuntimeError(f"Every structure failed to measure: {errors}")
     first = next(iter(measures.values()))
+    test_nll = math.nan if test_batches is None else mean_nll(model, test_batches)
     return {
         "n": n,
         "lam": lam,
@@ -200,9 +237,10 @@ def _train_and_measure(run: Mapping[str, Any]) -> dict[str, Any]:
         "num_parameters": num_parameters,
         "exact_structure": exact,
         "global_step": int(trainer.global_step),
-        "gap": first["observed_gap"],
+        "gap": _finite(test_nll - first["train_nll"]) if first["train_nll"] is not None else None,
         "train_nll": first["train_nll"],
         "val_nll": first["val_nll"],
+        "test_nll": _finite(test_nll),
         "train_accuracy": first["train_accuracy"],
         "val_accuracy": first["val_accuracy"],
         "train_seconds": train_seconds,
