@@ -9,6 +9,8 @@ Hyperparameters of the paper's runs are read from
 
 from __future__ import annotations
 
+import argparse
+import json
 import platform
 import statistics
 import sys
@@ -34,7 +36,10 @@ __all__ = [
     "median",
     "mnist7",
     "print_header",
+    "read_records",
+    "run_study",
     "set_threads",
+    "study_parser",
     "timed",
     "train_epoch",
     "train_model",
@@ -261,3 +266,34 @@ def print_header(title: str) -> None:
     print(f"## {title}\n")
     print("Command: `python " + " ".join(sys.argv) + "`  ")
     print(environment_note() + "\n")
+
+
+def study_parser(doc: str, output: Path) -> argparse.ArgumentParser:
+    """A study's command line: its description (the first paragraph of ``doc``), ``--output``
+    (the records file, default ``output``), ``--analyse`` (records files to print the tables
+    of, without running) and ``--threads``; the study adds its own options."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--output", type=Path, default=output, help="the records file")
+    parser.add_argument("--analyse", type=Path, nargs="+", help="print the tables of records")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    return parser
+
+
+def run_study(
+    args: argparse.Namespace,
+    collect: Callable[[], None],
+    analyse: Callable[[Sequence[Path]], None],
+) -> None:
+    """Run a study from its parsed command line (:func:`study_parser`): print the tables of
+    ``args.analyse``, or ``collect`` the runs into ``args.output`` and print its tables."""
+    set_threads(args.threads)
+    if args.analyse:
+        analyse(args.analyse)
+        return
+    collect()
+    analyse([args.output])
+
+
+def read_records(paths: Sequence[Path]) -> list[dict]:
+    """The JSON records of one or more JSON-lines files, in order."""
+    return [json.loads(line) for path in paths for line in path.read_text().splitlines() if line]

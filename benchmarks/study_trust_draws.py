@@ -20,16 +20,14 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
 import study_trust
-import torch
+from _common import read_records, run_study, study_parser
 
 #: what identifies a setting: a run's keys without its seed
 SETTING_KEYS = ("grid", "architecture", "hidden", "image_size", "n", "c", "lr", "epochs")
@@ -201,33 +199,25 @@ def _share(count: int, total: int) -> str:
     return f"{count} of {total} ({count / total:.0%})" if total else "–"
 
 
-def analyse(path: Path) -> None:
-    """Print the per-setting and per-grid tables of a records file."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def analyse(paths: Sequence[Path]) -> None:
+    """Print the per-setting and per-grid tables of records files."""
+    records = read_records(paths)
     summaries = settings(records)
-    print(f"{len(records)} runs, {len(summaries)} settings from {path}\n")
+    print(f"{len(records)} runs, {len(summaries)} settings from {', '.join(map(str, paths))}\n")
     print(setting_table(summaries), "\n")
     print(grid_table(summaries))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = study_parser(__doc__, Path("runs/study_trust/draws.jsonl"))
     parser.add_argument("--grids", default="mlp7", help="comma-separated grid names")
     parser.add_argument("--draws", default="100:8,1:4", help="c:draws pairs, comma-separated")
-    parser.add_argument("--output", type=Path, default=Path("runs/study_trust/draws.jsonl"))
-    parser.add_argument("--analyse", type=Path, help="print the tables of a records file")
     parser.add_argument(
         "--first-draw", type=int, default=0, help="leave out the draws before this one"
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.analyse:
-        analyse(args.analyse)
-        return
     runs = draw_runs(args.grids.split(","), parse_draws(args.draws), args.first_draw)
-    collect(runs, args.output)
-    analyse(args.output)
+    run_study(args, lambda: collect(runs, args.output), analyse)
 
 
 if __name__ == "__main__":
